@@ -1,0 +1,159 @@
+package ident
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+// procIndex maps socket inodes to the processes holding them, built by
+// scanning /proc/*/fd. A scan costs a readlink per open fd on the node, so
+// results are reused for cacheTTL and a miss rescans at most every
+// minRescan — a burst of queries for new sockets costs one scan, not one
+// each (ident2 kept a 15 s cache; a short one is enough because a miss
+// rescans).
+type procIndex struct {
+	root string // "/proc"; tests may point elsewhere
+
+	mu       sync.Mutex
+	byInode  map[uint32][]int
+	scanned  time.Time
+	cacheTTL time.Duration
+}
+
+const (
+	defaultCacheTTL = 2 * time.Second
+	minRescan       = 50 * time.Millisecond
+)
+
+func newProcIndex() *procIndex {
+	return &procIndex{root: "/proc", cacheTTL: defaultCacheTTL}
+}
+
+// pids returns the processes holding socket inode, rescanning if the cache
+// is stale or misses.
+func (p *procIndex) pids(inode uint32) []int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	age := time.Since(p.scanned)
+	if got := p.byInode[inode]; len(got) > 0 && age < p.cacheTTL && p.alive(got) {
+		return got
+	}
+	if p.byInode == nil || age >= minRescan {
+		p.byInode = p.scan()
+		p.scanned = time.Now()
+	}
+	return p.byInode[inode]
+}
+
+func (p *procIndex) alive(pids []int) bool {
+	for _, pid := range pids {
+		if _, err := os.Stat(filepath.Join(p.root, strconv.Itoa(pid))); err != nil {
+			return false
+		}
+	}
+	return true
+}
+
+func (p *procIndex) scan() map[uint32][]int {
+	m := make(map[uint32][]int)
+	ents, err := os.ReadDir(p.root)
+	if err != nil {
+		return m
+	}
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		fdDir := filepath.Join(p.root, e.Name(), "fd")
+		fds, err := os.ReadDir(fdDir)
+		if err != nil {
+			continue // exited, or a kernel thread
+		}
+		for _, fd := range fds {
+			link, err := os.Readlink(filepath.Join(fdDir, fd.Name()))
+			if err != nil || !strings.HasPrefix(link, "socket:[") {
+				continue
+			}
+			ino, err := strconv.ParseUint(strings.TrimSuffix(link[len("socket:["):], "]"), 10, 32)
+			if err != nil {
+				continue
+			}
+			if l := m[uint32(ino)]; !slices.Contains(l, pid) {
+				m[uint32(ino)] = append(l, pid)
+			}
+		}
+	}
+	return m
+}
+
+// procCreds is what /proc/PID/status says of a process's credentials.
+type procCreds struct {
+	EUID, EGID uint32
+	Groups     []uint32
+	Command    string
+	Zombie     bool
+}
+
+// readCreds parses /proc/PID/status: Name, State, Uid (real, effective,
+// saved, fs), Gid (same), Groups.
+func readCreds(root string, pid int) (procCreds, error) {
+	b, err := os.ReadFile(filepath.Join(root, strconv.Itoa(pid), "status"))
+	if err != nil {
+		return procCreds{}, err
+	}
+	return parseStatus(b)
+}
+
+func parseStatus(b []byte) (procCreds, error) {
+	var c procCreds
+	var haveUID, haveGID bool
+	sc := bufio.NewScanner(bytes.NewReader(b))
+	sc.Buffer(make([]byte, 0, 64*1024), 1024*1024) // Groups can be long
+	for sc.Scan() {
+		key, val, ok := strings.Cut(sc.Text(), ":")
+		if !ok {
+			continue
+		}
+		f := strings.Fields(val)
+		switch key {
+		case "Name":
+			c.Command = strings.TrimSpace(val)
+		case "State":
+			c.Zombie = len(f) > 0 && (f[0] == "Z" || f[0] == "X")
+		case "Uid", "Gid":
+			if len(f) < 2 {
+				return c, fmt.Errorf("status: malformed %s line %q", key, val)
+			}
+			v, err := strconv.ParseUint(f[1], 10, 32) // effective
+			if err != nil {
+				return c, fmt.Errorf("status: %s: %w", key, err)
+			}
+			if key == "Uid" {
+				c.EUID, haveUID = uint32(v), true
+			} else {
+				c.EGID, haveGID = uint32(v), true
+			}
+		case "Groups":
+			for _, s := range f {
+				v, err := strconv.ParseUint(s, 10, 32)
+				if err != nil {
+					return c, fmt.Errorf("status: Groups: %w", err)
+				}
+				c.Groups = append(c.Groups, uint32(v))
+			}
+		}
+	}
+	if !haveUID || !haveGID {
+		return c, fmt.Errorf("status: no Uid/Gid lines")
+	}
+	return c, sc.Err()
+}
