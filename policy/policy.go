@@ -14,6 +14,7 @@ package policy
 import (
 	"net/netip"
 	"slices"
+	"strconv"
 )
 
 // Proto is a transport protocol the policy distinguishes.
@@ -81,6 +82,17 @@ type PortRange struct{ First, Last uint16 }
 
 // Contains reports whether p is in the range.
 func (r PortRange) Contains(p uint16) bool { return p >= r.First && p <= r.Last }
+
+// Overlaps reports whether the two ranges share a port.
+func (r PortRange) Overlaps(o PortRange) bool { return r.First <= o.Last && o.First <= r.Last }
+
+// String renders "8443" or "9000-9100", the config syntax.
+func (r PortRange) String() string {
+	if r.First == r.Last {
+		return strconv.Itoa(int(r.First))
+	}
+	return strconv.Itoa(int(r.First)) + "-" + strconv.Itoa(int(r.Last))
+}
 
 // Policy is a validated policy. Build it with Load or Parse, or by hand in tests.
 type Policy struct {
