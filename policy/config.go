@@ -163,10 +163,16 @@ func (e *ConfigError) Error() string {
 	return b.String()
 }
 
-// section is what every table type implements; Validate may also fill in
-// defaults (it has a pointer receiver) and returns a *KeyError (or a join of
-// them) to name the bad key.
+// section is what a data plane's table type implements: Validate runs after
+// decoding (also when the table is absent, to check defaults) and returns a
+// *KeyError, or several joined with errors.Join, to name the bad keys.
 type section interface{ Validate() error }
+
+// clusterSection is a section whose validation needs the validated cluster
+// subnets (e.g. addresses that must lie inside or outside the cluster).
+type clusterSection interface {
+	Validate(cluster []netip.Prefix) error
+}
 
 // defaulter is optionally implemented by a section to set defaults before
 // the file's values are decoded over them.
@@ -299,7 +305,14 @@ func Parse(name string, data []byte, res identity.Resolver) (cfg *Config, err er
 		blame(strings.Split(key, ".")[0], &KeyError{strings.SplitN(key, ".", 2)[1], value, err})
 	})
 	for _, s := range c.sections()[3:] {
-		if err := s.v.(section).Validate(); err != nil {
+		var err error
+		switch v := s.v.(type) {
+		case clusterSection:
+			err = v.Validate(c.Policy.ClusterSubnets)
+		case section:
+			err = v.Validate()
+		}
+		if err != nil {
 			blame(s.name, err)
 		}
 	}
