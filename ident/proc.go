@@ -15,40 +15,38 @@ import (
 
 // procIndex maps socket inodes to the processes holding them, built by
 // scanning /proc/*/fd. A scan costs a readlink per open fd on the node, so
-// results are reused for cacheTTL and a miss rescans at most every
-// minRescan — a burst of queries for new sockets costs one scan, not one
-// each (ident2 kept a 15 s cache; a short one is enough because a miss
-// rescans).
+// a hit is reused for cacheTTL (ident2 kept 15 s; a miss rescans anyway, so
+// a short one is enough), and concurrent misses share one scan: a lookup
+// that started before a scan began is answered by that scan, which already
+// saw its socket. A flood of lookups thus costs about one scan at a time.
 type procIndex struct {
 	root string // "/proc"; tests may point elsewhere
 
 	mu       sync.Mutex
 	byInode  map[uint32][]int
-	scanned  time.Time
+	scanned  time.Time // when the current map's scan started
 	cacheTTL time.Duration
 }
 
-const (
-	defaultCacheTTL = 2 * time.Second
-	minRescan       = 50 * time.Millisecond
-)
+const defaultCacheTTL = 2 * time.Second
 
 func newProcIndex() *procIndex {
 	return &procIndex{root: "/proc", cacheTTL: defaultCacheTTL}
 }
 
-// pids returns the processes holding socket inode, rescanning if the cache
-// is stale or misses.
+// pids returns the processes holding socket inode, rescanning on a miss or
+// a stale entry.
 func (p *procIndex) pids(inode uint32) []int {
+	asked := time.Now()
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	age := time.Since(p.scanned)
-	if got := p.byInode[inode]; len(got) > 0 && age < p.cacheTTL && p.alive(got) {
+	if got := p.byInode[inode]; len(got) > 0 && time.Since(p.scanned) < p.cacheTTL && p.alive(got) {
 		return got
 	}
-	if p.byInode == nil || age >= minRescan {
+	if p.byInode == nil || !p.scanned.After(asked) {
+		start := time.Now()
 		p.byInode = p.scan()
-		p.scanned = time.Now()
+		p.scanned = start
 	}
 	return p.byInode[inode]
 }

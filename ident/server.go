@@ -79,7 +79,7 @@ type Server struct {
 
 // NewServer validates cfg and opens the service's sockets; nothing is
 // served until Run. On error nothing is left open or on disk.
-func NewServer(cfg ServerConfig) (s *Server, err error) {
+func NewServer(cfg ServerConfig) (_ *Server, err error) {
 	if cfg.UDPPort == 0 {
 		cfg.UDPPort = DefaultPort
 	}
@@ -107,7 +107,7 @@ func NewServer(cfg ServerConfig) (s *Server, err error) {
 			return nil, err
 		}
 	}
-	s = &Server{ns: -1, cfg: cfg, log: cfg.Logger.With("component", "ident"), limit: newBucket(cfg.MaxRate)}
+	s := &Server{ns: -1, cfg: cfg, log: cfg.Logger.With("component", "ident"), limit: newBucket(cfg.MaxRate)}
 	s.pol.Store(cfg.Policy)
 	defer func() {
 		if err != nil {
