@@ -1,0 +1,231 @@
+package testbed
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// onNode runs a command as root on node n (netns, /etc overlay, UTS ns)
+// and returns its output.
+func (tb *Testbed) onNode(ctx context.Context, n Node, argv ...string) (string, error) {
+	args := append([]string{"netns", "exec", n.NetNS, "nsenter", "--uts=" + n.UTS, "--"}, argv...)
+	return run(ctx, "", "ip", args...)
+}
+
+// makeUTS creates the persistent UTS namespace of every node: unshare on a
+// locked thread, set the hostname, bind the namespace onto its file.
+func (tb *Testbed) makeUTS() error {
+	for _, n := range append(append([]Node{}, tb.Nodes...), tb.Outside) {
+		if err := newUTS(n.UTS, n.Name); err != nil {
+			return fmt.Errorf("uts namespace for %s: %w", n.Name, err)
+		}
+	}
+	return nil
+}
+
+func newUTS(file, hostname string) error {
+	runtime.LockOSThread()
+	orig, err := unix.Open("/proc/thread-self/ns/uts", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		runtime.UnlockOSThread()
+		return err
+	}
+	defer unix.Close(orig)
+	if err := unix.Unshare(unix.CLONE_NEWUTS); err != nil {
+		runtime.UnlockOSThread()
+		return err
+	}
+	ferr := func() error {
+		if err := unix.Sethostname([]byte(hostname)); err != nil {
+			return err
+		}
+		src := fmt.Sprintf("/proc/self/task/%d/ns/uts", unix.Gettid())
+		return unix.Mount(src, file, "", unix.MS_BIND, "")
+	}()
+	if err := unix.Setns(orig, unix.CLONE_NEWUTS); err != nil {
+		return err // thread stays locked and dies with its goroutine
+	}
+	runtime.UnlockOSThread()
+	return ferr
+}
+
+// startDaemons starts munged, slurmctld, slurmd and sshd on every node.
+func (tb *Testbed) startDaemons(ctx context.Context) error {
+	m := filepath.Join(tb.Dir, "munge")
+	if _, err := run(ctx, "", "setpriv", "--reuid=munge", "--regid=munge", "--init-groups", "--",
+		"/usr/sbin/munged", "--key-file="+m+"/etc/munge.key", "--socket="+tb.MungeSocket(),
+		"--log-file="+m+"/log/munged.log", "--pid-file="+m+"/run/munged.pid", "--seed-file="+m+"/lib/munged.seed",
+		"--num-threads=4"); err != nil {
+		return err
+	}
+	if _, err := tb.onNode(ctx, tb.Nodes[0], "/usr/sbin/slurmctld", "-i"); err != nil {
+		return err
+	}
+	return parallel(len(tb.Nodes), func(yield func(func() error)) {
+		for _, n := range tb.Nodes {
+			yield(func() error {
+				if _, err := tb.onNode(ctx, n, "/usr/sbin/slurmd"); err != nil {
+					return err
+				}
+				_, err := tb.onNode(ctx, n, "/usr/sbin/sshd", "-E", filepath.Join(tb.LogDir(), "sshd-"+n.Name+".log"))
+				return err
+			})
+		}
+	})
+}
+
+// waitIdle polls sinfo until every node is idle.
+func (tb *Testbed) waitIdle(ctx context.Context, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	var last string
+	for {
+		out, err := tb.onNode(ctx, tb.Nodes[0], "sinfo", "-h", "-N", "-o", "%N %t")
+		if err == nil {
+			idle := 0
+			for _, l := range strings.Split(out, "\n") {
+				if f := strings.Fields(l); len(f) == 2 && f[1] == "idle" {
+					idle++
+				}
+			}
+			if idle == len(tb.Nodes) {
+				return nil
+			}
+		}
+		last = out
+		if time.Now().After(deadline) {
+			return fmt.Errorf("nodes not idle after %s: %s (logs in %s)", timeout, last, tb.LogDir())
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// processes returns the PIDs that belong to the instance: those in its pid
+// files and every process living in one of its network or UTS namespaces.
+func (tb *Testbed) processes() []int {
+	pids := map[int]bool{}
+	files, _ := filepath.Glob(filepath.Join(tb.RunDir(), "*.pid"))
+	files = append(files, filepath.Join(tb.Dir, "munge", "run", "munged.pid"))
+	for _, f := range files {
+		if b, err := os.ReadFile(f); err == nil {
+			if pid, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && pid > 1 {
+				pids[pid] = true
+			}
+		}
+	}
+	nsIno := map[string]bool{}
+	for _, ns := range tb.netnsNames() {
+		var st unix.Stat_t
+		if unix.Stat("/run/netns/"+ns, &st) == nil {
+			nsIno[fmt.Sprintf("net:[%d]", st.Ino)] = true
+		}
+	}
+	for _, n := range append(append([]Node{}, tb.Nodes...), tb.Outside) {
+		var st, parent unix.Stat_t
+		// Only if the file is still a namespace mount, not the empty file.
+		if unix.Stat(n.UTS, &st) == nil && unix.Stat(filepath.Dir(n.UTS), &parent) == nil && st.Dev != parent.Dev {
+			nsIno[fmt.Sprintf("uts:[%d]", st.Ino)] = true
+		}
+	}
+	if len(nsIno) > 0 {
+		ents, _ := os.ReadDir("/proc")
+		for _, e := range ents {
+			pid, err := strconv.Atoi(e.Name())
+			if err != nil || pid <= 1 {
+				continue
+			}
+			for _, t := range []string{"net", "uts"} {
+				if l, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/%s", pid, t)); err == nil && nsIno[l] {
+					pids[pid] = true
+				}
+			}
+		}
+	}
+	// Never ourselves or our ancestors (down run from inside a node).
+	for p := os.Getpid(); p > 1; p = ppid(p) {
+		delete(pids, p)
+	}
+	out := make([]int, 0, len(pids))
+	for p := range pids {
+		if alive(p) {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+func procStat(pid int) (state byte, ppid int, ok bool) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, 0, false
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 || i+4 >= len(b) {
+		return 0, 0, false
+	}
+	f := strings.Fields(string(b[i+2:]))
+	if len(f) < 2 {
+		return 0, 0, false
+	}
+	pp, _ := strconv.Atoi(f[1])
+	return f[0][0], pp, true
+}
+
+func ppid(pid int) int {
+	_, pp, ok := procStat(pid)
+	if !ok {
+		return 0
+	}
+	return pp
+}
+
+// alive treats zombies as dead: PID 1 on this machine kind reaps orphans
+// only every second or two (pitfall 8).
+func alive(pid int) bool {
+	s, _, ok := procStat(pid)
+	return ok && s != 'Z' && s != 'X'
+}
+
+// killAll sends TERM to every process of the instance, waits up to 5 s,
+// then KILLs the rest. Repeats while new ones show up (children of dying
+// daemons).
+func (tb *Testbed) killAll() {
+	deadline := time.Now().Add(5 * time.Second)
+	sig := syscall.SIGTERM
+	for round := 0; round < 100; round++ {
+		pids := tb.processes()
+		if len(pids) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			sig = syscall.SIGKILL
+		}
+		for _, p := range pids {
+			syscall.Kill(p, sig)
+		}
+		time.Sleep(50 * time.Millisecond)
+		if sig == syscall.SIGKILL && round > 90 {
+			return
+		}
+	}
+}
+
+func (tb *Testbed) unmountUTS() {
+	for _, n := range append(append([]Node{}, tb.Nodes...), tb.Outside) {
+		for unix.Unmount(n.UTS, unix.MNT_DETACH) == nil {
+		}
+	}
+}

@@ -1,0 +1,344 @@
+package testbed
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// requiredCommands must exist on the host before anything is created.
+var requiredCommands = []string{"ip", "nsenter", "setpriv", "ssh-keygen", "useradd", "groupadd", "gpasswd",
+	"userdel", "groupdel", "/usr/sbin/munged", "/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/sshd", "sinfo", "srun"}
+
+// validate checks the options before anything is created.
+func validate(opts *Options) error {
+	opts.Name = ResolveName(opts.Name)
+	if err := validateName(opts.Name); err != nil {
+		return err
+	}
+	if opts.Nodes == 0 {
+		opts.Nodes = DefaultNodes
+	}
+	if opts.Nodes < 1 || opts.Nodes > MaxNodes {
+		return fmt.Errorf("invalid node count %d: want 1..%d", opts.Nodes, MaxNodes)
+	}
+	if opts.Mode == "" {
+		opts.Mode = "none"
+	}
+	if _, ok := lookupMode(opts.Mode); !ok {
+		return fmt.Errorf("unknown mode %q (known: %s)", opts.Mode, strings.Join(Modes(), ", "))
+	}
+	if opts.Egress {
+		if _, ok := lookupExtension("egress"); !ok {
+			return errors.New("--egress: no egress extension is registered in this binary")
+		}
+	}
+	if opts.VM && getVM() == nil {
+		return errors.New("--vm: no VM handler is registered in this binary")
+	}
+	if os.Geteuid() != 0 {
+		return errors.New("the testbed needs root")
+	}
+	for _, c := range requiredCommands {
+		if _, err := exec.LookPath(c); err != nil {
+			return fmt.Errorf("%s not found: install the packages listed in .ci/deps", c)
+		}
+	}
+	return nil
+}
+
+// lockInstance serializes up/down of one instance name.
+func lockInstance(name string) (func(), error) {
+	if err := os.MkdirAll(BaseDir, 0o755); err != nil {
+		return nil, err
+	}
+	f, err := os.OpenFile(filepath.Join(BaseDir, "."+name+".lock"), os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() { unix.Flock(int(f.Fd()), unix.LOCK_UN); f.Close() }, nil
+}
+
+// Up brings an instance up (or returns the running one, with AlreadyUp set,
+// if its node count and mode match). A failure rolls everything back.
+func Up(ctx context.Context, opts Options) (*Testbed, error) {
+	explicitMode := opts.Mode != ""
+	if err := validate(&opts); err != nil {
+		return nil, err
+	}
+	unlock, err := lockInstance(opts.Name)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+
+	if s, err := readState(opts.Name); err == nil {
+		old := build(s)
+		if s.Phase == "up" && old.alive() {
+			if opts.Nodes != s.Nodes || (explicitMode && opts.Mode != old.Mode) || opts.VM != s.VM ||
+				opts.Egress != slices.Contains(s.Extensions, "egress") {
+				return nil, fmt.Errorf("testbed %s is already up with %d nodes, mode %s: run `palisade testbed down --name %s` first",
+					s.Name, s.Nodes, old.Mode, s.Name)
+			}
+			old.AlreadyUp = true
+			return old, nil
+		}
+		// Leftovers of an interrupted or crashed run.
+		if err := teardown(ctx, old); err != nil {
+			return nil, fmt.Errorf("cleaning up the previous run of %s: %w", opts.Name, err)
+		}
+	}
+	if !opts.VM {
+		if err := checkUsers(); err != nil {
+			return nil, err
+		}
+	}
+
+	s := &state{Name: opts.Name, Nodes: opts.Nodes, Mode: opts.Mode, VM: opts.VM, Phase: "starting"}
+	if opts.Egress {
+		s.Extensions = append(s.Extensions, "egress")
+	}
+	if err := os.MkdirAll(InstanceDir(s.Name), 0o755); err != nil {
+		return nil, err
+	}
+	if err := os.Chmod(InstanceDir(s.Name), 0o755); err != nil {
+		return nil, err
+	}
+	if err := writeState(s); err != nil {
+		os.RemoveAll(InstanceDir(s.Name))
+		return nil, err
+	}
+	tb := build(s)
+	if err := tb.bringUp(ctx, opts, s); err != nil {
+		if os.Getenv("PALISADE_TESTBED_KEEP") != "" {
+			return nil, fmt.Errorf("%w (PALISADE_TESTBED_KEEP set: left as is for debugging)", err)
+		}
+		if derr := teardown(context.WithoutCancel(ctx), tb); derr != nil {
+			err = fmt.Errorf("%w (rollback: %v)", err, derr)
+		}
+		return nil, err
+	}
+	return tb, nil
+}
+
+func (tb *Testbed) bringUp(ctx context.Context, opts Options, s *state) error {
+	if err := os.MkdirAll(filepath.Join(tb.Dir, "bin"), 0o755); err != nil {
+		return err
+	}
+	if err := installBinary(ctx, opts.Binary, tb.Binary); err != nil {
+		return err
+	}
+	if opts.VM {
+		if err := getVM().Up(ctx, tb, opts); err != nil {
+			return err
+		}
+	} else {
+		if err := tb.bringUpNative(ctx, s); err != nil {
+			return err
+		}
+	}
+	m, _ := lookupMode(tb.Mode)
+	if err := m.Up(ctx, tb); err != nil {
+		return fmt.Errorf("mode %s: %w", tb.Mode, err)
+	}
+	for _, e := range tb.Extensions {
+		x, _ := lookupExtension(e)
+		if err := x.Up(ctx, tb); err != nil {
+			return fmt.Errorf("extension %s: %w", e, err)
+		}
+	}
+	s.Phase = "up"
+	return writeState(s)
+}
+
+func (tb *Testbed) bringUpNative(ctx context.Context, s *state) error {
+	if err := acquireShared(ctx, tb.Name); err != nil {
+		return err
+	}
+	if err := tb.writeConfig(); err != nil {
+		return err
+	}
+	for _, n := range append(append([]Node{}, tb.Nodes...), tb.Outside) {
+		if err := os.Symlink(tb.NodeEtc(n.Name), filepath.Join("/etc/netns", n.NetNS)); err != nil {
+			return err
+		}
+	}
+	// Keys (ssh-keygen) run while the kernel objects are made.
+	keys := make(chan error, 1)
+	go func() { keys <- tb.genKeys(ctx) }()
+	nerr := tb.upNetwork(ctx)
+	if kerr := <-keys; kerr != nil {
+		return kerr
+	}
+	if nerr != nil {
+		return nerr
+	}
+	if err := tb.makeUTS(); err != nil {
+		return err
+	}
+	if err := tb.startDaemons(ctx); err != nil {
+		return err
+	}
+	// The MPI program compiles while the nodes register.
+	mpi := make(chan error, 1)
+	go func() {
+		out := filepath.Join(tb.Dir, "bin", "mpi-hello")
+		_, err := run(ctx, "", "mpicc", "-O2", "-o", out, filepath.Join(tb.Dir, "src", "mpi-hello.c"))
+		if err == nil {
+			s.MPIHello, tb.MPIHello = out, out
+		}
+		mpi <- err
+	}()
+	werr := tb.waitIdle(ctx, 20*time.Second)
+	if err := <-mpi; err != nil {
+		fmt.Fprintf(os.Stderr, "testbed %s: building the MPI test program failed (mpirun checks will fail): %v\n", tb.Name, err)
+	}
+	return werr
+}
+
+// installBinary copies the palisade binary into the testbed. A Go test
+// binary is not palisade: build the real one from the module instead.
+func installBinary(ctx context.Context, src, dst string) error {
+	if src == "" {
+		exe, err := os.Executable()
+		if err != nil {
+			return err
+		}
+		if !strings.HasSuffix(exe, ".test") {
+			src = exe
+		} else {
+			cmd := exec.CommandContext(ctx, "go", "build", "-o", dst, "github.com/palisade-hpc/palisade/cmd/palisade")
+			cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+			if out, err := cmd.CombinedOutput(); err != nil {
+				return fmt.Errorf("building palisade for the testbed: %w: %s", err, out)
+			}
+			return os.Chmod(dst, 0o755)
+		}
+	}
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	out, err := os.OpenFile(dst+".tmp", os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o755)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(out, in); err != nil {
+		out.Close()
+		return err
+	}
+	if err := out.Close(); err != nil {
+		return err
+	}
+	if err := os.Chmod(dst+".tmp", 0o755); err != nil {
+		return err
+	}
+	return os.Rename(dst+".tmp", dst)
+}
+
+// alive reports whether the instance's namespaces exist.
+func (tb *Testbed) alive() bool {
+	if tb.VM {
+		return true
+	}
+	for _, ns := range tb.netnsNames() {
+		if _, err := os.Stat("/run/netns/" + ns); err != nil {
+			return false
+		}
+	}
+	return true
+}
+
+// Exists reports whether instance name has any state on this machine.
+func Exists(name string) bool {
+	_, err := os.Stat(statePath(ResolveName(name)))
+	return err == nil
+}
+
+// Down takes instance name down, removing everything it created. Taking
+// down an instance that is not up is not an error.
+func Down(ctx context.Context, name string) error {
+	name = ResolveName(name)
+	if err := validateName(name); err != nil {
+		return err
+	}
+	if os.Geteuid() != 0 {
+		return errors.New("the testbed needs root")
+	}
+	unlock, err := lockInstance(name)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	s, err := readState(name)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	return teardown(ctx, build(s))
+}
+
+// teardown removes everything of an instance, tolerating what is missing.
+// Mode and extension Down hooks run first (they must tolerate a partial
+// bring-up).
+func teardown(ctx context.Context, tb *Testbed) error {
+	var errs []error
+	for _, e := range slices.Backward(tb.Extensions) {
+		if x, ok := lookupExtension(e); ok {
+			if err := x.Down(ctx, tb); err != nil {
+				errs = append(errs, fmt.Errorf("extension %s down: %w", e, err))
+			}
+		}
+	}
+	if m, ok := lookupMode(tb.Mode); ok {
+		if err := m.Down(ctx, tb); err != nil {
+			errs = append(errs, fmt.Errorf("mode %s down: %w", tb.Mode, err))
+		}
+	} else {
+		errs = append(errs, fmt.Errorf("mode %s is not registered in this binary: its Down hook did not run", tb.Mode))
+	}
+	if tb.VM {
+		if h := getVM(); h != nil {
+			if err := h.Down(ctx, tb); err != nil {
+				errs = append(errs, err)
+			}
+		} else {
+			errs = append(errs, errors.New("no VM handler registered: the VM was not stopped"))
+		}
+	} else {
+		tb.killAll()
+		tb.unmountUTS()
+		if err := tb.downNetwork(ctx); err != nil {
+			errs = append(errs, err)
+		}
+		for _, n := range append(append([]Node{}, tb.Nodes...), tb.Outside) {
+			l := filepath.Join("/etc/netns", n.NetNS)
+			if t, err := os.Readlink(l); err == nil && strings.HasPrefix(t, tb.Dir+"/") {
+				os.Remove(l)
+			}
+		}
+		if err := releaseShared(ctx, tb.Name); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := os.RemoveAll(tb.Dir); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
