@@ -291,14 +291,19 @@ func Parse(name string, data []byte, res identity.Resolver) (cfg *Config, err er
 	for _, k := range unknown {
 		fail(loc.line(k, ""), k, "unknown section or key (known sections: policy, cluster, offcluster, agent, uvn, egress)")
 	}
-	for _, k := range md.Undecoded() {
-		if known[k[0]] {
-			fail(loc.line(k.String(), ""), k.String(), "unknown key")
-		}
-	}
 	if len(errs) > 0 {
+		// Values failed to decode: validating the rest would only add noise.
 		return nil, joinByLine(errs)
 	}
+	var reported []tomlKey
+	for _, k := range md.Undecoded() {
+		if !known[k[0]] || slices.ContainsFunc(reported, func(r tomlKey) bool { return hasPrefix(k, r) }) {
+			continue // one error for an unknown table, not one per key in it
+		}
+		reported = append(reported, k)
+		fail(loc.line(k.String(), ""), k.String(), "unknown key")
+	}
+	// Unknown keys do not stop validation: the report lists every problem.
 
 	c.Policy = &Policy{SystemPortMax: 1023}
 	c.buildPolicy(res, func(key, value string, err error) {
@@ -526,6 +531,11 @@ func decodeError(file string, err error) error {
 	}
 	return &ConfigError{File: file, Msg: strings.TrimPrefix(err.Error(), "toml: ")}
 }
+
+// tomlKey is a dotted TOML key split into its parts.
+type tomlKey = toml.Key
+
+func hasPrefix(k, prefix tomlKey) bool { return len(k) > len(prefix) && slices.Equal(k[:len(prefix)], prefix) }
 
 // joinByLine joins errors in file order, so the report reads top to bottom.
 func joinByLine(errs []error) error {

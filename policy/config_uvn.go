@@ -1,13 +1,211 @@
 package policy
 
-// UVNConfig is the [uvn] table: settings of the UVN data plane
-// (VRF + VXLAN per-user networks). Owned by the uvn engineer, who adds its keys,
-// their defaults (SetDefaults) and their validation (Validate).
-type UVNConfig struct{}
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"path/filepath"
+)
+
+// UVNConfig is the [uvn] table: the per-user VRF + VXLAN data plane
+// (reference 000). Keys:
+//
+//	enable        = false            # `palisade uvn pam` / SPANK are no-ops unless true
+//	min_uid       = 1000             # uids below get no VRF (system accounts)
+//	uid_max       = 16777215         # highest uid served; above 2^24-1 each underlay needs a port block
+//	nat_pool      = "100.64.0.0/10"  # per-user CGNAT addresses (SNAT off-subnet)
+//	nat6_pool     = ""               # optional IPv6 per-user NAT addresses (e.g. a ULA /64)
+//	state_dir     = "/run/palisade/uvn"
+//	uplinks       = []               # NICs to SNAT out of; default: every non-uvn device of a main-table route
+//	vxlan_ttl     = 5
+//	src_port_min  = 600              # kernel VXLAN source ports: privileged, so no user socket can use them
+//	src_port_max  = 999
+//	[[uvn.underlay]]
+//	prefixes = ["198.18.0.0/24", "2001:2::/64"]  # first prefix: tunnel endpoint; all: addresses mirrored
+//	port     = 4789                  # VXLAN UDP port of this underlay (unique per underlay)
+//	group    = "239.192.0.0/16"      # multicast: one group per uid inside this prefix; omit for unicast
+//	peers    = ["198.18.0.2"]        # unicast peers (default: [cluster] nodes inside prefixes[0])
+type UVNConfig struct {
+	Enable     bool          `toml:"enable"`
+	MinUID     int64         `toml:"min_uid"`
+	UIDMax     int64         `toml:"uid_max"`
+	NATPool    string        `toml:"nat_pool"`
+	NAT6Pool   string        `toml:"nat6_pool"`
+	StateDir   string        `toml:"state_dir"`
+	Uplinks    []string      `toml:"uplinks"`
+	VXLANTTL   int64         `toml:"vxlan_ttl"`
+	SrcPortMin int64         `toml:"src_port_min"`
+	SrcPortMax int64         `toml:"src_port_max"`
+	Underlays  []UVNUnderlay `toml:"underlay"`
+
+	// Parsed by Validate.
+	NATPrefix  netip.Prefix `toml:"-"`
+	NAT6Prefix netip.Prefix `toml:"-"` // invalid when nat6_pool is empty
+}
+
+// UVNUnderlay is one [[uvn.underlay]] entry: an underlay network that gets a
+// VXLAN per user.
+type UVNUnderlay struct {
+	Prefixes []string `toml:"prefixes"`
+	Port     int64    `toml:"port"`
+	Group    string   `toml:"group"`
+	Peers    []string `toml:"peers"`
+
+	// Parsed by Validate.
+	Nets      []netip.Prefix `toml:"-"`
+	GroupNet  netip.Prefix   `toml:"-"` // invalid: unicast
+	PeerAddrs []netip.Addr   `toml:"-"`
+}
+
+// UVN limits that keep names and ports well-formed.
+const (
+	// UVNMaxUnderlays bounds the underlays: the VXLAN name carries the
+	// underlay index as one base-36 character ("pal<i>x<uid>" ≤ 15 bytes).
+	UVNMaxUnderlays = 36
+	// UVNVNIBits is the VXLAN VNI width.
+	UVNVNIBits = 24
+)
 
 // SetDefaults fills in defaults before the file's values are decoded.
-func (u *UVNConfig) SetDefaults() {}
+func (u *UVNConfig) SetDefaults() {
+	u.MinUID = 1000
+	u.UIDMax = 1<<UVNVNIBits - 1
+	u.NATPool = "100.64.0.0/10"
+	u.StateDir = "/run/palisade/uvn"
+	u.VXLANTTL = 5
+	u.SrcPortMin = 600
+	u.SrcPortMax = 999
+}
 
-// Validate checks the table after decoding. Return a *KeyError (KeyErrorf)
-// per bad key, joined with errors.Join, so the loader can name file and line.
-func (u *UVNConfig) Validate() error { return nil }
+// PortSpan is how many consecutive UDP ports each underlay uses: one per
+// 2^24 uids (uid >> 24 selects the port inside the block).
+func (u *UVNConfig) PortSpan() int64 { return u.UIDMax>>UVNVNIBits + 1 }
+
+// Validate checks the table after decoding and fills the parsed fields.
+func (u *UVNConfig) Validate() error {
+	var errs []error
+	bad := func(key, value, format string, args ...any) {
+		errs = append(errs, &KeyError{Key: key, Value: value, Err: fmt.Errorf(format, args...)})
+	}
+	if u.MinUID < 256 || u.MinUID > 1<<32-2 {
+		// Table ids 253-255 are the kernel's default/main/local tables; the
+		// VRF table id is the uid itself, so uids below 256 are never served.
+		bad("min_uid", "", "%d out of range (256-4294967294): the VRF table id is the uid and must not hit the kernel's tables 253-255", u.MinUID)
+	}
+	if u.UIDMax < u.MinUID || u.UIDMax > 1<<32-2 {
+		bad("uid_max", "", "%d out of range (min_uid-4294967294)", u.UIDMax)
+	}
+	if p, err := netip.ParsePrefix(u.NATPool); err != nil || !p.Addr().Is4() || p.Bits() > 30 {
+		bad("nat_pool", "", "%q: want an IPv4 prefix of at least /30 (e.g. 100.64.0.0/10)", u.NATPool)
+	} else {
+		u.NATPrefix = p.Masked()
+	}
+	u.NAT6Prefix = netip.Prefix{}
+	if u.NAT6Pool != "" {
+		if p, err := netip.ParsePrefix(u.NAT6Pool); err != nil || !p.Addr().Is6() || p.Addr().Is4In6() || p.Bits() > 126 {
+			bad("nat6_pool", "", "%q: want an IPv6 prefix of at least /126", u.NAT6Pool)
+		} else {
+			u.NAT6Prefix = p.Masked()
+		}
+	}
+	if u.StateDir == "" || !filepath.IsAbs(u.StateDir) {
+		bad("state_dir", "", "%q: want an absolute path", u.StateDir)
+	}
+	for _, n := range u.Uplinks {
+		if n == "" || len(n) > 15 {
+			bad("uplinks", n, "%q is not an interface name", n)
+		}
+	}
+	if u.VXLANTTL < 1 || u.VXLANTTL > 255 {
+		bad("vxlan_ttl", "", "%d out of range (1-255)", u.VXLANTTL)
+	}
+	if u.SrcPortMin < 1 || u.SrcPortMin > 1023 {
+		bad("src_port_min", "", "%d: must be a privileged port (1-1023) so that no user socket can forge VXLAN traffic", u.SrcPortMin)
+	}
+	if u.SrcPortMax < u.SrcPortMin || u.SrcPortMax > 1023 {
+		bad("src_port_max", "", "%d: must be in src_port_min-1023", u.SrcPortMax)
+	}
+	if len(u.Underlays) > UVNMaxUnderlays {
+		bad("underlay", "", "%d underlays; at most %d", len(u.Underlays), UVNMaxUnderlays)
+	}
+	if u.Enable && len(u.Underlays) == 0 {
+		bad("underlay", "", "uvn is enabled but no [[uvn.underlay]] is configured")
+	}
+	span := u.PortSpan()
+	type used struct {
+		lo, hi int64
+		i      int
+	}
+	var ports []used
+	seenNet := map[netip.Prefix]int{}
+	for i := range u.Underlays {
+		ul := &u.Underlays[i]
+		key := fmt.Sprintf("underlay[%d]", i)
+		ul.Nets, ul.PeerAddrs, ul.GroupNet = nil, nil, netip.Prefix{}
+		if len(ul.Prefixes) == 0 {
+			bad(key+".prefixes", "", "underlay %d has no prefixes", i)
+		}
+		for _, s := range ul.Prefixes {
+			p, err := netip.ParsePrefix(s)
+			if err != nil || p.Addr().Is4In6() {
+				bad(key+".prefixes", s, "%q is not a prefix", s)
+				continue
+			}
+			p = p.Masked()
+			if j, dup := seenNet[p]; dup {
+				bad(key+".prefixes", s, "%s is already in underlay %d", p, j)
+				continue
+			}
+			seenNet[p] = i
+			ul.Nets = append(ul.Nets, p)
+		}
+		if ul.Port < 1 || ul.Port+span-1 > 65535 {
+			bad(key+".port", "", "%d out of range (1-%d)", ul.Port, 65536-span)
+		} else {
+			for _, o := range ports {
+				if ul.Port <= o.hi && ul.Port+span-1 >= o.lo {
+					bad(key+".port", "", "ports %d-%d overlap underlay %d's %d-%d (each underlay needs its own port; uid_max %d needs %d per underlay)",
+						ul.Port, ul.Port+span-1, o.i, o.lo, o.hi, u.UIDMax, span)
+				}
+			}
+			if ul.Port <= u.SrcPortMax && ul.Port+span-1 >= u.SrcPortMin {
+				bad(key+".port", "", "%d overlaps the VXLAN source ports %d-%d", ul.Port, u.SrcPortMin, u.SrcPortMax)
+			}
+			ports = append(ports, used{ul.Port, ul.Port + span - 1, i})
+		}
+		if ul.Group != "" {
+			g, err := netip.ParsePrefix(ul.Group)
+			if err != nil {
+				if a, aerr := netip.ParseAddr(ul.Group); aerr == nil {
+					g, err = netip.PrefixFrom(a, a.BitLen()), nil
+				}
+			}
+			switch {
+			case err != nil:
+				bad(key+".group", "", "%q is not a multicast address or prefix", ul.Group)
+			case !g.Addr().IsMulticast():
+				bad(key+".group", "", "%s is not multicast", g)
+			case len(ul.Nets) > 0 && g.Addr().Is4() != ul.Nets[0].Addr().Is4():
+				bad(key+".group", "", "%s is not of the tunnel family (first prefix %s)", g, ul.Nets[0])
+			default:
+				ul.GroupNet = g.Masked()
+			}
+			if len(ul.Peers) > 0 {
+				bad(key+".peers", "", "peers are for unicast underlays; remove them or the group")
+			}
+		}
+		for _, s := range ul.Peers {
+			a, err := netip.ParseAddr(s)
+			if err != nil || a.Is4In6() {
+				bad(key+".peers", s, "%q is not an address", s)
+				continue
+			}
+			if len(ul.Nets) > 0 && !ul.Nets[0].Contains(a) {
+				bad(key+".peers", s, "%s is not in the tunnel prefix %s", a, ul.Nets[0])
+				continue
+			}
+			ul.PeerAddrs = append(ul.PeerAddrs, a)
+		}
+	}
+	return errors.Join(errs...)
+}
