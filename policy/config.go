@@ -535,7 +535,9 @@ func decodeError(file string, err error) error {
 // tomlKey is a dotted TOML key split into its parts.
 type tomlKey = toml.Key
 
-func hasPrefix(k, prefix tomlKey) bool { return len(k) > len(prefix) && slices.Equal(k[:len(prefix)], prefix) }
+func hasPrefix(k, prefix tomlKey) bool {
+	return len(k) > len(prefix) && slices.Equal(k[:len(prefix)], prefix)
+}
 
 // joinByLine joins errors in file order, so the report reads top to bottom.
 func joinByLine(errs []error) error {
