@@ -12,6 +12,8 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/palisade-hpc/palisade/ident"
+	"github.com/palisade-hpc/palisade/identity"
+	"github.com/palisade-hpc/palisade/policy"
 )
 
 func init() {
@@ -36,13 +38,18 @@ Unix socket (other users).`,
 			if err != nil {
 				return err
 			}
+			cfg, err := loadConfig(cmd)
+			if err != nil {
+				return err
+			}
 			var node netip.Addr
 			if nodeFlag != "" {
-				if node, err = resolveNode(nodeFlag); err != nil {
+				if node, err = resolveNode(cfg, nodeFlag); err != nil {
 					return err
 				}
 			}
-			o, answered, err := ownerOf(cmd.Context(), node, target, proto, sock, timeout)
+			ia := newIdentAccess(cfg, sock, cmd.Flags().Changed("socket"), timeout)
+			o, answered, err := ia.ownerOf(cmd.Context(), node, target, proto)
 			where := "this node"
 			if answered.IsValid() {
 				where = "node " + answered.String()
@@ -64,12 +71,12 @@ Unix socket (other users).`,
 			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 0, 2, ' ', 0)
 			fmt.Fprintf(w, "socket\t%v/%v on %s\n", target, proto, where)
 			fmt.Fprintf(w, "user\t%s\n", idName(o.User, o.UID))
-			fmt.Fprintf(w, "group\t%s\n", idName(o.Group, o.GID))
-			fmt.Fprintf(w, "groups\t%s\n", groupList(o.Groups))
 			if o.PID != 0 {
+				fmt.Fprintf(w, "group\t%s\n", idName(o.Group, o.GID))
+				fmt.Fprintf(w, "groups\t%s\n", groupList(o.Groups))
 				fmt.Fprintf(w, "process\t%d %s\n", o.PID, o.Command)
 			} else {
-				fmt.Fprintf(w, "process\t(not visible: no process holds it, or not root)\n")
+				fmt.Fprintf(w, "process\tnot visible (no process holds it, or run as root to see other users' processes)\n")
 			}
 			return w.Flush()
 		},
@@ -77,7 +84,7 @@ Unix socket (other users).`,
 	f := cmd.Flags()
 	f.StringVar(&nodeFlag, "node", "", "ask this node (name or address) instead of the one owning ADDR")
 	f.BoolVar(&asJSON, "json", false, "print JSON")
-	f.StringVar(&sock, "socket", ident.DefaultSocketPath, "ident service Unix socket (used when not root)")
+	f.StringVar(&sock, "socket", ident.DefaultSocketPath, "ident service Unix socket, used when not root (default: [agent] ident_socket)")
 	f.DurationVar(&timeout, "timeout", time.Second, "how long to wait for a remote node")
 	register(cmd)
 }
@@ -104,7 +111,7 @@ func groupList(gids []uint32) string {
 	}
 	parts := make([]string, len(gids))
 	for i, g := range gids {
-		if n := lookupGroupName(g); n != "" {
+		if n, err := identity.System().LookupGID(g); err == nil {
 			parts[i] = fmt.Sprintf("%s(%d)", n, g)
 		} else {
 			parts[i] = fmt.Sprint(g)
@@ -113,12 +120,17 @@ func groupList(gids []uint32) string {
 	return strings.Join(parts, " ")
 }
 
-// resolveNode accepts an address or a host name (the testbed and sites list
-// nodes in /etc/hosts); names resolving to several addresses take the first
-// IPv4 one.
-func resolveNode(s string) (netip.Addr, error) {
+// resolveNode accepts an address, a name from [cluster] nodes, or a host
+// name (sites and the testbed list nodes in /etc/hosts); a name resolving to
+// several addresses takes the first IPv4 one.
+func resolveNode(cfg *policy.Config, s string) (netip.Addr, error) {
 	if a, err := netip.ParseAddr(s); err == nil {
 		return a.Unmap(), nil
+	}
+	for _, n := range cfg.Nodes {
+		if n.Name == s {
+			return n.Addr.Unmap(), nil
+		}
 	}
 	addrs, err := lookupHost(s)
 	if err != nil || len(addrs) == 0 {

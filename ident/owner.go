@@ -12,10 +12,9 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
-	"os/user"
 	"slices"
-	"strconv"
 
+	"github.com/palisade-hpc/palisade/identity"
 	"github.com/palisade-hpc/palisade/policy"
 )
 
@@ -24,9 +23,10 @@ var ErrNoSocket = errors.New("no such socket")
 
 // Owner is the identity behind a socket. UID and GID are the effective ids
 // of the process holding the socket (GID is what newgrp/sg changes), Groups
-// its supplementary groups. When no process holds the socket any more (it
-// is being torn down) PID is 0 and UID is the socket's creator from the
-// kernel.
+// its supplementary groups. When no process holds the socket (it is being
+// torn down, or the caller may not read other users' /proc/PID/fd) PID is
+// 0, UID is the socket's creator as the kernel recorded it, and GID is
+// 4294967295 ((gid_t)-1: unknown).
 type Owner struct {
 	UID     uint32   `json:"uid"`
 	User    string   `json:"user,omitempty"`
@@ -46,17 +46,23 @@ func (o Owner) Identity() policy.Identity {
 // the network namespace current when NewResolver ran, and a cache of
 // socket inodes to processes; it is safe for concurrent use.
 type Resolver struct {
-	diag *diagConn
-	proc *procIndex
+	diag  *diagConn
+	proc  *procIndex
+	names *nameCache
 }
 
-// NewResolver opens a resolver for the calling thread's network namespace.
-func NewResolver() (*Resolver, error) {
+// NewResolver opens a resolver for the calling thread's network namespace,
+// naming users and groups through identity.System().
+func NewResolver() (*Resolver, error) { return NewResolverWith(nil) }
+
+// NewResolverWith is NewResolver with the given name resolver (nil =
+// identity.System()).
+func NewResolverWith(names identity.Resolver) (*Resolver, error) {
 	d, err := openDiag()
 	if err != nil {
 		return nil, err
 	}
-	return &Resolver{diag: d, proc: newProcIndex()}, nil
+	return &Resolver{diag: d, proc: newProcIndex(), names: newNameCache(names)}, nil
 }
 
 // Close releases the netlink socket.
@@ -98,25 +104,22 @@ func (r *Resolver) owner(s diagSocket) (Owner, error) {
 		}
 		o := Owner{UID: c.EUID, GID: c.EGID, Groups: c.Groups, PID: pid, Command: c.Command}
 		if c.EUID == s.UID {
-			return named(o), nil
+			return r.named(o), nil
 		}
 		if fallback == nil {
 			fallback = &o
 		}
 	}
 	if fallback != nil {
-		return named(*fallback), nil
+		return r.named(*fallback), nil
 	}
 	// No process holds it (closing, or held only by the kernel): report the
-	// creator the kernel recorded and its primary group from NSS.
-	o := Owner{UID: s.UID}
-	if u, err := user.LookupId(strconv.FormatUint(uint64(s.UID), 10)); err == nil {
-		if g, err := strconv.ParseUint(u.Gid, 10, 32); err == nil {
-			o.GID = uint32(g)
-		}
-	}
-	return named(o), nil
+	// creator the kernel recorded; its groups are unknown.
+	return r.named(Owner{UID: s.UID, GID: noGID}), nil
 }
+
+// noGID is (gid_t)-1, which no process runs with: "unknown" in an answer.
+const noGID = 1<<32 - 1
 
 func sortedCopy(p []int) []int {
 	c := slices.Clone(p)
@@ -124,25 +127,13 @@ func sortedCopy(p []int) []int {
 	return c
 }
 
-// named fills in user and group names from NSS (empty when unknown).
-func named(o Owner) Owner {
-	o.User = userName(o.UID)
-	o.Group = groupName(o.GID)
+// named fills in user and group names (empty when unknown).
+func (r *Resolver) named(o Owner) Owner {
+	o.User = r.names.user(o.UID)
+	if o.GID != noGID {
+		o.Group = r.names.group(o.GID)
+	}
 	return o
-}
-
-func userName(uid uint32) string {
-	if u, err := user.LookupId(strconv.FormatUint(uint64(uid), 10)); err == nil {
-		return u.Username
-	}
-	return ""
-}
-
-func groupName(gid uint32) string {
-	if g, err := user.LookupGroupId(strconv.FormatUint(uint64(gid), 10)); err == nil {
-		return g.Name
-	}
-	return ""
 }
 
 // LookupLocal returns the owner of a local socket in the calling thread's

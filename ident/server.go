@@ -10,9 +10,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"os/user"
 	"path/filepath"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -20,6 +18,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 
+	"github.com/palisade-hpc/palisade/identity"
 	"github.com/palisade-hpc/palisade/policy"
 )
 
@@ -48,6 +47,8 @@ type ServerConfig struct {
 	MaxRate int
 	// Logger receives the service's log (nil = slog.Default()).
 	Logger *slog.Logger
+	// Names resolves uids/gids to names in answers (nil = identity.System()).
+	Names identity.Resolver
 }
 
 // Stats counts what the UDP service did with queries, for the agent's
@@ -118,7 +119,7 @@ func NewServer(cfg ServerConfig) (_ *Server, err error) {
 		return nil, fmt.Errorf("ident: current netns: %w", err)
 	}
 	s.client = Client{Timeout: cfg.RemoteTimeout, ns: s.ns, hasNS: true}
-	if s.res, err = NewResolver(); err != nil {
+	if s.res, err = NewResolverWith(cfg.Names); err != nil {
 		return nil, err
 	}
 	if s.rtnl, err = netlink.NewHandle(); err != nil {
@@ -140,14 +141,11 @@ func NewServer(cfg ServerConfig) (_ *Server, err error) {
 }
 
 func lookupGroup(g string) (int, error) {
-	if n, err := strconv.Atoi(g); err == nil && n >= 0 {
-		return n, nil
-	}
-	gr, err := user.LookupGroup(g)
+	gid, err := identity.GID(identity.System(), g)
 	if err != nil {
 		return 0, fmt.Errorf("ident: socket group %q: %w", g, err)
 	}
-	return strconv.Atoi(gr.Gid)
+	return int(gid), nil
 }
 
 // listenUnix binds the API socket under a temporary name, sets its owner
