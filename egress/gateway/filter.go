@@ -1,0 +1,167 @@
+package gateway
+
+import (
+	"encoding/binary"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.zx2c4.com/wireguard/tun"
+)
+
+// owners maps overlay addresses to the user holding the lease; replaced
+// wholesale on every lease change so the packet path reads it without locks.
+type owners map[netip.Addr]string
+
+// bucket is a token bucket in bytes. Policing (drop when empty) keeps the
+// forwarding path non-blocking: a sleeping writer would stall every peer.
+type bucket struct {
+	mu     sync.Mutex
+	rate   float64 // bytes per second
+	burst  float64
+	tokens float64
+	last   time.Time
+}
+
+func newBucket(rate int64) *bucket {
+	if rate <= 0 {
+		return nil
+	}
+	// A burst of 50 ms at the rate (at least 64 KiB) lets TCP's windows
+	// open without overshooting the limit on average.
+	burst := max(float64(rate)/20, 64<<10)
+	return &bucket{rate: float64(rate), burst: burst, tokens: burst, last: time.Now()}
+}
+
+func (b *bucket) take(n int, now time.Time) bool {
+	if b == nil {
+		return true
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.tokens = min(b.burst, b.tokens+now.Sub(b.last).Seconds()*b.rate)
+	b.last = now
+	if b.tokens < float64(n) {
+		return false
+	}
+	b.tokens -= float64(n)
+	return true
+}
+
+// Counters are the gateway's forwarding statistics.
+type Counters struct {
+	FromClients   atomic.Uint64 `json:"-"`
+	ToClients     atomic.Uint64 `json:"-"`
+	IsolationDrop atomic.Uint64 `json:"-"`
+	RateDrop      atomic.Uint64 `json:"-"`
+}
+
+// filter sits between wireguard-go and the gateway's network side (kernel
+// tun or netstack). It enforces what WireGuard's cryptokey routing cannot:
+// users are isolated from each other, and bandwidth is limited per user and
+// globally. WireGuard has already dropped packets whose source address is
+// not the sending peer's lease, so the source address is the user's identity.
+type filter struct {
+	tun.Device
+	mtu     int
+	pool    netip.Prefix
+	self    netip.Addr
+	owners  atomic.Pointer[owners]
+	hairpin func([]byte) // netstack mode: client-to-client packets
+	global  *bucket
+	perUser int64
+	users   sync.Map // user -> *bucket
+	c       *Counters
+}
+
+func (f *filter) MTU() (int, error) { return f.mtu, nil }
+
+func (f *filter) userBucket(u string) *bucket {
+	if f.perUser <= 0 {
+		return nil
+	}
+	if b, ok := f.users.Load(u); ok {
+		return b.(*bucket)
+	}
+	b, _ := f.users.LoadOrStore(u, newBucket(f.perUser))
+	return b.(*bucket)
+}
+
+func addrs(p []byte) (src, dst netip.Addr, ok bool) {
+	if len(p) >= 20 && p[0]>>4 == 4 {
+		return netip.AddrFrom4([4]byte(p[12:16])), netip.AddrFrom4([4]byte(p[16:20])), true
+	}
+	if len(p) >= 40 && p[0]>>4 == 6 {
+		return netip.AddrFrom16([16]byte(p[8:24])), netip.AddrFrom16([16]byte(p[24:40])), true
+	}
+	return
+}
+
+// Write takes packets from clients toward the network.
+func (f *filter) Write(bufs [][]byte, offset int) (int, error) {
+	own := *f.owners.Load()
+	now := time.Now()
+	kept := bufs[:0]
+	for _, b := range bufs {
+		p := b[offset:]
+		src, dst, ok := addrs(p)
+		if !ok {
+			continue
+		}
+		srcUser := own[src]
+		if dst != f.self && f.pool.Contains(dst) {
+			if du, ok := own[dst]; !ok || du != srcUser {
+				f.c.IsolationDrop.Add(1)
+				continue
+			}
+		}
+		if !f.global.take(len(p), now) || !f.userBucket(srcUser).take(len(p), now) {
+			f.c.RateDrop.Add(1)
+			continue
+		}
+		f.c.FromClients.Add(uint64(len(p)))
+		if f.hairpin != nil && dst != f.self && f.pool.Contains(dst) {
+			f.hairpin(p)
+			continue
+		}
+		kept = append(kept, b)
+	}
+	if len(kept) == 0 {
+		return len(bufs), nil
+	}
+	if _, err := f.Device.Write(kept, offset); err != nil {
+		return 0, err
+	}
+	return len(bufs), nil
+}
+
+// Read takes packets from the network toward clients; dropped ones get size
+// 0, which wireguard-go skips.
+func (f *filter) Read(bufs [][]byte, sizes []int, offset int) (int, error) {
+	n, err := f.Device.Read(bufs, sizes, offset)
+	if f.global == nil && f.perUser <= 0 {
+		for i := range n {
+			f.c.ToClients.Add(uint64(sizes[i]))
+		}
+		return n, err
+	}
+	own := *f.owners.Load()
+	now := time.Now()
+	for i := range n {
+		p := bufs[i][offset : offset+sizes[i]]
+		_, dst, ok := addrs(p)
+		if !ok {
+			continue
+		}
+		if !f.global.take(len(p), now) || !f.userBucket(own[dst]).take(len(p), now) {
+			f.c.RateDrop.Add(1)
+			sizes[i] = 0
+			continue
+		}
+		f.c.ToClients.Add(uint64(len(p)))
+	}
+	return n, err
+}
+
+var _ = binary.BigEndian
