@@ -83,7 +83,7 @@ func (n *NSS) table() (*Table, error) {
 
 // one looks up a single key; getent asks NSS for exactly that key, which
 // works even where enumeration is disabled.
-func (n *NSS) one(db, key string, nfields int) (*Table, error) {
+func (n *NSS) one(db, key string) (*Table, error) {
 	lines, err := n.getent(db, key)
 	if errors.Is(err, errNotFound) {
 		return &Table{}, nil
@@ -138,8 +138,7 @@ func (n *NSS) query(db, key string) (*Table, error) {
 	if n.Getent == "" {
 		return ReadFiles(n.Passwd, n.Group)
 	}
-	// getent treats an all-digit key as an id; a name must not be one.
-	return n.one(db, key, 0)
+	return n.one(db, key)
 }
 
 // GroupsOf implements Resolver. With getent it asks "initgroups", the same

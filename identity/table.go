@@ -96,13 +96,16 @@ func (t *Table) groupsOf(user string, primary uint32) []uint32 {
 	return dedupe(gids)
 }
 
-// Members implements Resolver. A uid listed twice keeps its first entry.
+// Members implements Resolver. A uid or a name listed twice keeps its first
+// entry: a shadowed name can never log in, so its uid gets no groups.
 func (t *Table) Members() (Membership, error) {
 	m := make(Membership, len(t.Users))
+	names := make(map[string]bool, len(t.Users))
 	for _, u := range t.Users {
-		if _, seen := m[u.UID]; !seen {
+		if _, seen := m[u.UID]; !seen && !names[u.Name] {
 			m[u.UID] = t.groupsOf(u.Name, u.GID)
 		}
+		names[u.Name] = true
 	}
 	return m, nil
 }
