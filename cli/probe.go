@@ -114,8 +114,8 @@ SIGTERM/SIGINT, --lifetime, or (with --exit-on-stdin-eof) until stdin closes.`,
 
 func probeConnectCmd() *cobra.Command {
 	var (
-		planPath, host string
-		deadline       time.Duration
+		planPath, host, outPath string
+		deadline                time.Duration
 	)
 	c := &cobra.Command{
 		Use:   "connect (--plan FILE | proto:host:port ...)",
@@ -160,7 +160,19 @@ kind) and a "done" line. Targets can also be given as arguments: tcp:127.0.0.1:2
 			ctx, cancel := context.WithTimeout(ctx, deadline)
 			defer cancel()
 
-			w := bufio.NewWriter(cmd.OutOrStdout())
+			out := cmd.OutOrStdout()
+			if outPath != "" {
+				// A file per host: MPI ranks share one command line, and
+				// launchers (mpirun, srun) may split stdout lines.
+				f, err := os.OpenFile(strings.ReplaceAll(outPath, "{host}", host),
+					os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o644)
+				if err != nil {
+					return err
+				}
+				defer f.Close()
+				out = f
+			}
+			w := bufio.NewWriter(out)
 			enc := json.NewEncoder(w)
 			enc.Encode(probe.StartLine(host, len(targets)))
 			w.Flush()
@@ -168,11 +180,18 @@ kind) and a "done" line. Targets can also be given as arguments: tcp:127.0.0.1:2
 				enc.Encode(probe.ResultLine(host, r))
 			})
 			enc.Encode(probe.Line{Type: "done", Host: host, PID: os.Getpid(), Cases: len(targets)})
-			return w.Flush()
+			if err := w.Flush(); err != nil {
+				return err
+			}
+			if f, ok := out.(*os.File); ok && outPath != "" {
+				return f.Close()
+			}
+			return nil
 		},
 	}
 	c.Flags().StringVar(&planPath, "plan", "", "plan file (JSON; - for stdin)")
 	c.Flags().StringVar(&host, "host", "", "use this host's targets (default: hostname)")
+	c.Flags().StringVar(&outPath, "out", "", "write the JSON lines to this file instead of stdout ({host} = hostname)")
 	c.Flags().DurationVar(&deadline, "deadline", 60*time.Second, "give up on every case still running after this long")
 	return c
 }

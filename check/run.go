@@ -1,0 +1,569 @@
+package check
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/palisade-hpc/palisade/identity"
+	"github.com/palisade-hpc/palisade/policy"
+	"github.com/palisade-hpc/palisade/probe"
+	"github.com/palisade-hpc/palisade/testbed"
+)
+
+// Options select what Run covers.
+type Options struct {
+	// Mode names the expectation (RegisterMode); default "none".
+	Mode string
+	// Launchers to run; default all.
+	Launchers []Launcher
+	// Quick runs fewer identities (still every launcher, path, protocol
+	// and family).
+	Quick bool
+	// Timeout bounds the whole run (default 5 minutes).
+	Timeout time.Duration
+	// Log receives progress lines; nil = quiet.
+	Log io.Writer
+	// Resolver answers identity questions (default identity.System()).
+	Resolver identity.Resolver
+}
+
+// Run runs the matrix on tb and reports every case. The error is for a run
+// that could not be attempted at all (unknown mode, unreadable policy, no
+// testbed directory); anything that goes wrong once traffic flows — a
+// launcher that cannot start, a listener that does not come up, a process
+// that answers as the wrong user — is a failed case in the report.
+func Run(ctx context.Context, tb *testbed.Testbed, opts Options) (*Report, error) {
+	t0 := time.Now()
+	if opts.Mode == "" {
+		opts.Mode = "none"
+	}
+	expect, err := lookupMode(opts.Mode)
+	if err != nil {
+		return nil, err
+	}
+	if len(opts.Launchers) == 0 {
+		opts.Launchers = Launchers
+	}
+	for _, l := range opts.Launchers {
+		if !slices.Contains(Launchers, l) {
+			return nil, fmt.Errorf("unknown launcher %q (known: %v)", l, Launchers)
+		}
+	}
+	if opts.Timeout <= 0 {
+		opts.Timeout = 5 * time.Minute
+	}
+	if opts.Resolver == nil {
+		opts.Resolver = identity.System()
+	}
+	m, err := buildMatrix(tb, opts.Resolver, opts.Launchers, opts.Quick)
+	if err != nil {
+		return nil, err
+	}
+	// Every node's policy, as the data plane there reads it. Mode none
+	// needs none; any other mode may, so a broken config is an error.
+	pols := map[string]*policy.Policy{}
+	for _, n := range tb.Nodes {
+		cfg, err := policy.Load(tb.ConfigPath(n.Name))
+		if err != nil {
+			if opts.Mode != "none" {
+				return nil, fmt.Errorf("policy of %s: %w", n.Name, err)
+			}
+			continue
+		}
+		pols[n.Name] = cfg.Policy
+	}
+	for _, c := range m.cases {
+		c.Policy = pols[c.Listener.Node]
+		c.Expected = expect(c)
+	}
+
+	ctx, cancel := context.WithTimeout(ctx, opts.Timeout)
+	defer cancel()
+	r := &runner{tb: tb, m: m, log: opts.Log}
+	if err := r.prepare(); err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(r.dir)
+
+	r.logf("matrix: %d cases, %d connector processes, %d listeners on %d hosts", len(m.cases), len(m.procs),
+		len(m.listeners)*len(m.listenerHosts()), len(m.listenerHosts()))
+	r.startListeners(ctx)
+	defer r.stopListeners()
+
+	// Without Slurm first (quick, and the same nodes as Slurm's would
+	// otherwise compete for two cores), then every Slurm and MPI launcher
+	// at once: all sbatch jobs are submitted before anything waits.
+	var direct, slurm []*proc
+	for _, p := range m.procs {
+		if p.Launcher == Plain || p.Launcher == SSH {
+			direct = append(direct, p)
+		} else {
+			slurm = append(slurm, p)
+		}
+	}
+	r.runAll(ctx, direct)
+	r.runAll(ctx, slurm)
+
+	for _, p := range m.procs {
+		r.collect(p)
+	}
+	rep := &Report{Mode: opts.Mode, Testbed: tb.Name, Nodes: len(tb.Nodes), Cases: m.cases,
+		Warnings: r.warnings, Elapsed: time.Since(t0)}
+	if ctx.Err() != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		rep.Warnings = append(rep.Warnings, fmt.Sprintf("run stopped after %v", opts.Timeout))
+	}
+	return rep, nil
+}
+
+type runner struct {
+	tb  *testbed.Testbed
+	m   *matrix
+	log io.Writer
+	dir string // plans; out/ for results (world-writable, sticky)
+
+	mu        sync.Mutex
+	listeners []*listenerProc
+	dead      map[string]string // "host/listener" → why it did not start
+	warnings  []string
+}
+
+func (r *runner) logf(format string, args ...any) {
+	if r.log != nil {
+		fmt.Fprintf(r.log, "check: "+format+"\n", args...)
+	}
+}
+
+func (r *runner) warn(format string, args ...any) {
+	r.mu.Lock()
+	r.warnings = append(r.warnings, fmt.Sprintf(format, args...))
+	r.mu.Unlock()
+}
+
+func (r *runner) outDir() string { return filepath.Join(r.dir, "out") }
+
+// prepare writes one plan per connector process into a directory that every
+// user on every node can read (the testbed directory is shared by all
+// nodes, like an NFS home), with a sticky world-writable out/ for results.
+func (r *runner) prepare() error {
+	dir, err := os.MkdirTemp(r.tb.Dir, "check-")
+	if err != nil {
+		return fmt.Errorf("check run directory: %w", err)
+	}
+	r.dir = dir
+	if err := os.Chmod(dir, 0o755); err != nil {
+		return err
+	}
+	if err := os.Mkdir(r.outDir(), 0o755); err != nil {
+		return err
+	}
+	if err := os.Chmod(r.outDir(), 0o1777); err != nil {
+		return err
+	}
+	for _, p := range r.m.procs {
+		plan := probe.Plan{Hosts: map[string][]probe.Target{}}
+		for _, c := range p.Cases {
+			h := c.Connector.Node
+			plan.Hosts[h] = append(plan.Hosts[h], probe.Target{ID: c.ID, Addr: c.Dst.String(), Proto: c.Proto.String()})
+		}
+		b, _ := json.Marshal(plan)
+		if err := os.WriteFile(r.planPath(p), b, 0o644); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (r *runner) planPath(p *proc) string { return filepath.Join(r.dir, p.tag+".plan.json") }
+
+// listenerProc is one running `palisade probe listen`.
+type listenerProc struct {
+	host  string
+	spec  ListenerSpec
+	cmd   *exec.Cmd
+	stdin io.WriteCloser
+	pid   int // the listener's own pid, from its ready line
+}
+
+// startListeners starts every listener on every targeted host at once and
+// waits for each to report ready (all its sockets bound) with the identity
+// the matrix expects.
+func (r *runner) startListeners(ctx context.Context) {
+	t0 := time.Now()
+	r.dead = map[string]string{}
+	var wg sync.WaitGroup
+	for _, h := range r.m.listenerHosts() {
+		for _, l := range r.m.listeners {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				lp, err := r.startListener(ctx, h, l)
+				r.mu.Lock()
+				defer r.mu.Unlock()
+				if lp != nil {
+					r.listeners = append(r.listeners, lp)
+				}
+				if err != nil {
+					r.dead[h+"/"+l.Name] = err.Error()
+				}
+			}()
+		}
+	}
+	wg.Wait()
+	r.logf("listeners: %d up, %d failed in %v", len(r.listeners)-len(r.dead), len(r.dead), time.Since(t0).Round(time.Millisecond))
+	for k, why := range r.dead {
+		r.logf("listener %s: %s", k, why)
+	}
+}
+
+func (r *runner) startListener(ctx context.Context, host string, l ListenerSpec) (*listenerProc, error) {
+	argv := []string{r.tb.Binary, "probe", "listen", "--ports", strconv.Itoa(int(l.Port)),
+		"--exit-on-stdin-eof", "--lifetime", "1h"}
+	if l.Group != "" {
+		argv = []string{"sg", l.Group, "-c", "exec " + shellJoin(argv)}
+	}
+	cmd := r.tb.Command(ctx, host, asUser(l.User), argv...)
+	cmd.WaitDelay = 2 * time.Second
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	lp := &listenerProc{host: host, spec: l, cmd: cmd, stdin: stdin}
+	line := make(chan string, 1)
+	go func() {
+		s, _ := bufio.NewReader(stdout).ReadString('\n')
+		line <- s
+		io.Copy(io.Discard, stdout)
+	}()
+	var ready struct {
+		Type     string `json:"type"`
+		PID      int    `json:"pid"`
+		UID, GID uint32
+		Host     string `json:"host"`
+	}
+	select {
+	case s := <-line:
+		if err := json.Unmarshal([]byte(s), &ready); err != nil || ready.Type != "ready" {
+			cmd.Wait()
+			return lp, fmt.Errorf("%v %s", cmd.ProcessState, lastLines(stderr.String(), 3))
+		}
+	case <-time.After(15 * time.Second):
+		return lp, errors.New("not ready after 15s")
+	case <-ctx.Done():
+		return lp, ctx.Err()
+	}
+	lp.pid = ready.PID
+	want := r.m.parties[l.Name]
+	if ready.UID != want.UID || ready.GID != want.GID || ready.Host != host {
+		return lp, fmt.Errorf("runs as uid=%d gid=%d on %s, want uid=%d gid=%d on %s",
+			ready.UID, ready.GID, ready.Host, want.UID, want.GID, host)
+	}
+	return lp, nil
+}
+
+// stopListeners ends every listener this run started: by its own pid (sg
+// may stand between the started process and the listener), after checking
+// that the pid is still that listener, then by closing its stdin.
+func (r *runner) stopListeners() {
+	var wg sync.WaitGroup
+	for _, lp := range r.listeners {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			lp.stdin.Close()
+			for _, pid := range []int{lp.pid, lp.cmd.Process.Pid} {
+				if isListener(pid) {
+					syscall.Kill(pid, syscall.SIGTERM)
+				}
+			}
+			done := make(chan struct{})
+			go func() { lp.cmd.Wait(); close(done) }()
+			select {
+			case <-done:
+			case <-time.After(3 * time.Second):
+				lp.cmd.Process.Kill()
+				<-done
+			}
+			// The listener itself, if not our direct child, must be gone too.
+			for i := 0; i < 50 && isListener(lp.pid); i++ {
+				time.Sleep(20 * time.Millisecond)
+			}
+			if isListener(lp.pid) {
+				syscall.Kill(lp.pid, syscall.SIGKILL)
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+// isListener reports whether pid is a live `palisade probe listen`.
+func isListener(pid int) bool {
+	if pid <= 0 {
+		return false
+	}
+	st, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	// Field 3, after the parenthesised command name, is the state.
+	if i := bytes.LastIndexByte(st, ')'); i < 0 || i+2 >= len(st) || st[i+2] == 'Z' {
+		return false
+	}
+	cl, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	return bytes.Contains(cl, []byte("\x00probe\x00listen\x00"))
+}
+
+func asUser(u string) string {
+	if u == "root" {
+		return ""
+	}
+	return u
+}
+
+// connectArgv is the connector command line for p.
+func (r *runner) connectArgv(p *proc) []string {
+	return []string{r.tb.Binary, "probe", "connect", "--plan", r.planPath(p),
+		"--out", filepath.Join(r.outDir(), p.tag+"-{host}.jsonl"), "--deadline", "60s"}
+}
+
+// runAll starts every process at once and returns when all are done.
+// sbatch jobs are submitted first, then waited for together.
+func (r *runner) runAll(ctx context.Context, procs []*proc) {
+	if len(procs) == 0 {
+		return
+	}
+	t0 := time.Now()
+	var wg sync.WaitGroup
+	var jobs []*proc
+	var jmu sync.Mutex
+	for _, p := range procs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if p.Launcher == Sbatch {
+				if r.submit(ctx, p) {
+					jmu.Lock()
+					jobs = append(jobs, p)
+					jmu.Unlock()
+				}
+				return
+			}
+			r.runProc(ctx, p)
+		}()
+	}
+	wg.Wait()
+	if len(jobs) > 0 {
+		r.waitJobs(ctx, jobs)
+	}
+	var names []string
+	for _, l := range Launchers {
+		for _, p := range procs {
+			if p.Launcher == l && !slices.Contains(names, string(l)) {
+				names = append(names, string(l))
+			}
+		}
+	}
+	r.logf("%s: %d connector processes in %v", strings.Join(names, ", "), len(procs), time.Since(t0).Round(time.Millisecond))
+}
+
+// runProc runs one connector under its launcher and waits for it.
+func (r *runner) runProc(ctx context.Context, p *proc) {
+	argv := r.connectArgv(p)
+	user := asUser(p.User)
+	var cmd *exec.Cmd
+	switch p.Launcher {
+	case Plain:
+		cmd = r.tb.Command(ctx, p.Start, user, argv...)
+	case SSH:
+		cmd = r.tb.Command(ctx, p.Start, user, "ssh", p.Hosts[0], shellJoin(argv))
+	case Srun:
+		cmd = r.tb.Command(ctx, p.Start, user, append([]string{"srun", "--job-name=palchk-" + p.tag,
+			"-N1", "-n1", "-w", p.Hosts[0]}, argv...)...)
+	case MPIRun:
+		mpi := []string{"mpirun", "--host", strings.Join(p.Hosts, ","), "-np", strconv.Itoa(len(p.Hosts)),
+			"--map-by", "node"}
+		if p.User == "root" {
+			mpi = append(mpi, "--allow-run-as-root")
+		}
+		cmd = r.tb.Command(ctx, p.Start, user, append(mpi, argv...)...)
+	default:
+		p.failure = fmt.Sprintf("launcher %s cannot run directly", p.Launcher)
+		return
+	}
+	cmd.WaitDelay = 2 * time.Second
+	out, err := cmd.CombinedOutput()
+	p.output = string(out)
+	if err != nil {
+		p.failure = fmt.Sprintf("%s as %s on %s: %v %s", p.Launcher, p.User, p.Start, err, lastLines(p.output, 3))
+	}
+}
+
+// submit queues p as a batch job; false if sbatch refused it.
+func (r *runner) submit(ctx context.Context, p *proc) bool {
+	script := "exec " + shellJoin(r.connectArgv(p))
+	cmd := r.tb.Command(ctx, p.Start, asUser(p.User), "sbatch", "--parsable", "--job-name=palchk-"+p.tag,
+		"-N1", "-n1", "-w", p.Hosts[0], "-o", filepath.Join(r.outDir(), p.tag+".slurm.out"), "--wrap", script)
+	out, err := cmd.CombinedOutput()
+	id, _, _ := strings.Cut(strings.TrimSpace(string(out)), ";")
+	if _, perr := strconv.Atoi(id); err != nil || perr != nil {
+		p.failure = fmt.Sprintf("sbatch as %s on %s: %v %s", p.User, p.Start, err, lastLines(string(out), 3))
+		return false
+	}
+	p.jobID = id
+	return true
+}
+
+// waitJobs polls Slurm until none of the jobs is pending or running. On
+// interrupt or timeout the jobs still there are cancelled.
+func (r *runner) waitJobs(ctx context.Context, jobs []*proc) {
+	ids := make([]string, len(jobs))
+	for i, p := range jobs {
+		ids[i] = p.jobID
+	}
+	start := r.tb.NodeNames()[0]
+	for {
+		out, err := r.tb.Command(ctx, start, "", "squeue", "-h", "-o", "%i %T", "-t", "PD,CF,R,CG,S",
+			"-j", strings.Join(ids, ",")).CombinedOutput()
+		active := 0
+		if err == nil {
+			for _, ln := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+				if f := strings.Fields(ln); len(f) > 0 && slices.Contains(ids, f[0]) {
+					active++
+				}
+			}
+		} else if !strings.Contains(string(out), "Invalid job id") {
+			active = len(ids) // squeue itself failed: keep waiting (bounded by ctx)
+		}
+		if active == 0 {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			cctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			r.tb.Command(cctx, start, "", append([]string{"scancel"}, ids...)...).Run()
+			cancel()
+			for _, p := range jobs {
+				p.failure = fmt.Sprintf("sbatch job %s cancelled: %v", p.jobID, ctx.Err())
+			}
+			return
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+	for _, p := range jobs {
+		b, _ := os.ReadFile(filepath.Join(r.outDir(), p.tag+".slurm.out"))
+		p.output = string(b)
+	}
+}
+
+// collect turns p's result files into observations.
+func (r *runner) collect(p *proc) {
+	files, _ := filepath.Glob(filepath.Join(r.outDir(), p.tag+"-*.jsonl"))
+	starts := map[string]probe.Line{}
+	done := map[string]bool{}
+	results := map[string]probe.Line{}
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue
+		}
+		for _, ln := range bytes.Split(b, []byte("\n")) {
+			var l probe.Line
+			if len(ln) == 0 || json.Unmarshal(ln, &l) != nil {
+				continue
+			}
+			switch l.Type {
+			case "start":
+				starts[l.Host] = l
+			case "done":
+				done[l.Host] = true
+			case "result":
+				results[l.ID] = l
+			}
+		}
+	}
+	why := p.failure
+	if why == "" {
+		why = fmt.Sprintf("%s exited without reporting", p.Launcher)
+		if o := lastLines(p.output, 3); o != "" {
+			why += ": " + o
+		}
+	} else if len(results) == len(p.Cases) {
+		// Everything answered, yet the launcher complained: worth
+		// showing, but the cases stand on their own evidence.
+		r.warn("%s", p.failure)
+	}
+	for _, c := range p.Cases {
+		host := c.Connector.Node
+		st, started := starts[host]
+		l, ok := results[c.ID]
+		switch {
+		case !started:
+			c.Observed = Observation{State: Broken, Error: fmt.Sprintf("no connector started on %s: %s", host, why)}
+		case st.Self == nil || st.Self.UID != p.Connector.UID || st.Self.GID != p.Connector.GID:
+			c.Observed = Observation{State: Broken, Error: fmt.Sprintf("connector on %s ran as %+v, want uid=%d gid=%d",
+				host, st.Self, p.Connector.UID, p.Connector.GID)}
+		case !ok && !done[host]:
+			c.Observed = Observation{State: Broken, Error: fmt.Sprintf("connector on %s did not finish: %s", host, why)}
+		case !ok:
+			c.Observed = Observation{State: Broken, Error: "no result for this case"}
+		case l.Allowed:
+			c.Observed = Observation{State: Allowed, Peer: l.Peer, Micros: l.Micros}
+			if l.Peer == nil || l.Peer.UID != c.Listener.UID || l.Peer.GID != c.Listener.GID || l.Peer.Host != c.Listener.Node {
+				c.Observed.State = Broken
+				c.Observed.Error = fmt.Sprintf("answered by %v, want uid=%d gid=%d host=%s",
+					l.Peer, c.Listener.UID, c.Listener.GID, c.Listener.Node)
+			}
+		default:
+			c.Observed = Observation{State: Refused, Kind: l.Kind, Error: l.Error, Micros: l.Micros}
+		}
+		// A listener that never came up makes any refusal meaningless.
+		if dead, ok := r.dead[c.Listener.Node+"/"+c.Listener.Name]; ok {
+			c.Observed = Observation{State: Broken, Error: fmt.Sprintf("listener %s on %s did not start: %s",
+				c.Listener.Name, c.Listener.Node, dead)}
+		}
+	}
+}
+
+// lastLines keeps the tail of a launcher's output for error messages.
+func lastLines(s string, n int) string {
+	lines := strings.Split(strings.TrimSpace(s), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.TrimSpace(strings.Join(lines, " | "))
+}
+
+// shellJoin quotes argv for a POSIX shell (ssh, sbatch --wrap, sg -c).
+func shellJoin(argv []string) string {
+	q := make([]string, len(argv))
+	for i, a := range argv {
+		if a != "" && strings.Trim(a, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./=:,+@%") == "" {
+			q[i] = a
+		} else {
+			q[i] = "'" + strings.ReplaceAll(a, "'", `'\''`) + "'"
+		}
+	}
+	return strings.Join(q, " ")
+}

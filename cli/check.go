@@ -1,0 +1,85 @@
+package cli
+
+import (
+	"fmt"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/palisade-hpc/palisade/check"
+	"github.com/palisade-hpc/palisade/testbed"
+	"github.com/spf13/cobra"
+)
+
+func init() {
+	var (
+		mode, name, launchers string
+		asJSON, quick, quiet  bool
+		timeout               time.Duration
+	)
+	cmd := &cobra.Command{
+		Use:   "check",
+		Short: "Run the isolation matrix on the running testbed",
+		Long: `Starts real listeners (alice, bob, carol, svc, alice under sg proj1, root on a system
+port) on every node and the outside host, and real connectors (alice, bob, carol, svc, root)
+as plain processes, over ssh, in srun steps, in sbatch jobs and as mpirun ranks on two
+nodes; every connector probes TCP and UDP over IPv4 and IPv6 via loopback, the node's own
+address, another node's eth0 and ib0, and the outside host (plus outside host → node).
+Each observed outcome is compared with what the mode expects: "none" expects everything
+open (today's shared cluster), "userwall" expects the policy core's verdict. Prints a table
+and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			tb, err := testbed.Open(name)
+			if err != nil {
+				return err
+			}
+			if mode == "" {
+				mode = tb.Mode
+				if mode == "" {
+					mode = "none"
+				}
+			}
+			opts := check.Options{Mode: mode, Quick: quick, Timeout: timeout}
+			for _, l := range strings.Split(launchers, ",") {
+				if l = strings.TrimSpace(l); l != "" {
+					opts.Launchers = append(opts.Launchers, check.Launcher(l))
+				}
+			}
+			if !quiet {
+				opts.Log = os.Stderr
+			}
+			ctx, stop := signal.NotifyContext(cmd.Context(), syscall.SIGINT, syscall.SIGTERM)
+			defer stop()
+			rep, err := check.Run(ctx, tb, opts)
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				if err := rep.WriteJSON(cmd.OutOrStdout()); err != nil {
+					return err
+				}
+			} else {
+				rep.WriteTable(cmd.OutOrStdout())
+			}
+			if ctx.Err() != nil {
+				return &exitError{130, "interrupted"}
+			}
+			if _, failed := rep.Counts(); failed > 0 {
+				return &exitError{1, fmt.Sprintf("%d of %d cases did not match mode %s", failed, len(rep.Cases), mode)}
+			}
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&mode, "mode", "", "expectation: "+strings.Join(check.Modes(), ", ")+" (default: the testbed's mode)")
+	f.StringVar(&name, "name", "", "testbed instance (default $PALISADE_TESTBED or pal)")
+	f.StringVar(&launchers, "launchers", "", "comma-separated subset of plain,ssh,srun,sbatch,mpirun (default all)")
+	f.BoolVar(&asJSON, "json", false, "print every case as JSON")
+	f.BoolVar(&quick, "quick", false, "fewer identities (alice, carol, root → alice, bob, alice+proj1, root); every launcher, path, protocol and family")
+	f.BoolVar(&quiet, "quiet", false, "no progress lines on stderr")
+	f.DurationVar(&timeout, "timeout", 5*time.Minute, "give up on the run after this long")
+	register(cmd)
+}
