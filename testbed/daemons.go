@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -71,6 +72,10 @@ func (tb *Testbed) startDaemons(ctx context.Context) error {
 	if _, err := tb.onNode(ctx, tb.Nodes[0], "/usr/sbin/slurmctld", "-i"); err != nil {
 		return err
 	}
+	// A slurmd that cannot register at once retries only ~10 s later.
+	if err := waitPort(ctx, tb.Nodes[0].NetNS, net.JoinHostPort(tb.Nodes[0].Eth0V4.String(), "6817"), 10*time.Second); err != nil {
+		return fmt.Errorf("slurmctld not listening (log %s): %w", filepath.Join(tb.LogDir(), "slurmctld.log"), err)
+	}
 	return parallel(len(tb.Nodes), func(yield func(func() error)) {
 		for _, n := range tb.Nodes {
 			yield(func() error {
@@ -82,6 +87,33 @@ func (tb *Testbed) startDaemons(ctx context.Context) error {
 			})
 		}
 	})
+}
+
+// waitPort waits until a TCP connect to addr from inside netns ns succeeds.
+func waitPort(ctx context.Context, ns, addr string, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		var c net.Conn
+		err := inNetns(ns, func() error {
+			// socket(2) runs on this (switched) thread, so the socket
+			// lives in ns.
+			var err error
+			c, err = net.DialTimeout("tcp", addr, 200*time.Millisecond)
+			return err
+		})
+		if err == nil {
+			c.Close()
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
 }
 
 // waitIdle polls sinfo until every node is idle.
@@ -213,6 +245,12 @@ func (tb *Testbed) killAll() {
 		if time.Now().After(deadline) {
 			sig = syscall.SIGKILL
 		}
+		if debug {
+			for _, p := range pids {
+				b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", p))
+				fmt.Fprintf(os.Stderr, "testbed %s: round %d sig %d pid %d %q\n", tb.Name, round, sig, p, b)
+			}
+		}
 		for _, p := range pids {
 			syscall.Kill(p, sig)
 		}
@@ -222,6 +260,9 @@ func (tb *Testbed) killAll() {
 		}
 	}
 }
+
+// debug ($PALISADE_TESTBED_DEBUG) traces teardown.
+var debug = os.Getenv("PALISADE_TESTBED_DEBUG") != ""
 
 func (tb *Testbed) unmountUTS() {
 	for _, n := range append(append([]Node{}, tb.Nodes...), tb.Outside) {

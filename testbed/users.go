@@ -236,23 +236,27 @@ func releaseShared(ctx context.Context, name string) error {
 			return nil
 		}
 		var errs []error
-		for i := len(s.Users) - 1; i >= 0; i-- {
-			if _, err := user.Lookup(s.Users[i]); err == nil {
-				if _, err := run(ctx, "", "userdel", s.Users[i]); err != nil {
+		// -f: other tests on this machine run processes under these uids
+		// without an account (raw setuid); userdel would refuse then.
+		var keepUsers, keepGroups []string
+		for _, u := range s.Users {
+			if _, err := user.Lookup(u); err == nil {
+				if _, err := run(ctx, "", "userdel", "-f", u); err != nil {
 					errs = append(errs, err)
-					continue
+					keepUsers = append(keepUsers, u)
 				}
 			}
 		}
-		s.Users = nil
+		s.Users = keepUsers
 		for _, g := range s.Groups {
 			if _, err := user.LookupGroup(g); err == nil {
 				if _, err := run(ctx, "", "groupdel", g); err != nil {
 					errs = append(errs, err)
+					keepGroups = append(keepGroups, g)
 				}
 			}
 		}
-		s.Groups = nil
+		s.Groups = keepGroups
 		if err := os.RemoveAll(HomeDir); err != nil {
 			errs = append(errs, err)
 		}
