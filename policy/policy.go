@@ -128,8 +128,20 @@ func (p *Policy) InCluster(addr netip.Addr) bool {
 	return false
 }
 
-// Decide applies the rules in a fixed order, so the rule reported is the
-// first that allows (or the reason for denial).
+// Decide applies the rules in a fixed order and reports the first that
+// decides:
+//
+//  1. system-port: Port <= SystemPortMax, for everyone from anywhere (in the
+//     original, ports below 1024 never reach the daemon at all);
+//  2. off-cluster-port / off-cluster-denied: a source outside ClusterSubnets
+//     carries no trusted identity, so only OffClusterPorts decide for it;
+//  3. same-user: connector uid == listener uid;
+//  4. shared-group: the listener's effective gid is one of the connector's
+//     groups (effective or supplementary) — how newgrp/sg shares a listener;
+//  5. exempt-connector, 6. exempt-listener;
+//  7. default-deny.
+//
+// Among 3-6 the order only changes which allowing rule is reported.
 func (p *Policy) Decide(c Conn) Verdict {
 	if c.Port <= p.SystemPortMax {
 		return Verdict{true, RuleSystemPort}
