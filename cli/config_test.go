@@ -22,7 +22,7 @@ func runConfigCheck(t *testing.T, path string) (string, error) {
 func TestConfigCheck(t *testing.T) {
 	dir := t.TempDir()
 	good := filepath.Join(dir, "good.toml")
-	writeFile(t, good, "[policy]\nexempt_connectors = [\"root\", 4242]\n[cluster]\nsubnets = [\"198.18.0.0/24\"]\n[offcluster]\nallow_ports = [\"9000-9100\"]\n")
+	writeConfigFile(t, good, "[policy]\nexempt_connectors = [\"root\", 4242]\n[cluster]\nsubnets = [\"198.18.0.0/24\"]\n[offcluster]\nallow_ports = [\"9000-9100\"]\n")
 	out, err := runConfigCheck(t, good)
 	if err != nil {
 		t.Fatalf("good config: %v", err)
@@ -34,7 +34,7 @@ func TestConfigCheck(t *testing.T) {
 	}
 
 	bad := filepath.Join(dir, "bad.toml")
-	writeFile(t, bad, "[policy]\nexempt_connectors = [\"pal-no-such-user\"]\n")
+	writeConfigFile(t, bad, "[policy]\nexempt_connectors = [\"pal-no-such-user\"]\n")
 	out, err = runConfigCheck(t, bad)
 	ee, ok := err.(*exitError)
 	if !ok || ee.ExitCode() != 1 || !strings.Contains(err.Error(), bad+`:2: policy.exempt_connectors: unknown user "pal-no-such-user"`) {
@@ -45,7 +45,7 @@ func TestConfigCheck(t *testing.T) {
 	}
 }
 
-func writeFile(t *testing.T, path, data string) {
+func writeConfigFile(t *testing.T, path, data string) {
 	t.Helper()
 	if err := os.WriteFile(path, []byte(data), 0o644); err != nil {
 		t.Fatal(err)
