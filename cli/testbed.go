@@ -104,6 +104,8 @@ func init() {
 			}
 			c := t.Command(context.Background(), args[0], user, args[1:]...)
 			c.Stdin, c.Stdout, c.Stderr = os.Stdin, os.Stdout, os.Stderr
+			// Stay in the terminal's foreground process group.
+			c.SysProcAttr, c.Cancel = nil, nil
 			// The child gets terminal signals itself; don't die before it.
 			signal.Ignore(os.Interrupt, syscall.SIGQUIT)
 			err = c.Run()

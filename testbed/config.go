@@ -187,7 +187,13 @@ exempt_listeners = ["root", "slurm", "svc"]
 [cluster]
 subnets = %s
 nodes = %s
-`, n.Name, tb.Name, q(subnets), q(nodes))
+
+# /run and /var/log are shared by all nodes of the testbed: per-node paths.
+[agent]
+pid_file = "%[5]s/%[1]s/agent.pid"
+ident_socket = "%[5]s/%[1]s/ident.sock"
+event_log = "%[6]s/%[1]s-userwall.jsonl"
+`, n.Name, tb.Name, q(subnets), q(nodes), tb.RunDir(), tb.LogDir())
 }
 
 // writeConfig writes every file of the instance except keys (see genKeys).
@@ -250,6 +256,9 @@ func (tb *Testbed) writeConfig() error {
 			nf["ssh/sshd_config"] = tb.sshdConfig(n)
 			nf["palisade/palisade.toml"] = tb.policyConfig(n)
 			if err := mkdirOwned(filepath.Join(d, "state", n.Name), 0o755, 0, 0); err != nil {
+				return err
+			}
+			if err := os.MkdirAll(filepath.Join(tb.RunDir(), n.Name), 0o755); err != nil {
 				return err
 			}
 			if err := mkdirOwned(filepath.Join(d, "nodetmp", n.Name), 0o1777, 0, 0); err != nil {

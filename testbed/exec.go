@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 )
 
 // account is what Command needs to know of a user.
@@ -130,6 +131,12 @@ func (tb *Testbed) Command(ctx context.Context, node, user string, argv ...strin
 	if a.homeReady {
 		cmd.Dir = a.home
 	}
+	// Own process group, killed as a whole when ctx ends: a listener and
+	// whatever it spawned go away with the caller's context. (Pdeathsig
+	// would not survive setpriv's uid change.) Interactive callers that
+	// need the terminal's foreground group reset SysProcAttr and Cancel.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) }
 	return cmd
 }
 

@@ -267,6 +267,11 @@ func TestTestbed(t *testing.T) {
 			!strings.Contains(out, `exempt_listeners = ["root", "slurm", "svc"]`) || !strings.Contains(out, "node2 of testbed "+tbName) {
 			t.Errorf("palisade.toml on node2: %v\n%s", err, out)
 		}
+		// The policy loader accepts the node's config as written.
+		out, err = tb.Output(ctx, "node3", "", "palisade", "config", "check")
+		if err != nil {
+			t.Errorf("palisade config check on node3: %v\n%s", err, out)
+		}
 		out, err = tb.Output(ctx, "node1", "bob", "getent", "hosts", "node2")
 		if err != nil || !strings.Contains(out, "node2") || !strings.Contains(out, "2001:2::2") && !strings.Contains(out, "198.18.0.2") {
 			t.Errorf("getent hosts node2: %q %v", out, err)
