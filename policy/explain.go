@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/BurntSushi/toml"
+
 	"github.com/palisade-hpc/palisade/identity"
 )
 
@@ -117,7 +119,7 @@ func (p *Policy) offPorts() string {
 	return strings.Join(s, " ")
 }
 
-// Describe renders the effective policy as TOML (valid input for Parse),
+// Describe renders the effective configuration as TOML (valid input for Parse),
 // with names resolved in comments when res is not nil. `palisade config
 // check` prints it.
 func (c *Config) Describe(res identity.Resolver) string {
@@ -167,5 +169,14 @@ func (c *Config) Describe(res identity.Resolver) string {
 		fmt.Fprintf(&b, "nodes   = %s\n", quoted(nodes))
 	}
 	fmt.Fprintf(&b, "\n[offcluster]\nallow_ports = %s\n", quoted(ports))
+	// The data planes' tables, defaults filled in, as their owners typed them.
+	for _, s := range c.sections()[3:] {
+		var t strings.Builder
+		if err := toml.NewEncoder(&t).Encode(s.v); err != nil {
+			fmt.Fprintf(&b, "\n# [%s]: cannot render: %v\n", s.name, err)
+			continue
+		}
+		fmt.Fprintf(&b, "\n[%s]\n%s", s.name, t.String())
+	}
 	return b.String()
 }
