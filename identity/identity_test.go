@@ -4,6 +4,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -204,5 +205,25 @@ func TestMembershipEqual(t *testing.T) {
 	a := Membership{1: {1, 2}, 2: {2}}
 	if !a.Equal(Membership{2: {2}, 1: {1, 2}}) || a.Equal(Membership{1: {1, 2}}) || a.Equal(Membership{1: {2, 1}, 2: {2}}) || a.Equal(Membership{1: {1, 2}, 3: {2}}) {
 		t.Error("Equal")
+	}
+}
+
+func BenchmarkMembers(b *testing.B) {
+	tb := &Table{}
+	for i := range 10000 {
+		name := "u" + strconv.Itoa(i)
+		tb.Users = append(tb.Users, User{Name: name, UID: uint32(10000 + i), GID: uint32(10000 + i)})
+	}
+	for g := range 1000 {
+		grp := Group{Name: "g" + strconv.Itoa(g), GID: uint32(50000 + g)}
+		for j := range 50 {
+			grp.Members = append(grp.Members, "u"+strconv.Itoa((g*37+j*101)%10000))
+		}
+		tb.Groups = append(tb.Groups, grp)
+	}
+	for b.Loop() {
+		if _, err := tb.Members(); err != nil {
+			b.Fatal(err)
+		}
 	}
 }

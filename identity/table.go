@@ -99,11 +99,19 @@ func (t *Table) groupsOf(user string, primary uint32) []uint32 {
 // Members implements Resolver. A uid or a name listed twice keeps its first
 // entry: a shadowed name can never log in, so its uid gets no groups.
 func (t *Table) Members() (Membership, error) {
+	// One pass over the groups: a site database has thousands of users and
+	// groups, and the agent refreshes this every minute.
+	supp := map[string][]uint32{}
+	for _, g := range t.Groups {
+		for _, m := range g.Members {
+			supp[m] = append(supp[m], g.GID)
+		}
+	}
 	m := make(Membership, len(t.Users))
 	names := make(map[string]bool, len(t.Users))
 	for _, u := range t.Users {
 		if _, seen := m[u.UID]; !seen && !names[u.Name] {
-			m[u.UID] = t.groupsOf(u.Name, u.GID)
+			m[u.UID] = dedupe(append([]uint32{u.GID}, supp[u.Name]...))
 		}
 		names[u.Name] = true
 	}
