@@ -35,6 +35,11 @@ import (
 
 const nic = 1
 
+// allowLoopback lets tests relay to 127.0.0.1 (the only host address a unit
+// test may use); never set in production, where a client must not reach the
+// gateway host's loopback.
+var allowLoopback = false
+
 // Stack is a netstack and the tun.Device that feeds it.
 type Stack struct {
 	s      *stack.Stack
@@ -49,9 +54,11 @@ type Stack struct {
 // New creates a stack owning addrs with a default route through the tunnel.
 func New(addrs []netip.Addr, mtu int) (*Stack, error) {
 	s := stack.New(stack.Options{
-		NetworkProtocols:   []stack.NetworkProtocolFactory{ipv4.NewProtocol, ipv6.NewProtocol},
+		NetworkProtocols:   []stack.NetworkProtocolFactory{ipv4.NewProtocolWithOptions(ipv4.Options{AllowExternalLoopbackTraffic: allowLoopback}), ipv6.NewProtocol},
 		TransportProtocols: []stack.TransportProtocolFactory{tcp.NewProtocol, udp.NewProtocol, icmp.NewProtocol4, icmp.NewProtocol6},
-		HandleLocal:        true,
+		// HandleLocal must stay off: in promiscuous mode gVisor would take
+		// every source address for one of its own and drop the packet.
+		HandleLocal: false,
 	})
 	st := &Stack{s: s, ep: channel.New(1024, uint32(mtu), ""), mtu: mtu, events: make(chan tun.Event, 1)}
 	st.ctx, st.cancel = context.WithCancel(context.Background())
