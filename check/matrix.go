@@ -35,11 +35,14 @@ var Listeners = []ListenerSpec{
 	{"root", "root", "", 590},
 }
 
-// quick keeps every launcher, path, protocol and family but fewer
-// identities: same user, shared group, a stranger, and root both ways.
+// quick keeps every launcher, path, protocol and family and every rule of
+// the policy core, with fewer identities: bob meets his own listener (same
+// user), alice's (denied) and alice's under sg proj1 (shared group); carol
+// shares nothing; root is an exempt connector; svc an exempt listener; root
+// listens on a system port.
 var (
-	quickConnectors = []string{"alice", "carol", "root"}
-	quickListeners  = []string{"alice", "bob", "alice+proj1", "root"}
+	quickConnectors = []string{"bob", "carol", "root"}
+	quickListeners  = []string{"alice", "bob", "svc", "alice+proj1", "root"}
 )
 
 // proc is one connector process (or, for mpirun, one job of two ranks):

@@ -78,7 +78,7 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 	f.StringVar(&name, "name", "", "testbed instance (default $PALISADE_TESTBED or pal)")
 	f.StringVar(&launchers, "launchers", "", "comma-separated subset of plain,ssh,srun,sbatch,mpirun (default all)")
 	f.BoolVar(&asJSON, "json", false, "print every case as JSON")
-	f.BoolVar(&quick, "quick", false, "fewer identities (alice, carol, root → alice, bob, alice+proj1, root); every launcher, path, protocol and family")
+	f.BoolVar(&quick, "quick", false, "fewer identities (bob, carol, root → alice, bob, svc, alice+proj1, root): every launcher, path, protocol, family and policy rule")
 	f.BoolVar(&quiet, "quiet", false, "no progress lines on stderr")
 	f.DurationVar(&timeout, "timeout", 5*time.Minute, "give up on the run after this long")
 	register(cmd)
