@@ -11,6 +11,7 @@ import (
 	"slices"
 	"sort"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -22,6 +23,42 @@ const (
 	tbName   = "paltbt"
 	failName = "paltbf"
 )
+
+var (
+	binOnce sync.Once
+	binPath string
+	binErr  error
+	binDir  string
+)
+
+// palisadeBinary builds the palisade binary once for the package's tests.
+func palisadeBinary(t *testing.T) string {
+	t.Helper()
+	binOnce.Do(func() {
+		binDir, binErr = os.MkdirTemp("", "paltb-bin-")
+		if binErr != nil {
+			return
+		}
+		binPath = filepath.Join(binDir, "palisade")
+		cmd := exec.Command("go", "build", "-o", binPath, "github.com/palisade-hpc/palisade/cmd/palisade")
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			binErr = fmt.Errorf("go build: %v\n%s", err, out)
+		}
+	})
+	if binErr != nil {
+		t.Fatal(binErr)
+	}
+	return binPath
+}
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if binDir != "" {
+		os.RemoveAll(binDir)
+	}
+	os.Exit(code)
+}
 
 func needRoot(t *testing.T) {
 	t.Helper()
@@ -181,7 +218,7 @@ func TestTestbed(t *testing.T) {
 	before := takeSnapshot(t)
 
 	start := time.Now()
-	tb, err := Up(ctx, Options{Name: tbName, Nodes: 3, Mode: "tbtest"})
+	tb, err := Up(ctx, Options{Name: tbName, Nodes: 3, Mode: "tbtest", Binary: palisadeBinary(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
