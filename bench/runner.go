@@ -1,0 +1,303 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"slices"
+	"strings"
+	"time"
+)
+
+// Options of a bench run.
+type Options struct {
+	Quick bool
+	Modes []string // default: every mode the bench knows
+	Out   string   // output directory (default docs/benchmarks)
+	Name  string   // testbed instance on this machine
+	// VMName is the VRF-capable VM testbed the uvn mode runs in.
+	VMName string
+	Rounds int      // override the plan's rounds
+	Suites []string // run only these suites (default all of each mode)
+	Plan   *Plan    // override the whole plan
+	Log    io.Writer
+	// Keep leaves testbeds the bench brought up itself running.
+	Keep bool
+	// Opener opens (or brings up) the testbed a mode needs; nil = the
+	// real testbed (OpenTestbed).
+	Opener Opener
+}
+
+// Opener returns the Env for a mode's requirements and a function that
+// releases it (taking down a testbed the bench brought up).
+type Opener func(ctx context.Context, o *Options, req Requirements, log io.Writer) (*Env, func(context.Context) error, error)
+
+// DefaultModes are run when --modes is not given.
+var DefaultModes = []string{"none", "userwall", "uvn", "egress"}
+
+// Run measures every mode against its baseline and writes the results.
+func Run(ctx context.Context, o Options) (*Results, error) {
+	if o.Log == nil {
+		o.Log = io.Discard
+	}
+	if len(o.Modes) == 0 {
+		o.Modes = DefaultModes
+	}
+	for _, m := range o.Modes {
+		if _, err := lookupDriver(m); err != nil {
+			if _, skip := IsSkip(err); !skip {
+				return nil, err
+			}
+		}
+	}
+	for _, s := range o.Suites {
+		if !slices.Contains(allSuites, s) {
+			return nil, fmt.Errorf("unknown suite %q (known: %s)", s, strings.Join(allSuites, ", "))
+		}
+	}
+	plan := FullPlan()
+	if o.Quick {
+		plan = QuickPlan()
+	}
+	if o.Plan != nil {
+		plan = *o.Plan
+	}
+	if o.Rounds > 0 {
+		plan.Rounds = o.Rounds
+	}
+	if o.Opener == nil {
+		o.Opener = OpenTestbed
+	}
+	res := &Results{Started: time.Now().UTC(), Quick: o.Quick, Machine: DescribeMachine(), Plan: plan}
+	// Modes on this machine share one testbed, VM modes share the VM
+	// testbed; each is brought up (if needed) with what all its modes need.
+	type opened struct {
+		env     *Env
+		release func(context.Context) error
+		err     error
+	}
+	need := map[bool]Requirements{}
+	for _, m := range o.Modes {
+		if d, err := lookupDriver(m); err == nil {
+			r := d.Requires()
+			u := need[r.VM]
+			u.VM = r.VM
+			u.Egress = u.Egress || r.Egress
+			if u.TestbedMode == "" {
+				u.TestbedMode = r.TestbedMode
+			}
+			need[r.VM] = u
+		}
+	}
+	envs := map[bool]*opened{}
+	defer func() {
+		for _, op := range envs {
+			if op.release != nil {
+				if err := op.release(context.WithoutCancel(ctx)); err != nil {
+					fmt.Fprintf(o.Log, "bench: releasing testbed: %v\n", err)
+				}
+			}
+		}
+	}()
+	mpi := map[*Env]string{}
+	for _, mode := range o.Modes {
+		if ctx.Err() != nil {
+			break
+		}
+		st := ModeStatus{Name: mode}
+		t0 := time.Now()
+		d, err := lookupDriver(mode)
+		if err == nil {
+			st.Baseline = d.BaselineText()
+			vm := d.Requires().VM
+			op := envs[vm]
+			if op == nil {
+				op = &opened{}
+				op.env, op.release, op.err = o.Opener(ctx, &o, need[vm], o.Log)
+				envs[vm] = op
+			}
+			err = op.err
+			if err == nil {
+				st.Testbed = op.env.Name
+				err = runMode(ctx, &o, plan, d, mode, op.env, res, mpi)
+			}
+		}
+		st.Seconds = time.Since(t0).Seconds()
+		if reason, ok := IsSkip(err); ok {
+			st.Status, st.Reason = "skipped", reason
+			fmt.Fprintf(o.Log, "bench: mode %s skipped: %s\n", mode, reason)
+		} else if err != nil {
+			st.Status, st.Reason = "failed", err.Error()
+			fmt.Fprintf(o.Log, "bench: mode %s failed: %v\n", mode, err)
+		} else {
+			st.Status = "ran"
+		}
+		res.Modes = append(res.Modes, st)
+	}
+	res.Figures = computeFigures(res.Samples)
+	res.Finished = time.Now().UTC()
+	res.Machine.LoadEnd = loadAvg()
+	if o.Out != "" {
+		if err := WriteOutputs(res, o.Out); err != nil {
+			return res, err
+		}
+	}
+	if ctx.Err() != nil {
+		return res, ctx.Err()
+	}
+	return res, nil
+}
+
+var allSuites = []string{SuiteThroughput, SuiteLatency, SuiteConn, SuiteMPI, SuiteScale, SuiteSetup, SuiteEgress}
+
+// runMode runs the interleaved rounds of one mode.
+func runMode(ctx context.Context, o *Options, plan Plan, d Driver, mode string, env *Env, res *Results, mpi map[*Env]string) (err error) {
+	if err := d.Prepare(ctx, env); err != nil {
+		return err
+	}
+	defer func() {
+		if rerr := d.Restore(context.WithoutCancel(ctx), env); rerr != nil && err == nil {
+			err = fmt.Errorf("restore %s: %w", mode, rerr)
+		}
+	}()
+	suites := d.Suites()
+	if len(o.Suites) > 0 {
+		suites = slices.DeleteFunc(slices.Clone(suites), func(s string) bool { return !slices.Contains(o.Suites, s) })
+	}
+	if len(suites) == 0 {
+		return Skip("none of the selected suites applies to mode %s", mode)
+	}
+	if slices.Contains(suites, SuiteMPI) {
+		if _, ok := mpi[env]; !ok {
+			p, err := buildMPI(ctx, env)
+			if err != nil {
+				fmt.Fprintf(o.Log, "bench: MPI suite unavailable: %v\n", err)
+				res.Errors = append(res.Errors, fmt.Sprintf("%s: mpi: %v", mode, err))
+			}
+			mpi[env] = p
+		}
+	}
+	fmt.Fprintf(o.Log, "bench: mode %s on testbed %s: %d rounds of %s\n", mode, env.Name, plan.Rounds, strings.Join(suites, ", "))
+	failures := 0
+	for r := 1; r <= plan.Rounds; r++ {
+		for _, v := range []string{Baseline, Enforced} {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			if err := d.Set(ctx, env, v); err != nil {
+				return fmt.Errorf("round %d: switch to %s: %w", r, v, err)
+			}
+			s := &session{ctx: ctx, env: env, plan: plan, drv: d, mode: mode, variant: v, round: r,
+				res: res, log: o.Log, mpiProg: mpi[env]}
+			var fp *footprint
+			if v == Enforced {
+				fp = startFootprint(d.Processes(ctx, env))
+			}
+			t0 := time.Now()
+			errs := s.runSuites(suites)
+			if fp != nil {
+				for _, f := range fp.finish() {
+					f.Mode, f.Round = mode, r
+					res.Foot = append(res.Foot, f)
+				}
+			}
+			fmt.Fprintf(o.Log, "bench: %s round %d/%d %s: %.1fs\n", mode, r, plan.Rounds, v, time.Since(t0).Seconds())
+			for _, e := range errs {
+				msg := fmt.Sprintf("%s round %d %s: %v", mode, r, v, e)
+				fmt.Fprintln(o.Log, "bench: "+msg)
+				res.Errors = append(res.Errors, msg)
+				failures++
+			}
+		}
+	}
+	if failures > 0 && !hasSamples(res, mode) {
+		return errors.New("every measurement failed (see errors)")
+	}
+	return nil
+}
+
+func hasSamples(res *Results, mode string) bool {
+	for _, s := range res.Samples {
+		if s.Mode == mode {
+			return true
+		}
+	}
+	return false
+}
+
+// session is one measured set: one mode, one variant, one round.
+type session struct {
+	ctx     context.Context
+	env     *Env
+	plan    Plan
+	drv     Driver
+	mode    string
+	variant string
+	round   int
+	res     *Results
+	log     io.Writer
+	mpiProg string
+	servers []*server
+}
+
+func (s *session) emit(bench, series string, x float64, metric string, v float64, note string) {
+	s.res.Samples = append(s.res.Samples, Sample{Mode: s.mode, Variant: s.variant, Round: s.round,
+		Bench: bench, Series: series, X: x, Metric: metric, Value: v, Note: note})
+}
+
+// wrap applies the driver's per-variant command wrapper.
+func (s *session) wrap(user string, argv ...string) []string {
+	return s.drv.Wrap(s.variant, user, argv)
+}
+
+// runSuites runs the selected suites, keeping going after a failure so
+// that one broken measurement does not hide the others.
+func (s *session) runSuites(suites []string) []error {
+	var errs []error
+	needServers := false
+	for _, su := range suites {
+		switch su {
+		case SuiteThroughput, SuiteLatency, SuiteConn, SuiteScale:
+			needServers = true
+		}
+	}
+	if needServers {
+		if err := s.startServers(); err != nil {
+			return []error{err}
+		}
+		defer s.stopServers()
+	}
+	for _, su := range suites {
+		var err error
+		switch su {
+		case SuiteThroughput:
+			err = s.throughput()
+		case SuiteLatency:
+			err = s.latency()
+		case SuiteConn:
+			err = s.conn()
+		case SuiteMPI:
+			err = s.mpi()
+		case SuiteScale:
+			err = s.scale()
+		case SuiteSetup:
+			if s.variant == Enforced {
+				err = s.setup()
+			}
+		case SuiteEgress:
+			err = s.egress()
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", su, err))
+		}
+	}
+	return errs
+}
+
+// fileExists reports whether p exists.
+func fileExists(p string) bool {
+	_, err := os.Stat(p)
+	return err == nil
+}

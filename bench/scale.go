@@ -1,0 +1,272 @@
+package bench
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"math"
+	"net/netip"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+// scale measures how the data plane's per-connection verdict cost grows
+// with the number of concurrent users (each with its own listener and
+// client, all connecting at once) and with the number of live connections
+// already on the node. Scale users are arbitrary uids without passwd
+// entries: the helpers start as root in the node and drop to the uid.
+func (s *session) scale() error {
+	var errs []string
+	if err := s.scaleUsers(); err != nil {
+		errs = append(errs, err.Error())
+	}
+	if err := s.scaleHeld(); err != nil {
+		errs = append(errs, err.Error())
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("%s", strings.Join(errs, "; "))
+	}
+	return nil
+}
+
+func (s *session) scaleUsers() error {
+	client, _, cross, err := s.paths()
+	if err != nil {
+		return err
+	}
+	n2 := s.env.Nodes[1]
+	for _, k := range s.plan.ScaleUsers {
+		var srvs []*server
+		stopAll := func() {
+			for _, sv := range srvs {
+				_ = sv.stop()
+			}
+		}
+		for i := 0; i < k; i++ {
+			uid := ScaleUIDBase + i
+			argv := s.wrap("", s.env.Binary, "bench", "serve", "--conn", strconv.Itoa(PortScaleBase+i),
+				"--uid", strconv.Itoa(uid), "--gid", strconv.Itoa(uid))
+			sv, err := s.env.startServer(s.ctx, n2.Name, "", argv...)
+			if err != nil {
+				stopAll()
+				return fmt.Errorf("scale %d users: %w", k, err)
+			}
+			srvs = append(srvs, sv)
+		}
+		// Every client sleeps until the same instant, so the users really
+		// connect concurrently despite staggered process start-up.
+		startAt := time.Now().Add(time.Second + time.Duration(k)*40*time.Millisecond)
+		results := make([][]ConnResult, k)
+		runErrs := make([]error, k)
+		var wg sync.WaitGroup
+		for i := 0; i < k; i++ {
+			wg.Add(1)
+			go func(i int) {
+				defer wg.Done()
+				uid := ScaleUIDBase + i
+				results[i], runErrs[i] = s.connRun(client.Name, "", netip.AddrPortFrom(cross, uint16(PortScaleBase+i)),
+					[]int{1}, s.plan.ScaleConns,
+					"--uid", strconv.Itoa(uid), "--gid", strconv.Itoa(uid),
+					"--start-at", strconv.FormatInt(startAt.UnixNano(), 10))
+			}(i)
+		}
+		wg.Wait()
+		stopAll()
+		var (
+			first, last int64 = math.MaxInt64, 0
+			total       int
+			connects    []float64
+			failed      int
+			why         string
+		)
+		for i, rs := range results {
+			if runErrs[i] != nil {
+				return fmt.Errorf("scale %d users: user %d: %w", k, i, runErrs[i])
+			}
+			for _, r := range rs {
+				first = min(first, r.StartUnix)
+				last = max(last, r.EndUnix)
+				total += r.Conns*r.Threads - r.Errors
+				connects = append(connects, r.ConnectUS)
+				if r.Errors > 0 {
+					failed += r.Errors
+					why = r.FirstErr
+				}
+			}
+		}
+		note := ""
+		if failed > 0 {
+			note = fmt.Sprintf("%d failed connections (%s)", failed, why)
+		}
+		secs := float64(last-first) / 1e9
+		if secs > 0 {
+			s.emit(SuiteScale, "users-cross", float64(k), "conn_rate", float64(total)/secs, note)
+		}
+		s.emit(SuiteScale, "users-cross", float64(k), "connect_us", medianOf(connects), note)
+		if failed > 0 {
+			return fmt.Errorf("scale %d users: %s", k, note)
+		}
+	}
+	return nil
+}
+
+// scaleHeld measures connection setup with many idle connections open.
+func (s *session) scaleHeld() error {
+	client, _, cross, err := s.paths()
+	if err != nil {
+		return err
+	}
+	threads := 4
+	for _, held := range s.plan.HoldConns {
+		var h *server
+		if held > 0 {
+			argv := s.wrap(BenchUser, s.env.Binary, "bench", "hold",
+				"--addr", netip.AddrPortFrom(cross, PortConn).String(), "-n", strconv.Itoa(held))
+			h, err = s.env.startServer(s.ctx, client.Name, BenchUser, argv...)
+			if err != nil {
+				return fmt.Errorf("hold %d connections: %w", held, err)
+			}
+		}
+		rs, err := s.connRun(client.Name, BenchUser, netip.AddrPortFrom(cross, PortConn), []int{threads}, s.plan.ScaleConns)
+		_ = h.stop()
+		if err != nil {
+			return fmt.Errorf("with %d held connections: %w", held, err)
+		}
+		for _, r := range rs {
+			note := ""
+			if r.Errors > 0 {
+				note = fmt.Sprintf("%d failed connections (%s)", r.Errors, r.FirstErr)
+			}
+			s.emit(SuiteScale, "held-cross", float64(held), "conn_rate", r.Rate, note)
+			s.emit(SuiteScale, "held-cross", float64(held), "connect_us", r.ConnectUS, note)
+		}
+	}
+	return nil
+}
+
+// SetupDriver is implemented by modes with per-user state (uvn): set up
+// and tear down n users on a node, timing each.
+type SetupDriver interface {
+	// SetupUsers sets up n users on node and tears them down again,
+	// returning the per-user setup and teardown times in milliseconds
+	// and the number of objects left behind afterwards.
+	SetupUsers(ctx context.Context, env *Env, node string, n int) (setupMS, teardownMS []float64, leftover int, err error)
+}
+
+// setup: per-user setup time as the number of users on a node grows.
+func (s *session) setup() error {
+	sd, ok := s.drv.(SetupDriver)
+	if !ok {
+		return nil
+	}
+	n, err := s.env.node(0)
+	if err != nil {
+		return err
+	}
+	for _, users := range s.plan.SetupUsers {
+		setup, teardown, left, err := sd.SetupUsers(s.ctx, s.env, n.Name, users)
+		if err != nil {
+			return fmt.Errorf("%d users: %w", users, err)
+		}
+		// Report the median and the last tenth (the users added when the
+		// node already holds most of them): flat means no growth.
+		s.emit(SuiteSetup, "setup", float64(users), "setup_ms", medianOf(setup), "")
+		if len(setup) >= 10 {
+			s.emit(SuiteSetup, "setup-last10pct", float64(users), "setup_ms", medianOf(setup[len(setup)*9/10:]), "")
+		}
+		s.emit(SuiteSetup, "teardown", float64(users), "teardown_ms", medianOf(teardown), "")
+		s.emit(SuiteSetup, "leftover", float64(users), "leftover", float64(left), "")
+	}
+	return nil
+}
+
+// EgressDriver is implemented by the egress mode: the argv of an iperf3
+// client going through the gateway (or directly, for the baseline), and
+// where the iperf3 server runs.
+type EgressDriver interface {
+	// EgressPaths lists the client data paths to measure (e.g. "tun",
+	// "netstack", "socks", "openconnect"); the baseline is always direct.
+	EgressPaths() []string
+	// EgressServer is the node and address of the iperf3 target.
+	EgressServer(env *Env) (node string, addr netip.Addr)
+	// EgressClient returns the node, user and argv running iperf3argv
+	// through path, or directly when path is "".
+	EgressClient(env *Env, path string, iperf3argv []string) (node, user string, argv []string)
+}
+
+// egressJSON parses the iperf3 result of an egress client.
+func egressJSON(out string) (float64, error) {
+	var j iperfJSON
+	if err := json.Unmarshal([]byte(out), &j); err != nil {
+		return 0, err
+	}
+	if j.Error != "" {
+		return 0, fmt.Errorf("iperf3: %s", j.Error)
+	}
+	if j.End.SumReceived.BPS <= 0 {
+		return 0, fmt.Errorf("iperf3 reported no throughput")
+	}
+	return j.End.SumReceived.BPS / 1e6, nil
+}
+
+// egress: iperf3 through the gateway against direct, with 1..20 parallel
+// transfers (reference 002, Table 1). The baseline variant runs direct, the
+// mode variant runs each client data path.
+func (s *session) egress() error {
+	ed, ok := s.drv.(EgressDriver)
+	if !ok {
+		return nil
+	}
+	snode, saddr := ed.EgressServer(s.env)
+	srv, err := s.env.startServer(s.ctx, snode, BenchUser, s.env.Binary, "bench", "serve", "--iperf", strconv.Itoa(PortIperf))
+	if err != nil {
+		return fmt.Errorf("iperf3 server on %s: %w", snode, err)
+	}
+	defer srv.stop()
+	paths := []string{""}
+	if s.variant == Enforced {
+		paths = ed.EgressPaths()
+	}
+	var errs []string
+	for _, path := range paths {
+		series := "direct"
+		if path != "" {
+			series = path
+		}
+		for _, x := range s.plan.EgressXfers {
+			iargv := []string{"iperf3", "-c", saddr.String(), "-p", strconv.Itoa(PortIperf), "-J",
+				"-t", strconv.Itoa(s.plan.IperfSeconds), "-P", strconv.Itoa(x)}
+			if s.plan.IperfOmit > 0 {
+				iargv = append(iargv, "-O", strconv.Itoa(s.plan.IperfOmit))
+			}
+			node, user, argv := ed.EgressClient(s.env, path, iargv)
+			out, err := s.env.run(s.ctx, node, user, argv...)
+			mbit, perr := egressJSON(out)
+			if err != nil || perr != nil {
+				errs = append(errs, fmt.Sprintf("%s %d transfers: %v %v", series, x, err, perr))
+				continue
+			}
+			// Every path is compared with the direct baseline: store the
+			// mode-variant samples under the path's series and the
+			// baseline under each of them too (see egressSeries).
+			for _, ser := range egressSeries(s.variant, series, ed.EgressPaths()) {
+				s.emit(SuiteEgress, ser, float64(x), "mbit_s", mbit, "")
+			}
+		}
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("%s", strings.Join(errs, "; "))
+	}
+	return nil
+}
+
+// egressSeries: a baseline (direct) sample is the baseline of every
+// client path's figure.
+func egressSeries(variant, series string, paths []string) []string {
+	if variant == Baseline {
+		return paths
+	}
+	return []string{series}
+}
