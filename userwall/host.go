@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -61,10 +60,7 @@ func CgroupRoot() (string, error) {
 	if p := mountPoint("/proc/self/mounts", "cgroup2", "/sys/fs/cgroup"); p != "" {
 		return p, nil
 	}
-	if p := mountPoint("/proc/1/mounts", "cgroup2", "/sys/fs/cgroup"); p != "" {
-		return filepath.Join("/proc/1/root", p), nil
-	}
-	return "", errors.New("no cgroup v2 hierarchy mounted (mount -t cgroup2 none /sys/fs/cgroup/unified)")
+	return "", errors.New("no cgroup v2 hierarchy mounted in this mount namespace (a fresh sysfs from `ip netns exec`? enter the node with `nsenter --net=/run/netns/NS` instead; or mount -t cgroup2 none /sys/fs/cgroup/unified)")
 }
 
 func isBPFFS(path string) bool {
@@ -72,35 +68,39 @@ func isBPFFS(path string) bool {
 	return unix.Statfs(path, &st) == nil && uint32(st.Type) == unix.BPF_FS_MAGIC
 }
 
-// BPFFS returns a bpffs mount shared with the rest of the host, mounting one
-// at dir (normally /sys/fs/bpf) in init's mount namespace if none is there.
-// Pins must live in the host's bpffs: every bpffs mount is its own instance,
-// and an agent restarted by `ip netns exec` gets a fresh sysfs. It is never
-// unmounted: other tools share it.
+// BPFFS returns the bpf filesystem at dir (normally /sys/fs/bpf), mounting
+// it if absent. It is never unmounted: other tools share it. Pins must live
+// in the host's bpffs, because every bpffs mount is its own instance: an
+// agent started with a fresh sysfs (`ip netns exec`) would pin where no later
+// command finds them, so site units and the testbed start the agent in the
+// host's mount namespace (see docs/userwall.md).
 func BPFFS(dir string) (string, error) {
 	if isBPFFS(dir) {
 		return dir, nil
 	}
-	host := filepath.Join("/proc/1/root", dir)
-	if isBPFFS(host) {
-		return host, nil
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return "", err
 	}
-	self, _ := os.Readlink("/proc/self/ns/mnt")
-	init, _ := os.Readlink("/proc/1/ns/mnt")
-	if self == init {
-		if err := unix.Mount("bpf", dir, "bpf", 0, "mode=0700"); err != nil {
-			return "", fmt.Errorf("mount bpffs on %s: %w", dir, err)
+	if err := unix.Mount("bpf", dir, "bpf", 0, "mode=0700"); err != nil {
+		return "", fmt.Errorf("mount bpffs on %s: %w", dir, err)
+	}
+	return dir, nil
+}
+
+// findBPFFS locates an existing bpffs for read-only use (status, uninstall):
+// dir itself, or dir as the running agent sees it (/proc/PID/root/...) when
+// the caller is in another mount namespace.
+func findBPFFS(dir string, agentPid int) (string, bool) {
+	if isBPFFS(dir) {
+		return dir, true
+	}
+	if agentPid > 0 {
+		p := filepath.Join(fmt.Sprintf("/proc/%d/root", agentPid), dir)
+		if isBPFFS(p) {
+			return p, true
 		}
-		return dir, nil
 	}
-	out, err := exec.Command("nsenter", "--mount=/proc/1/ns/mnt", "--", "mount", "-t", "bpf", "-o", "mode=0700", "bpf", dir).CombinedOutput()
-	if err != nil {
-		return "", fmt.Errorf("mount bpffs on %s in the host mount namespace: %v: %s", dir, err, out)
-	}
-	if !isBPFFS(host) {
-		return "", fmt.Errorf("bpffs on %s not visible after mount", dir)
-	}
-	return host, nil
+	return dir, false
 }
 
 // PinDir is where one namespace's programs, links and maps are pinned.

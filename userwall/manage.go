@@ -23,8 +23,12 @@ func Uninstall(o AgentOptions) error {
 	} else if o.PidFile != "" {
 		pidFile = o.PidFile
 	}
+	fs, fsOK := findBPFFS(bpffsDir, 0)
 	if pidFile != "" {
 		if pid := ReadPid(pidFile); pid != 0 && pid != os.Getpid() {
+			if !fsOK {
+				fs, fsOK = findBPFFS(bpffsDir, pid)
+			}
 			syscall.Kill(pid, syscall.SIGTERM)
 			for i := 0; i < 100 && ReadPid(pidFile) == pid; i++ {
 				time.Sleep(50 * time.Millisecond)
@@ -41,8 +45,7 @@ func Uninstall(o AgentOptions) error {
 		return err
 	}
 	var errs []error
-	if isBPFFS(bpffsDir) || isBPFFS(filepath.Join("/proc/1/root", bpffsDir)) {
-		fs, _ := BPFFS(bpffsDir)
+	if fsOK {
 		errs = append(errs, RemovePins(PinDir(fs, cookie)))
 	}
 	errs = append(errs, RemoveNft())
@@ -82,16 +85,13 @@ func GetStatus(o AgentOptions) (*Status, error) {
 		return nil, err
 	}
 	s := &Status{Mode: "none", NetnsCookie: cookie, AgentPID: ReadPid(cfg.Agent.PidFile), Nft: NftInstalled()}
-	fs := cfg.Agent.BPFFS
-	if !isBPFFS(fs) {
-		fs = filepath.Join("/proc/1/root", cfg.Agent.BPFFS)
-	}
+	fs, _ := findBPFFS(cfg.Agent.BPFFS, s.AgentPID)
 	s.PinDir = PinDir(fs, cookie)
 	linkDir := filepath.Join(s.PinDir, "links")
 	names := pinnedNames(linkDir)
 	sort.Strings(names)
 	for _, n := range names {
-		l, err := link.LoadPinnedLink(filepath.Join(linkDir, n), &ebpf.LoadPinOptions{ReadOnly: true})
+		l, err := link.LoadPinnedLink(filepath.Join(linkDir, n), nil)
 		if err != nil {
 			s.Warnings = append(s.Warnings, fmt.Sprintf("pinned link %s unreadable: %v", n, err))
 			continue
@@ -124,7 +124,7 @@ func GetStatus(o AgentOptions) (*Status, error) {
 		s.Counters, _ = readCounters(m)
 		m.Close()
 	}
-	if len(s.Links) > 0 {
+	if len(names) > 0 {
 		s.Mode = "userwall"
 		if s.AgentPID == 0 {
 			s.Warnings = append(s.Warnings, "agent not running: pinned programs enforce the last policy, but addresses, groups and events are not kept up to date")

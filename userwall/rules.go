@@ -39,9 +39,10 @@ func pathName(p uint8) string {
 
 // Counter is one (path, rule) decision count summed over CPUs.
 type Counter struct {
-	Path, Rule string
-	Allowed    bool
-	Count      uint64
+	Path    string `json:"path"`
+	Rule    string `json:"rule"`
+	Allowed bool   `json:"allowed"`
+	Count   uint64 `json:"count"`
 }
 
 // ReadCounters sums the per-CPU decision counters.
