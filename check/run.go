@@ -117,6 +117,9 @@ func Run(ctx context.Context, tb *testbed.Testbed, opts Options) (*Report, error
 	}
 	r.runAll(ctx, direct)
 	r.runAll(ctx, slurm)
+	if ctx.Err() != nil {
+		r.cancelJobs()
+	}
 
 	for _, p := range m.procs {
 		r.collect(p)
@@ -399,7 +402,7 @@ func (r *runner) runProc(ctx context.Context, p *proc) {
 	case SSH:
 		cmd = r.tb.Command(ctx, p.Start, user, "ssh", p.Hosts[0], shellJoin(argv))
 	case Srun:
-		cmd = r.tb.Command(ctx, p.Start, user, append([]string{"srun", "--job-name=palchk-" + p.tag,
+		cmd = r.tb.Command(ctx, p.Start, user, append([]string{"srun", "--job-name=" + r.jobName(),
 			"-N1", "-n1", "-w", p.Hosts[0]}, argv...)...)
 	case MPIRun:
 		mpi := []string{"mpirun", "--host", strings.Join(p.Hosts, ","), "-np", strconv.Itoa(len(p.Hosts)),
@@ -412,7 +415,10 @@ func (r *runner) runProc(ctx context.Context, p *proc) {
 		p.failure = fmt.Sprintf("launcher %s cannot run directly", p.Launcher)
 		return
 	}
-	cmd.WaitDelay = 2 * time.Second
+	// On interrupt, let srun and mpirun cancel their job steps (SIGKILL
+	// would leave the steps running until their I/O fails).
+	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
+	cmd.WaitDelay = 5 * time.Second
 	out, err := cmd.CombinedOutput()
 	p.output = string(out)
 	if err != nil {
@@ -420,10 +426,23 @@ func (r *runner) runProc(ctx context.Context, p *proc) {
 	}
 }
 
+// jobName is the Slurm job name of every job of this run, so that an
+// interrupted run can cancel exactly its own jobs.
+func (r *runner) jobName() string {
+	return "palchk-" + strings.TrimPrefix(filepath.Base(r.dir), "check-")
+}
+
+// cancelJobs cancels whatever Slurm still runs for this run.
+func (r *runner) cancelJobs() {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	r.tb.Command(ctx, r.tb.NodeNames()[0], "", "scancel", "--name="+r.jobName()).Run()
+}
+
 // submit queues p as a batch job; false if sbatch refused it.
 func (r *runner) submit(ctx context.Context, p *proc) bool {
 	script := "exec " + shellJoin(r.connectArgv(p))
-	cmd := r.tb.Command(ctx, p.Start, asUser(p.User), "sbatch", "--parsable", "--job-name=palchk-"+p.tag,
+	cmd := r.tb.Command(ctx, p.Start, asUser(p.User), "sbatch", "--parsable", "--job-name="+r.jobName(),
 		"-N1", "-n1", "-w", p.Hosts[0], "-o", filepath.Join(r.outDir(), p.tag+".slurm.out"), "--wrap", script)
 	out, err := cmd.CombinedOutput()
 	id, _, _ := strings.Cut(strings.TrimSpace(string(out)), ";")
@@ -461,9 +480,7 @@ func (r *runner) waitJobs(ctx context.Context, jobs []*proc) {
 		}
 		select {
 		case <-ctx.Done():
-			cctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			r.tb.Command(cctx, start, "", append([]string{"scancel"}, ids...)...).Run()
-			cancel()
+			r.cancelJobs()
 			for _, p := range jobs {
 				p.failure = fmt.Sprintf("sbatch job %s cancelled: %v", p.jobID, ctx.Err())
 			}
@@ -514,6 +531,12 @@ func (r *runner) collect(p *proc) {
 		// showing, but the cases stand on their own evidence.
 		r.warn("%s", p.failure)
 	}
+	wrongLaunch := map[string]string{}
+	for h, st := range starts {
+		if err := p.checkLaunch(st, starts); err != nil {
+			wrongLaunch[h] = err.Error()
+		}
+	}
 	for _, c := range p.Cases {
 		host := c.Connector.Node
 		st, started := starts[host]
@@ -524,6 +547,8 @@ func (r *runner) collect(p *proc) {
 		case st.Self == nil || st.Self.UID != p.Connector.UID || st.Self.GID != p.Connector.GID:
 			c.Observed = Observation{State: Broken, Error: fmt.Sprintf("connector on %s ran as %+v, want uid=%d gid=%d",
 				host, st.Self, p.Connector.UID, p.Connector.GID)}
+		case wrongLaunch[host] != "":
+			c.Observed = Observation{State: Broken, Error: fmt.Sprintf("connector on %s: %s", host, wrongLaunch[host])}
 		case !ok && !done[host]:
 			c.Observed = Observation{State: Broken, Error: fmt.Sprintf("connector on %s did not finish: %s", host, why)}
 		case !ok:
@@ -544,6 +569,44 @@ func (r *runner) collect(p *proc) {
 				c.Listener.Name, c.Listener.Node, dead)}
 		}
 	}
+}
+
+// checkLaunch verifies from the connector's environment that it really ran
+// under p's launcher: a plain process has no launcher variables, ssh leaves
+// SSH_CONNECTION, a Slurm step its job and step ids (a batch job: the id
+// sbatch returned), and mpirun a distinct rank per node in a world of
+// len(Hosts).
+func (p *proc) checkLaunch(st probe.Line, all map[string]probe.Line) error {
+	env := st.Self.Launch
+	has := func(k string) bool { _, ok := env[k]; return ok }
+	switch p.Launcher {
+	case Plain:
+		if len(env) > 0 {
+			return fmt.Errorf("plain process has launcher environment %v", env)
+		}
+	case SSH:
+		if !has("SSH_CONNECTION") {
+			return errors.New("not started by sshd (no SSH_CONNECTION)")
+		}
+	case Srun:
+		if !has("SLURM_JOB_ID") || !has("SLURM_STEP_ID") {
+			return fmt.Errorf("not in a Slurm step (environment %v)", env)
+		}
+	case Sbatch:
+		if env["SLURM_JOB_ID"] != p.jobID {
+			return fmt.Errorf("not in batch job %s (SLURM_JOB_ID=%q)", p.jobID, env["SLURM_JOB_ID"])
+		}
+	case MPIRun:
+		if env["OMPI_COMM_WORLD_SIZE"] != strconv.Itoa(len(p.Hosts)) || !has("OMPI_COMM_WORLD_RANK") {
+			return fmt.Errorf("not an mpirun rank of %d (environment %v)", len(p.Hosts), env)
+		}
+		for h, o := range all {
+			if h != st.Host && o.Self != nil && o.Self.Launch["OMPI_COMM_WORLD_RANK"] == env["OMPI_COMM_WORLD_RANK"] {
+				return fmt.Errorf("rank %s also on %s", env["OMPI_COMM_WORLD_RANK"], h)
+			}
+		}
+	}
+	return nil
 }
 
 // lastLines keeps the tail of a launcher's output for error messages.

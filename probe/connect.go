@@ -318,7 +318,15 @@ type Creds struct {
 	GID    uint32   `json:"gid"`
 	Groups []uint32 `json:"groups"`
 	Rank   string   `json:"rank,omitempty"` // e.g. OMPI_COMM_WORLD_RANK=1
+	// Launch holds the environment a launcher leaves behind (ssh, Slurm,
+	// Open MPI), so a reader can tell how the connector really started.
+	Launch map[string]string `json:"launch,omitempty"`
 }
+
+// launchEnv are the variables that prove a launcher: sshd, slurmstepd and
+// Open MPI's orted set them, a plain process has none of them.
+var launchEnv = []string{"SSH_CONNECTION", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID",
+	"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"}
 
 // StartLine describes the calling connector process.
 func StartLine(host string, cases int) Line {
@@ -334,8 +342,14 @@ func StartLine(host string, cases int) Line {
 			break
 		}
 	}
+	launch := map[string]string{}
+	for _, k := range launchEnv {
+		if v, ok := os.LookupEnv(k); ok {
+			launch[k] = v
+		}
+	}
 	return Line{Type: "start", Host: host, PID: os.Getpid(), Cases: cases,
-		Self: &Creds{UID: uint32(os.Getuid()), GID: uint32(os.Getegid()), Groups: groups, Rank: rank}}
+		Self: &Creds{UID: uint32(os.Getuid()), GID: uint32(os.Getegid()), Groups: groups, Rank: rank, Launch: launch}}
 }
 
 // ResultLine is the output line of one result.
