@@ -361,5 +361,5 @@ func Exchange(addr string, clientPriv, gwPub Key, r Request, timeout time.Durati
 		}
 		return a, nil
 	}
-	return Answer{}, fmt.Errorf("join %s: no answer within %s", addr, timeout)
+	return Answer{}, fmt.Errorf("join %s: no answer within %s (gateway down or unreachable, or it does not hold the key the token pins)", addr, timeout)
 }
