@@ -149,15 +149,6 @@ func (tb *Testbed) waitIdle(ctx context.Context, timeout time.Duration) error {
 // files and every process living in one of its network or UTS namespaces.
 func (tb *Testbed) processes() []int {
 	pids := map[int]bool{}
-	files, _ := filepath.Glob(filepath.Join(tb.RunDir(), "*.pid"))
-	files = append(files, filepath.Join(tb.Dir, "munge", "run", "munged.pid"))
-	for _, f := range files {
-		if b, err := os.ReadFile(f); err == nil {
-			if pid, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && pid > 1 {
-				pids[pid] = true
-			}
-		}
-	}
 	nsIno := map[string]bool{}
 	for _, ns := range tb.netnsNames() {
 		var st unix.Stat_t
@@ -170,6 +161,21 @@ func (tb *Testbed) processes() []int {
 		// Only if the file is still a namespace mount, not the empty file.
 		if unix.Stat(n.UTS, &st) == nil && unix.Stat(filepath.Dir(n.UTS), &parent) == nil && st.Dev != parent.Dev {
 			nsIno[fmt.Sprintf("uts:[%d]", st.Ino)] = true
+		}
+	}
+	// Pid files (munged lives in the host namespace), trusted only if the
+	// process still is ours: a stale file may name a reused PID.
+	files, _ := filepath.Glob(filepath.Join(tb.RunDir(), "*.pid"))
+	files = append(files, filepath.Join(tb.Dir, "munge", "run", "munged.pid"))
+	for _, f := range files {
+		if b, err := os.ReadFile(f); err == nil {
+			if pid, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && pid > 1 {
+				cl, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+				l, _ := os.Readlink(fmt.Sprintf("/proc/%d/ns/net", pid))
+				if bytes.Contains(cl, []byte(tb.Dir+"/")) || nsIno[l] {
+					pids[pid] = true
+				}
+			}
 		}
 	}
 	if len(nsIno) > 0 {

@@ -142,13 +142,16 @@ func (tb *Testbed) bringUp(ctx context.Context, opts Options, s *state) error {
 		return err
 	}
 	if opts.VM {
+		// The guest runs a native testbed with the mode and extensions
+		// (opts carries them): nothing more to do on the host.
 		if err := getVM().Up(ctx, tb, opts); err != nil {
 			return err
 		}
-	} else {
-		if err := tb.bringUpNative(ctx, s); err != nil {
-			return err
-		}
+		s.Phase = "up"
+		return writeState(s)
+	}
+	if err := tb.bringUpNative(ctx, s); err != nil {
+		return err
 	}
 	m, _ := lookupMode(tb.Mode)
 	if err := m.Up(ctx, tb); err != nil {
@@ -299,6 +302,20 @@ func Down(ctx context.Context, name string) error {
 // bring-up).
 func teardown(ctx context.Context, tb *Testbed) error {
 	var errs []error
+	if tb.VM {
+		// The guest's own testbed runs the mode's and extensions' Down.
+		if h := getVM(); h != nil {
+			if err := h.Down(ctx, tb); err != nil {
+				errs = append(errs, err)
+			}
+		} else {
+			errs = append(errs, errors.New("no VM handler registered: the VM was not stopped"))
+		}
+		if err := os.RemoveAll(tb.Dir); err != nil {
+			errs = append(errs, err)
+		}
+		return errors.Join(errs...)
+	}
 	for _, e := range slices.Backward(tb.Extensions) {
 		if x, ok := lookupExtension(e); ok {
 			if err := x.Down(ctx, tb); err != nil {
@@ -313,29 +330,19 @@ func teardown(ctx context.Context, tb *Testbed) error {
 	} else {
 		errs = append(errs, fmt.Errorf("mode %s is not registered in this binary: its Down hook did not run", tb.Mode))
 	}
-	if tb.VM {
-		if h := getVM(); h != nil {
-			if err := h.Down(ctx, tb); err != nil {
-				errs = append(errs, err)
-			}
-		} else {
-			errs = append(errs, errors.New("no VM handler registered: the VM was not stopped"))
+	tb.killAll()
+	tb.unmountUTS()
+	if err := tb.downNetwork(ctx); err != nil {
+		errs = append(errs, err)
+	}
+	for _, n := range append(append([]Node{}, tb.Nodes...), tb.Outside) {
+		l := filepath.Join("/etc/netns", n.NetNS)
+		if t, err := os.Readlink(l); err == nil && strings.HasPrefix(t, tb.Dir+"/") {
+			os.Remove(l)
 		}
-	} else {
-		tb.killAll()
-		tb.unmountUTS()
-		if err := tb.downNetwork(ctx); err != nil {
-			errs = append(errs, err)
-		}
-		for _, n := range append(append([]Node{}, tb.Nodes...), tb.Outside) {
-			l := filepath.Join("/etc/netns", n.NetNS)
-			if t, err := os.Readlink(l); err == nil && strings.HasPrefix(t, tb.Dir+"/") {
-				os.Remove(l)
-			}
-		}
-		if err := releaseShared(ctx, tb.Name); err != nil {
-			errs = append(errs, err)
-		}
+	}
+	if err := releaseShared(ctx, tb.Name); err != nil {
+		errs = append(errs, err)
 	}
 	if err := os.RemoveAll(tb.Dir); err != nil {
 		errs = append(errs, err)
