@@ -107,8 +107,20 @@ func init() {
 			// Stay in the terminal's foreground process group.
 			c.SysProcAttr, c.Cancel = nil, nil
 			// The child gets terminal signals itself; don't die before it.
+			// TERM and HUP sent to palisade are passed on.
 			signal.Ignore(os.Interrupt, syscall.SIGQUIT)
-			err = c.Run()
+			if err := c.Start(); err != nil {
+				return err
+			}
+			fwd := make(chan os.Signal, 1)
+			signal.Notify(fwd, syscall.SIGTERM, syscall.SIGHUP)
+			go func() {
+				for s := range fwd {
+					c.Process.Signal(s)
+				}
+			}()
+			err = c.Wait()
+			signal.Stop(fwd)
 			var ee *exec.ExitError
 			if errors.As(err, &ee) {
 				code := ee.ExitCode()
