@@ -305,3 +305,38 @@ func TestCredentials(t *testing.T) {
 		}
 	})
 }
+
+// TestSlurm: the token travels with the job through srun and sbatch (the
+// submission environment), and the job step's traffic leaves by the tunnel.
+func TestSlurm(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	tok := token(t, "alice", "slurm1", false)
+	cmd := tb.Command(ctx, "node1", "alice", "srun", "-N1", "-w", "node2", "palisade", "egress", "--",
+		"sh", "-c", "curl -sS -m 10 http://outside.pal.test/ && getent hosts alice-slurm1-node2")
+	cmd.Env = append(cmd.Env, "PALISADE_EGRESS_TOKEN="+tok)
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "palisade-outside hello "+GatewayOut.String()) ||
+		!strings.Contains(string(out), "alice-slurm1-node2.egress.palisade") {
+		t.Fatalf("srun: %v\n%s", err, out)
+	}
+	jobOut := filepath.Join(testbed.HomeDir, "alice", "palegt-sbatch.out")
+	os.Remove(jobOut)
+	defer os.Remove(jobOut)
+	cmd = tb.Command(ctx, "node2", "alice", "sbatch", "-N1", "-w", "node1", "-o", jobOut, "--wrap",
+		"palisade egress -- curl -sS -m 10 http://outside.pal.test/; echo job-done")
+	cmd.Env = append(cmd.Env, "PALISADE_EGRESS_TOKEN="+token(t, "alice", "slurm2", false))
+	if out, err := cmd.CombinedOutput(); err != nil || !strings.Contains(string(out), "Submitted batch job") {
+		t.Fatalf("sbatch: %v\n%s", err, out)
+	}
+	var got string
+	for end := time.Now().Add(30 * time.Second); time.Now().Before(end); time.Sleep(200 * time.Millisecond) {
+		b, _ := os.ReadFile(jobOut)
+		if got = string(b); strings.Contains(got, "job-done") {
+			break
+		}
+	}
+	if !strings.Contains(got, "palisade-outside hello "+GatewayOut.String()) {
+		t.Fatalf("sbatch job output: %q", got)
+	}
+}
