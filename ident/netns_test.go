@@ -84,7 +84,7 @@ type scratch struct {
 	helper   string // world-executable copy of the test binary
 }
 
-func needRoot(t *testing.T) {
+func needRoot(t testing.TB) {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: network namespaces and setpriv")
@@ -94,14 +94,14 @@ func needRoot(t *testing.T) {
 	}
 }
 
-func run(t *testing.T, args ...string) {
+func run(t testing.TB, args ...string) {
 	t.Helper()
 	if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
 		t.Fatalf("%s: %v\n%s", strings.Join(args, " "), err, out)
 	}
 }
 
-func newScratch(t *testing.T) *scratch {
+func newScratch(t testing.TB) *scratch {
 	needRoot(t)
 	p := fmt.Sprintf("palid-%d", os.Getpid()%100000)
 	s := &scratch{a: p + "-a", b: p + "-b"}
@@ -154,7 +154,7 @@ func newScratch(t *testing.T) *scratch {
 }
 
 // in runs fn with the calling goroutine's thread in ns.
-func in(t *testing.T, ns netns.NsHandle, fn func()) {
+func in(t testing.TB, ns netns.NsHandle, fn func()) {
 	t.Helper()
 	if err := inNetns(ns, true, func() error { fn(); return nil }); err != nil {
 		t.Fatal(err)
@@ -300,7 +300,7 @@ func TestLookupLocalRealSockets(t *testing.T) {
 
 // startServer runs an ident server in ns with cluster subnets cluster and
 // returns it with its Unix socket path.
-func startServer(t *testing.T, ns netns.NsHandle, cluster []string, group string) (*Server, string) {
+func startServer(t testing.TB, ns netns.NsHandle, cluster []string, group string) (*Server, string) {
 	t.Helper()
 	pol := policy.Default()
 	for _, c := range cluster {

@@ -1,7 +1,6 @@
 package ident
 
 import (
-	"bufio"
 	"bytes"
 	"fmt"
 	"os"
@@ -114,10 +113,8 @@ func readCreds(root string, pid int) (procCreds, error) {
 func parseStatus(b []byte) (procCreds, error) {
 	var c procCreds
 	var haveUID, haveGID bool
-	sc := bufio.NewScanner(bytes.NewReader(b))
-	sc.Buffer(make([]byte, 0, 64*1024), 1024*1024) // Groups can be long
-	for sc.Scan() {
-		key, val, ok := strings.Cut(sc.Text(), ":")
+	for line := range bytes.Lines(b) {
+		key, val, ok := strings.Cut(string(line), ":")
 		if !ok {
 			continue
 		}
@@ -153,5 +150,5 @@ func parseStatus(b []byte) (procCreds, error) {
 	if !haveUID || !haveGID {
 		return c, fmt.Errorf("status: no Uid/Gid lines")
 	}
-	return c, sc.Err()
+	return c, nil
 }

@@ -11,12 +11,15 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 
 	"github.com/palisade-hpc/palisade/identity"
 	"github.com/palisade-hpc/palisade/policy"
@@ -246,6 +249,9 @@ func (s *Server) Run(ctx context.Context) error {
 		wg.Go(func() { errc <- s.serveUnix(ctx) })
 	}
 	s.log.Info("ident service up", "udp", s.UDPAddr(), "unix", s.cfg.SocketPath)
+	if s.udp != nil {
+		warnUnprivilegedPorts(s.log)
+	}
 	var err error
 	select {
 	case <-ctx.Done():
@@ -347,6 +353,7 @@ const unixIdle = 30 * time.Second
 
 func (s *Server) serveUnixConn(ctx context.Context, c *net.UnixConn) {
 	defer c.Close()
+	asker := peerUID(c)
 	stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Now()) })
 	defer stop()
 	r := bufio.NewReaderSize(c, maxQuery+1)
@@ -364,6 +371,7 @@ func (s *Server) serveUnixConn(ctx context.Context, c *net.UnixConn) {
 		}
 		s.unixQ.Add(1)
 		a := s.answerUnix(ctx, line)
+		s.log.Debug("ident: unix API query", "uid", asker, "status", a.Status, "node", a.Node)
 		c.SetWriteDeadline(time.Now().Add(5 * time.Second))
 		if _, err := c.Write(append(encodeAnswer(a), '\n')); err != nil {
 			return
@@ -439,4 +447,31 @@ func (b *bucket) take() bool {
 	}
 	b.tokens--
 	return true
+}
+
+// peerUID is the uid of the Unix API client (SO_PEERCRED), for the log;
+// -1 if unknown.
+func peerUID(c *net.UnixConn) int {
+	uid := -1
+	if rc, err := c.SyscallConn(); err == nil {
+		rc.Control(func(fd uintptr) {
+			if cr, err := unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); err == nil {
+				uid = int(cr.Uid)
+			}
+		})
+	}
+	return uid
+}
+
+// warnUnprivilegedPorts warns when this node lets ordinary users bind
+// "privileged" ports: then a user here could send queries the cluster's
+// ident services take for root's.
+func warnUnprivilegedPorts(log *slog.Logger) {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_unprivileged_port_start")
+	if err != nil {
+		return
+	}
+	if n, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && n < 1024 {
+		log.Warn("net.ipv4.ip_unprivileged_port_start is below 1024: users on this node can send ident queries that peers trust as root's", "value", n)
+	}
 }
