@@ -112,23 +112,24 @@ func drawChart(c chart, mode string, fs []Figure, path string) error {
 	top.Title.Text = c.title
 	top.Y.Label.Text = c.ylabel
 	top.Legend.Top = true
+	top.Legend.Left = true
 	bot.X.Label.Text = c.xlabel
 	bot.Y.Label.Text = fmt.Sprintf("%s / baseline", mode)
 	for _, p := range []*plot.Plot{top, bot} {
 		if c.logX {
 			p.X.Scale = plot.LogScale{}
-			p.X.Tick.Marker = plot.LogTicks{Prec: -1}
+			p.X.Tick.Marker = logTicks{}
 		}
 	}
 	if c.logY {
 		top.Y.Scale = plot.LogScale{}
-		top.Y.Tick.Marker = plot.LogTicks{Prec: -1}
+		top.Y.Tick.Marker = logTicks{}
 	}
 	if c.noRatio {
 		top.X.Label.Text = c.xlabel
 		if c.logX {
 			top.X.Scale = plot.LogScale{}
-			top.X.Tick.Marker = plot.LogTicks{Prec: -1}
+			top.X.Tick.Marker = logTicks{}
 		}
 	}
 	ratioLo, ratioHi := 1.0, 1.0
@@ -257,4 +258,42 @@ func logSafe(p errPts) errPts {
 func saveSingle(p *plot.Plot, path string) error {
 	p.Add(plotter.NewGrid())
 	return p.Save(7*vg.Inch, 4.5*vg.Inch, path)
+}
+
+// logTicks labels 1, 2 and 5 × 10^k (plot.LogTicks labels only powers of
+// ten, which leaves a narrow range such as 20–80 µs without any label).
+type logTicks struct{}
+
+func (logTicks) Ticks(min, max float64) []plot.Tick {
+	if min <= 0 || max <= min {
+		return plot.DefaultTicks{}.Ticks(min, max)
+	}
+	var ts []plot.Tick
+	decades := math.Log10(max / min)
+	for e := math.Floor(math.Log10(min)); math.Pow(10, e) <= max; e++ {
+		base := math.Pow(10, e)
+		for m := 1; m <= 9; m++ {
+			v := float64(m) * base
+			if v < min || v > max {
+				continue
+			}
+			label := ""
+			if m == 1 || (decades < 3 && (m == 2 || m == 5)) {
+				label = humanNum(v)
+			}
+			ts = append(ts, plot.Tick{Value: v, Label: label})
+		}
+	}
+	return ts
+}
+
+// humanNum prints 1024 as 1k, 65536 as 64k: axis labels stay short.
+func humanNum(v float64) string {
+	switch {
+	case v >= 1e6 && math.Mod(v, 1e6) == 0:
+		return fmt.Sprintf("%gM", v/1e6)
+	case v >= 1e3 && math.Mod(v, 1e3) == 0:
+		return fmt.Sprintf("%gk", v/1e3)
+	}
+	return fmt.Sprintf("%g", v)
 }
