@@ -12,7 +12,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/BurntSushi/toml"
 	"github.com/spf13/cobra"
 
 	"github.com/palisade-hpc/palisade/ident"
@@ -92,11 +91,11 @@ may be overridden by flags. --port 0 turns UDP off, --socket "" the Unix API.`,
 	register(identCmd)
 }
 
-// IdentServerConfig maps the [agent] ident keys of cfg onto the ident
+// identServerConfig maps the [agent] ident keys of cfg onto the ident
 // service's configuration (policy included); the agent and `ident serve`
 // share it.
 func identServerConfig(cfg *policy.Config) ident.ServerConfig {
-	a := agentIdentKeys(cfg)
+	a := cfg.Agent
 	return ident.ServerConfig{
 		UDPPort:     uint16(a.IdentPort),
 		DisableUDP:  a.IdentPort == 0,
@@ -165,8 +164,7 @@ type identAccess struct {
 }
 
 func newIdentAccess(cfg *policy.Config, sockFlag string, sockChanged bool, timeout time.Duration) identAccess {
-	k := agentIdentKeys(cfg)
-	a := identAccess{socket: k.IdentSocket, port: uint16(k.IdentPort), timeout: timeout}
+	a := identAccess{socket: cfg.Agent.IdentSocket, port: uint16(cfg.Agent.IdentPort), timeout: timeout}
 	if sockChanged || a.socket == "" {
 		a.socket = sockFlag
 	}
@@ -201,25 +199,4 @@ func (ia identAccess) ownerOf(ctx context.Context, node netip.Addr, target netip
 	}
 	o, err := ident.Client{Port: ia.port, Timeout: ia.timeout}.Query(ctx, node, target, netip.AddrPort{}, proto)
 	return o, node, err
-}
-
-// identKeys are the [agent] keys of the ident service (validated by the
-// policy loader's [agent] table).
-type identKeys struct {
-	IdentPort        int    `toml:"ident_port"`
-	IdentSocket      string `toml:"ident_socket"`
-	IdentSocketGroup string `toml:"ident_socket_group"`
-}
-
-// agentIdentKeys reads the ident keys of [agent], with their defaults.
-// TODO(ident): read cfg.Agent directly once policy/config_agent.go with
-// these keys is committed.
-func agentIdentKeys(cfg *policy.Config) identKeys {
-	k := struct {
-		Agent identKeys `toml:"agent"`
-	}{identKeys{IdentPort: ident.DefaultPort, IdentSocket: ident.DefaultSocketPath}}
-	if !cfg.Default && cfg.Path != "" {
-		toml.DecodeFile(cfg.Path, &k) // already validated by the loader
-	}
-	return k.Agent
 }
