@@ -1,0 +1,358 @@
+// Package vm runs a testbed inside a qemu VM booted with Debian's 6.1 kernel
+// (which has VRF; this machine kind's kernel does not), with the host's root
+// filesystem shared read-only over virtio-9p and an overlayfs with a tmpfs
+// upper layer on top, so the guest can write /etc, /var and /run without
+// touching the host. The guest has no network device at all; the host talks
+// to it over one virtio-serial port, multiplexed (see proto.go).
+//
+// Recipe: shared/notes/vrf-vm.md (TCG unless the CPU really offers vmx/svm;
+// ELF vmlinux through PVH; busybox initramfs; modules loaded on demand from
+// the extracted package over 9p).
+package vm
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+)
+
+// CacheDir holds downloaded packages and the prepared kernel; override with
+// $PALISADE_VM_CACHE.
+func CacheDir() string {
+	if d := os.Getenv("PALISADE_VM_CACHE"); d != "" {
+		return d
+	}
+	return "/var/cache/palisade/vm"
+}
+
+// Kernel is a prepared guest kernel.
+type Kernel struct {
+	Version string // e.g. 6.1.0-56-amd64
+	Image   string // ELF vmlinux (PVH entry) or bzImage
+	Initrd  string
+	// Modules is the extracted /lib/modules of the package; the guest
+	// bind-mounts it (through the 9p root) so modprobe finds every module.
+	Modules string
+}
+
+// initrdModules are loaded from the initramfs itself: enough to mount the
+// host root. Everything else loads from the 9p-mounted module tree.
+var initrdModules = []string{"virtio_pci", "9pnet_virtio", "9p"}
+
+// GuestModules are loaded at boot (others auto-load on demand).
+var GuestModules = []string{"overlay", "virtio_console", "vrf", "vxlan", "veth", "bridge",
+	"nf_tables", "nft_chain_nat", "nft_masq", "nft_ct", "nft_reject_inet", "nf_conntrack",
+	"tcp_diag", "udp_diag", "inet_diag", "unix_diag", "sch_ingress", "cls_bpf"}
+
+func run(ctx context.Context, dir string, name string, args ...string) error {
+	cmd := exec.CommandContext(ctx, name, args...)
+	cmd.Dir = dir
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("%s %s: %w: %s", name, strings.Join(args, " "), err, strings.TrimSpace(out.String()))
+	}
+	return nil
+}
+
+// kernelPackage resolves the ABI-specific package behind linux-image-amd64.
+func kernelPackage(ctx context.Context) (string, error) {
+	if p := os.Getenv("PALISADE_VM_KERNEL_PKG"); p != "" {
+		return p, nil
+	}
+	out, err := exec.CommandContext(ctx, "apt-cache", "depends", "linux-image-amd64").Output()
+	if err == nil {
+		sc := bufio.NewScanner(bytes.NewReader(out))
+		for sc.Scan() {
+			f := strings.Fields(sc.Text())
+			if len(f) == 2 && f[0] == "Depends:" && strings.HasPrefix(f[1], "linux-image-") {
+				return f[1], nil
+			}
+		}
+	}
+	// No package lists (fresh machine): fall back to a package already in the cache.
+	if m, _ := filepath.Glob(filepath.Join(CacheDir(), "linux-image-6.*-amd64_*.deb")); len(m) > 0 {
+		return strings.SplitN(filepath.Base(m[len(m)-1]), "_", 2)[0], nil
+	}
+	return "", errors.New("cannot resolve the kernel package: run `apt-get update` (apt-cache depends linux-image-amd64 found nothing)")
+}
+
+// PrepareKernel downloads (apt-get download, never install) and prepares the
+// guest kernel once; later calls reuse the cache.
+func PrepareKernel(ctx context.Context) (*Kernel, error) {
+	cache := CacheDir()
+	if err := os.MkdirAll(cache, 0o755); err != nil {
+		return nil, err
+	}
+	pkg, err := kernelPackage(ctx)
+	if err != nil {
+		return nil, err
+	}
+	kver := strings.TrimPrefix(pkg, "linux-image-")
+	dir := filepath.Join(cache, kver)
+	k := &Kernel{Version: kver, Image: filepath.Join(dir, "vmlinux"), Initrd: filepath.Join(dir, "initrd.img"),
+		Modules: filepath.Join(dir, "root", "lib", "modules")}
+	stamp := filepath.Join(dir, ".ready-v2")
+	if _, err := os.Stat(stamp); err == nil {
+		return k, nil
+	}
+	debs, _ := filepath.Glob(filepath.Join(cache, pkg+"_*.deb"))
+	if len(debs) == 0 {
+		if err := run(ctx, cache, "apt-get", "download", "-q", pkg); err != nil {
+			if err2 := run(ctx, "/", "apt-get", "update", "-qq"); err2 == nil {
+				err = run(ctx, cache, "apt-get", "download", "-q", pkg)
+			}
+			if err != nil {
+				return nil, fmt.Errorf("download %s: %w", pkg, err)
+			}
+		}
+		debs, _ = filepath.Glob(filepath.Join(cache, pkg+"_*.deb"))
+		if len(debs) == 0 {
+			return nil, fmt.Errorf("apt-get download %s left no .deb in %s", pkg, cache)
+		}
+	}
+	os.RemoveAll(dir)
+	root := filepath.Join(dir, "root")
+	if err := os.MkdirAll(root, 0o755); err != nil {
+		return nil, err
+	}
+	if err := run(ctx, "/", "dpkg-deb", "-x", debs[len(debs)-1], root); err != nil {
+		return nil, err
+	}
+	busybox, err := findBusybox()
+	if err != nil {
+		return nil, err
+	}
+	// The .deb ships no modules.dep (postinst makes it).
+	if err := run(ctx, "/", busybox, "depmod", "-b", root, kver); err != nil {
+		return nil, err
+	}
+	bz := filepath.Join(root, "boot", "vmlinuz-"+kver)
+	if err := extractVmlinux(ctx, bz, k.Image); err != nil {
+		// The bzImage boots too, only ~3.5 s slower under TCG.
+		k.Image = bz
+		if err := os.WriteFile(filepath.Join(dir, "image"), []byte(bz), 0o644); err != nil {
+			return nil, err
+		}
+	}
+	if err := buildInitrd(ctx, busybox, root, kver, k.Initrd); err != nil {
+		return nil, err
+	}
+	if err := os.WriteFile(stamp, nil, 0o644); err != nil {
+		return nil, err
+	}
+	return k, nil
+}
+
+// loadKernel returns the cached kernel's paths (after PrepareKernel).
+func (k *Kernel) image() string {
+	if b, err := os.ReadFile(filepath.Join(filepath.Dir(k.Initrd), "image")); err == nil {
+		return string(b)
+	}
+	return k.Image
+}
+
+func findBusybox() (string, error) {
+	for _, p := range []string{"/bin/busybox", "/usr/bin/busybox"} {
+		if _, err := os.Stat(p); err == nil {
+			return p, nil
+		}
+	}
+	return "", errors.New("busybox not found: install busybox-static")
+}
+
+// extractVmlinux pulls the XZ-compressed ELF out of the bzImage: qemu then
+// boots it through the PVH entry point, skipping in-guest decompression.
+func extractVmlinux(ctx context.Context, bz, dst string) error {
+	b, err := os.ReadFile(bz)
+	if err != nil {
+		return err
+	}
+	i := bytes.Index(b, []byte{0xfd, '7', 'z', 'X', 'Z', 0})
+	if i < 0 {
+		return errors.New("no XZ payload in bzImage")
+	}
+	cmd := exec.CommandContext(ctx, "xz", "-dc", "--single-stream")
+	cmd.Stdin = bytes.NewReader(b[i:])
+	f, err := os.Create(dst + ".tmp")
+	if err != nil {
+		return err
+	}
+	cmd.Stdout = f
+	err = cmd.Run()
+	f.Close()
+	if err != nil {
+		os.Remove(dst + ".tmp")
+		return fmt.Errorf("xz: %w", err)
+	}
+	head := make([]byte, 4)
+	if g, err := os.Open(dst + ".tmp"); err == nil {
+		g.Read(head)
+		g.Close()
+	}
+	if !bytes.Equal(head, []byte("\x7fELF")) {
+		os.Remove(dst + ".tmp")
+		return errors.New("extracted payload is not an ELF")
+	}
+	return os.Rename(dst+".tmp", dst)
+}
+
+// moduleClosure resolves names (with - or _) to .ko paths plus dependencies,
+// from modules.dep.
+func moduleClosure(modDir string, names []string) ([]string, error) {
+	b, err := os.ReadFile(filepath.Join(modDir, "modules.dep"))
+	if err != nil {
+		return nil, err
+	}
+	deps := map[string][]string{}
+	byName := map[string]string{}
+	for _, line := range strings.Split(string(b), "\n") {
+		k, v, ok := strings.Cut(line, ":")
+		if !ok {
+			continue
+		}
+		deps[k] = strings.Fields(v)
+		n := strings.TrimSuffix(filepath.Base(k), ".ko")
+		n = strings.TrimSuffix(n, ".ko.xz")
+		byName[strings.ReplaceAll(n, "-", "_")] = k
+	}
+	seen := map[string]bool{}
+	var out []string
+	var add func(string)
+	add = func(p string) {
+		if seen[p] {
+			return
+		}
+		seen[p] = true
+		for _, d := range deps[p] {
+			add(d)
+		}
+		out = append(out, p)
+	}
+	for _, n := range names {
+		p, ok := byName[strings.ReplaceAll(n, "-", "_")]
+		if !ok {
+			return nil, fmt.Errorf("module %s not in %s", n, modDir)
+		}
+		add(p)
+	}
+	return out, nil
+}
+
+func buildInitrd(ctx context.Context, busybox, root, kver, dst string) error {
+	stage, err := os.MkdirTemp(filepath.Dir(dst), "initrd-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(stage)
+	modDir := filepath.Join(root, "lib", "modules", kver)
+	mods, err := moduleClosure(modDir, initrdModules)
+	if err != nil {
+		return err
+	}
+	for _, d := range []string{"bin", "proc", "sys", "dev", "lower", "host", "upper", "lib/modules/" + kver, "etc", "tmp"} {
+		if err := os.MkdirAll(filepath.Join(stage, d), 0o755); err != nil {
+			return err
+		}
+	}
+	if err := copyFile(busybox, filepath.Join(stage, "bin", "busybox"), 0o755); err != nil {
+		return err
+	}
+	for _, m := range mods {
+		if err := os.MkdirAll(filepath.Join(stage, "lib/modules", kver, filepath.Dir(m)), 0o755); err != nil {
+			return err
+		}
+		if err := copyFile(filepath.Join(modDir, m), filepath.Join(stage, "lib/modules", kver, m), 0o644); err != nil {
+			return err
+		}
+	}
+	for _, f := range []string{"modules.order", "modules.builtin", "modules.builtin.modinfo"} {
+		copyFile(filepath.Join(modDir, f), filepath.Join(stage, "lib/modules", kver, f), 0o644)
+	}
+	if err := run(ctx, "/", busybox, "depmod", "-b", stage, kver); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(stage, "init"), []byte(initScript), 0o755); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(stage, "etc", "inittab"), []byte(inittab), 0o644); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(stage, "agent.sh"), []byte(agentScript), 0o755); err != nil {
+		return err
+	}
+	sh := fmt.Sprintf("cd %s && find . | %s cpio -o -H newc 2>/dev/null | gzip -1 > %s.tmp", stage, busybox, dst)
+	if err := run(ctx, "/", "sh", "-c", sh); err != nil {
+		return err
+	}
+	return os.Rename(dst+".tmp", dst)
+}
+
+func copyFile(src, dst string, mode os.FileMode) error {
+	b, err := os.ReadFile(src)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(dst, b, mode)
+}
+
+// initScript is the initramfs /init: mount the host root over 9p, load
+// modules from the package's tree through it, stack an overlayfs with a
+// tmpfs upper layer on top (so the guest may write anywhere without touching
+// the host), mount the kernel filesystems inside it, then hand over to
+// busybox init (a real PID 1 that reaps orphans) which starts the agent.
+const initScript = `#!/bin/busybox sh
+/bin/busybox --install -s /bin
+export PATH=/bin
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+fail() { echo "PALVM-FAIL $*"; poweroff -f; }
+arg() { for w in $(cat /proc/cmdline); do case "$w" in "$1="*) echo "${w#*=}";; esac; done; }
+echo /bin/modprobe > /proc/sys/kernel/modprobe
+for m in virtio_pci 9pnet_virtio 9p; do modprobe $m || fail modprobe $m; done
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144,ro,cache=loose hostroot /lower || fail mount 9p
+mount --bind /lower$(arg pal.moddir) /lib/modules || fail modules
+for m in $(arg pal.modules | tr , ' '); do modprobe $m || echo "PALVM-WARN modprobe $m"; done
+mount -t tmpfs -o mode=755 upper /upper && mkdir -p /upper/u /upper/w || fail tmpfs
+mount -t overlay overlay -o lowerdir=/lower,upperdir=/upper/u,workdir=/upper/w /host || fail overlay
+mount -t proc proc /host/proc
+mount -t sysfs sysfs /host/sys
+mount -t devtmpfs devtmpfs /host/dev
+mkdir -p /host/dev/pts /host/dev/shm
+mount -t devpts -o newinstance,ptmxmode=0666 devpts /host/dev/pts
+mount -t tmpfs -o mode=1777 shm /host/dev/shm
+mount -t cgroup2 cgroup2 /host/sys/fs/cgroup || fail cgroup2
+mount -t bpf bpf /host/sys/fs/bpf
+mount -t tmpfs -o mode=755 run /host/run
+mount -t tmpfs -o mode=1777 tmp /host/tmp
+hostname palvm
+echo PALVM-BOOTED
+exec /bin/busybox init
+`
+
+const inittab = `::sysinit:/bin/true
+::once:/bin/sh /agent.sh
+::ctrlaltdel:/bin/poweroff -f
+`
+
+// agentScript starts the agent in the overlay root; the guest powers off
+// when it ends.
+const agentScript = `#!/bin/busybox sh
+export PATH=/bin
+arg() { for w in $(cat /proc/cmdline); do case "$w" in "$1="*) echo "${w#*=}";; esac; done; }
+port=
+for n in /sys/class/virtio-ports/*/name; do [ "$(cat $n)" = pal.ctl ] && port=/dev/$(basename $(dirname $n)); done
+[ -n "$port" ] || echo "PALVM-FAIL no control port"
+chroot /host /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
+  $(arg pal.agent) vm agent --port "$port" $(cat /proc/cmdline)
+echo "PALVM-EXIT $?"
+sync
+poweroff -f
+`
