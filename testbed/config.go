@@ -248,7 +248,11 @@ func (tb *Testbed) writeConfig() error {
 			return err
 		}
 		nf := map[string]string{
-			"hosts":          hosts,
+			"hosts": hosts,
+			// The host's resolver is unreachable from the testbed (and
+			// must not be sent to): names beyond /etc/hosts fail at once
+			// on loopback instead of timing out.
+			"resolv.conf":    "# testbed " + tb.Name + ": no DNS beyond /etc/hosts unless an extension provides one\nnameserver 127.0.0.1\noptions timeout:1 attempts:1\n",
 			"hostname":       n.Name + "\n",
 			"ssh/ssh_config": tb.sshConfig(),
 		}

@@ -313,6 +313,11 @@ func TestTestbed(t *testing.T) {
 		if err != nil || !strings.Contains(out, "node2") || !strings.Contains(out, "2001:2::2") && !strings.Contains(out, "198.18.0.2") {
 			t.Errorf("getent hosts node2: %q %v", out, err)
 		}
+		// Unknown names fail at once inside the testbed (no query leaves it).
+		t0 := time.Now()
+		if out, err := tb.Output(ctx, "node1", "alice", "getent", "hosts", "nonesuch.example"); err == nil || time.Since(t0) > 2*time.Second {
+			t.Errorf("lookup of an unknown name: %q %v after %s", out, err, time.Since(t0))
+		}
 		if _, err := os.Stat("/etc/palisade/palisade.toml"); err == nil {
 			t.Error("the host's /etc/palisade got the node's config")
 		}
