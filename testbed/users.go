@@ -169,8 +169,11 @@ func acquireShared(ctx context.Context, name string) error {
 				return err
 			}
 			s.Groups = append(s.Groups, ProjectGroup)
+		}
+		if slices.Contains(s.Groups, ProjectGroup) {
 			// gpasswd -M writes the members to /etc/group and /etc/gshadow,
-			// so `sg proj1` works for them without a password.
+			// so `sg proj1` works for them without a password. Redone each
+			// time: users re-created after a crash lose their membership.
 			if _, err := run(ctx, "", "gpasswd", "-M", projectMembers, ProjectGroup); err != nil {
 				return err
 			}
