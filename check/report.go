@@ -222,8 +222,12 @@ func (c *Case) Record() CaseRecord {
 // WriteJSON prints the whole report as one JSON document, one case per line.
 func (r *Report) WriteJSON(w io.Writer) error {
 	passed, failed := r.Counts()
+	warnings := r.Warnings
+	if warnings == nil {
+		warnings = []string{}
+	}
 	head, _ := json.Marshal(map[string]any{"mode": r.Mode, "testbed": r.Testbed, "nodes": r.Nodes,
-		"passed": passed, "failed": failed, "elapsed_ms": r.Elapsed.Milliseconds(), "warnings": r.Warnings})
+		"passed": passed, "failed": failed, "elapsed_ms": r.Elapsed.Milliseconds(), "warnings": warnings})
 	// Splice the cases in so that each sits on its own line.
 	if _, err := fmt.Fprintf(w, "%s,\n\"cases\":[\n", head[:len(head)-1]); err != nil {
 		return err
