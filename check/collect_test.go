@@ -174,4 +174,3 @@ func TestCollect(t *testing.T) {
 		t.Errorf("json: %d/%d/%d", doc.Passed, doc.Failed, len(doc.Cases))
 	}
 }
-
