@@ -126,6 +126,12 @@ func newScratch(t testing.TB) *scratch {
 		run(t, "ip", "-n", n.ns, "link", "set", n.dev, "up")
 		run(t, "ip", "-n", n.ns, "link", "set", "lo", "up")
 	}
+	// A node address on loopback, reached by a route (as on routed
+	// clusters): answers must still come from it.
+	run(t, "ip", "-n", s.a, "addr", "add", "198.18.79.1/32", "dev", "lo")
+	run(t, "ip", "-n", s.a, "addr", "add", "2001:2:79::1/128", "dev", "lo")
+	run(t, "ip", "-n", s.b, "route", "add", "198.18.79.1/32", "via", "198.18.77.1")
+	run(t, "ip", "-n", s.b, "route", "add", "2001:2:79::1/128", "via", "2001:2:77::1")
 	var err error
 	if s.nsA, err = netns.GetFromName(s.a); err != nil {
 		t.Fatal(err)
@@ -365,8 +371,9 @@ func TestServiceUDP(t *testing.T) {
 	cl := Client{Timeout: 500 * time.Millisecond, ns: s.nsB, hasNS: true}
 	ctx := context.Background()
 
-	// Positive: root in the cluster, privileged port, IPv4 and IPv6.
-	for _, node := range []string{"198.18.77.1", "2001:2:77::1"} {
+	// Positive: root in the cluster, privileged port, IPv4 and IPv6, to
+	// interface addresses and to addresses on lo behind a route.
+	for _, node := range []string{"198.18.77.1", "2001:2:77::1", "198.18.79.1", "2001:2:79::1"} {
 		a := netip.MustParseAddr(node)
 		o, err := cl.Query(ctx, a, netip.AddrPortFrom(a, port), netip.AddrPort{}, policy.TCP)
 		checkOwner(t, "remote query to "+node, o, err, 2001, 2100, groups, l.pid)

@@ -134,6 +134,9 @@ func NewServer(cfg ServerConfig) (_ *Server, err error) {
 		if err != nil {
 			return nil, fmt.Errorf("ident: UDP port %d: %w", cfg.UDPPort, err)
 		}
+		if err = enablePktinfo(s.udp); err != nil {
+			return nil, fmt.Errorf("ident: UDP port %d: packet info: %w", cfg.UDPPort, err)
+		}
 	}
 	if !cfg.DisableUnix {
 		if s.unixL, err = listenUnix(cfg.SocketPath, gid); err != nil {
@@ -264,8 +267,9 @@ func (s *Server) Run(ctx context.Context) error {
 
 func (s *Server) serveUDP() error {
 	buf := make([]byte, maxQuery+1)
+	oob := make([]byte, 128)
 	for {
-		n, from, err := s.udp.ReadFromUDPAddrPort(buf)
+		n, oobn, _, from, err := s.udp.ReadMsgUDPAddrPort(buf, oob)
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
 				return nil
@@ -295,7 +299,7 @@ func (s *Server) serveUDP() error {
 			continue
 		}
 		a := s.answerUDP(buf[:n])
-		s.udp.WriteToUDPAddrPort(encodeAnswer(a), from)
+		s.udp.WriteMsgUDPAddrPort(encodeAnswer(a), srcOOB(pktDst(oob[:oobn])), from)
 	}
 }
 
