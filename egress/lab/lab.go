@@ -45,7 +45,8 @@ type Env struct {
 	RootDir  string // state dir of the root gateway
 	UserDir  string // state dir of the unprivileged gateway
 	PIDs     []int
-	Routes   []string // nodes' netns that got the "unreachable outside" route
+	Procs    map[string]int // service name -> PID (gateway-root, gateway-user, ...)
+	Routes   []string       // nodes' netns that got the "unreachable outside" route
 	UserUID  int
 	Binary   string
 	RootKey  string
@@ -213,6 +214,10 @@ func (e *Env) spawn(netns string, uid int, name string, argv ...string) error {
 		return fmt.Errorf("%s: %v", name, err)
 	}
 	e.PIDs = append(e.PIDs, cmd.Process.Pid)
+	if e.Procs == nil {
+		e.Procs = map[string]int{}
+	}
+	e.Procs[name] = cmd.Process.Pid
 	go cmd.Wait() // reap it if it dies while we run
 	b, _ := json.MarshalIndent(e, "", " ")
 	return os.WriteFile(filepath.Join(e.Dir, "env.json"), b, 0o644)
@@ -232,7 +237,8 @@ func (e *Env) down(ctx context.Context) error {
 	for _, pid := range e.PIDs {
 		// Only signal what is still our process (the PID may be reused).
 		if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid)); err == nil &&
-			(strings.Contains(string(b), "gateway") || strings.Contains(string(b), "__egress-outside") || strings.Contains(string(b), "iperf3")) {
+			(strings.Contains(string(b), "gateway") || strings.Contains(string(b), "__egress-outside") ||
+				strings.Contains(string(b), "iperf3") || strings.Contains(string(b), "ocserv")) {
 			syscall.Kill(pid, syscall.SIGTERM)
 		}
 	}
