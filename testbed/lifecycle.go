@@ -105,6 +105,21 @@ func Up(ctx context.Context, opts Options) (*Testbed, error) {
 		if err := checkUsers(); err != nil {
 			return nil, err
 		}
+		// Never adopt (and later delete) objects this instance did not make.
+		probe := build(&state{Name: opts.Name, Nodes: opts.Nodes})
+		for _, ns := range probe.netnsNames() {
+			if _, err := os.Lstat("/run/netns/" + ns); err == nil {
+				return nil, fmt.Errorf("network namespace %s exists but testbed %s has no state: remove it or use another --name", ns, opts.Name)
+			}
+			if _, err := os.Lstat("/etc/netns/" + ns); err == nil {
+				return nil, fmt.Errorf("/etc/netns/%s exists but testbed %s has no state: remove it or use another --name", ns, opts.Name)
+			}
+		}
+		for _, l := range probe.hostLinks() {
+			if _, err := os.Lstat("/sys/class/net/" + l); err == nil {
+				return nil, fmt.Errorf("link %s exists but testbed %s has no state: remove it or use another --name", l, opts.Name)
+			}
+		}
 	}
 
 	s := &state{Name: opts.Name, Nodes: opts.Nodes, Mode: opts.Mode, VM: opts.VM, Phase: "starting"}
