@@ -493,5 +493,30 @@ func TestNewServerRejects(t *testing.T) {
 	if b, _ := os.ReadFile(p); string(b) != "x" {
 		t.Error("file in the way was touched")
 	}
+	// A server that stops leaves a successor's socket alone.
+	sp := filepath.Join(t.TempDir(), "ident.sock")
+	first, err := NewServer(ServerConfig{DisableUDP: true, SocketPath: sp})
+	if err != nil {
+		t.Fatal(err)
+	}
+	second, err := NewServer(ServerConfig{DisableUDP: true, SocketPath: sp})
+	if err != nil {
+		t.Fatal(err)
+	}
+	first.Close()
+	first.Close()
+	if c, err := net.Dial("unix", sp); err != nil {
+		t.Errorf("successor's socket after the first server closed: %v", err)
+	} else {
+		c.Close()
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := second.Run(ctx); err != nil {
+		t.Error(err)
+	}
+	if _, err := os.Lstat(sp); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("socket left after Run: %v", err)
+	}
 	runtime.GC()
 }

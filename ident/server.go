@@ -78,6 +78,9 @@ type Server struct {
 	client Client
 	limit  *bucket
 
+	sockFile  os.FileInfo // the Unix socket as created, to remove only ours
+	closeOnce sync.Once
+
 	answered, noSocket, badQuery, unpriv, offCluster, rateLimited, unixQ, forwarded atomic.Uint64
 }
 
@@ -115,7 +118,7 @@ func NewServer(cfg ServerConfig) (_ *Server, err error) {
 	s.pol.Store(cfg.Policy)
 	defer func() {
 		if err != nil {
-			s.close()
+			s.Close()
 		}
 	}()
 	if s.ns, err = netns.Get(); err != nil {
@@ -142,6 +145,7 @@ func NewServer(cfg ServerConfig) (_ *Server, err error) {
 		if s.unixL, err = listenUnix(cfg.SocketPath, gid); err != nil {
 			return nil, err
 		}
+		s.sockFile, _ = os.Lstat(cfg.SocketPath)
 	}
 	return s, nil
 }
@@ -191,13 +195,21 @@ func listenUnix(path string, gid int) (*net.UnixListener, error) {
 	return l, nil
 }
 
+// Close releases everything NewServer opened, for a server that will not
+// Run (Run closes by itself). It is safe to call more than once.
+func (s *Server) Close() { s.closeOnce.Do(s.close) }
+
 func (s *Server) close() {
 	if s.udp != nil {
 		s.udp.Close()
 	}
 	if s.unixL != nil {
 		s.unixL.Close()
-		os.Remove(s.cfg.SocketPath)
+		// Remove the socket only if it is still ours: a restarted
+		// service may already have put its own in place.
+		if fi, err := os.Lstat(s.cfg.SocketPath); err == nil && s.sockFile != nil && os.SameFile(fi, s.sockFile) {
+			os.Remove(s.cfg.SocketPath)
+		}
 	}
 	if s.res != nil {
 		s.res.Close()
@@ -241,6 +253,10 @@ const udpWorkers = 4
 // Run serves until ctx is done, then closes everything (removing the Unix
 // socket) and returns nil; it returns an error only if serving failed.
 func (s *Server) Run(ctx context.Context) error {
+	// Cancelled on any exit, so Unix API clients are let go at once even
+	// when serving stops on an error rather than on the caller's ctx.
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	var wg sync.WaitGroup
 	errc := make(chan error, udpWorkers+1)
 	if s.udp != nil {
@@ -260,7 +276,8 @@ func (s *Server) Run(ctx context.Context) error {
 	case <-ctx.Done():
 	case err = <-errc:
 	}
-	s.close()
+	cancel()
+	s.Close()
 	wg.Wait()
 	return err
 }
