@@ -181,7 +181,8 @@ func connectorSource(cfg *policy.Config, node string, target netip.AddrPort) (ne
 	if err != nil {
 		return netip.Addr{}, "", err
 	}
-	if a == target.Addr() || (a.IsLoopback() && isLocalAddr(target.Addr())) {
+	// The listener's node itself (any of its addresses, when we run there).
+	if a == target.Addr() || (isLocalAddr(a) && isLocalAddr(target.Addr())) {
 		return netip.Addr{}, fmt.Sprintf("%s (%v), the listener's node: a local connection", node, a), nil
 	}
 	return a, fmt.Sprintf("%s, source %v", node, a), nil
