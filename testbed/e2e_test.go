@@ -19,7 +19,7 @@ import (
 // the process table, /etc/netns and /etc/passwd.
 func TestEndToEnd(t *testing.T) {
 	needRoot(t)
-	const name = "paltbe"
+	name := e2eName
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
 	bin := palisadeBinary(t)

@@ -10,6 +10,7 @@ import (
 	"regexp"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -17,12 +18,38 @@ import (
 	"time"
 )
 
-// Instance names of this package's tests (other packages run their own
-// testbeds at the same time).
-const (
-	tbName   = "paltbt"
-	failName = "paltbf"
+// Instance names of this package's tests: other packages run their own
+// testbeds at the same time, and two runs of this package (a developer's
+// and `make test`) must not collide, so the names carry the test's pid.
+var (
+	tbName   = testName('t')
+	failName = testName('f')
+	e2eName  = testName('e')
+	// testNameRE matches the names of any run of this package.
+	testNameRE = regexp.MustCompile(`^pal[tfe](\d{5})$`)
 )
+
+func testName(kind byte) string { return fmt.Sprintf("pal%c%05d", kind, os.Getpid()%100000) }
+
+// cleanStale takes down instances of runs of this package that died
+// without cleaning up (their pid is gone).
+func cleanStale() {
+	ents, _ := os.ReadDir(BaseDir)
+	for _, e := range ents {
+		m := testNameRE.FindStringSubmatch(e.Name())
+		if m == nil || !e.IsDir() {
+			continue
+		}
+		pid, _ := strconv.Atoi(m[1])
+		if pid == os.Getpid()%100000 {
+			continue
+		}
+		if _, err := os.Stat(fmt.Sprintf("/proc/%d", pid)); err == nil {
+			continue // maybe still running (or a reused pid: leave it)
+		}
+		Down(context.Background(), e.Name())
+	}
+}
 
 var (
 	binOnce sync.Once
@@ -53,6 +80,9 @@ func palisadeBinary(t *testing.T) string {
 }
 
 func TestMain(m *testing.M) {
+	if os.Geteuid() == 0 {
+		cleanStale()
+	}
 	code := m.Run()
 	if binDir != "" {
 		os.RemoveAll(binDir)
