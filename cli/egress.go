@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"runtime/pprof"
 	"syscall"
 	"time"
 
@@ -63,6 +64,11 @@ func init() {
 				return err
 			}
 			defer g.Close()
+			if p := os.Getenv("PALISADE_EGRESS_CPUPROFILE"); p != "" {
+				if f, err := os.Create(p); err == nil && pprof.StartCPUProfile(f) == nil {
+					defer pprof.StopCPUProfile()
+				}
+			}
 			sig := make(chan os.Signal, 1)
 			signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
 			<-sig
@@ -231,6 +237,11 @@ func init() {
 				o.GatewayKey = ec.GatewayKey
 			}
 			o.Cmd = args
+			if p := os.Getenv("PALISADE_EGRESS_CPUPROFILE"); p != "" {
+				if f, err := os.Create(p); err == nil && pprof.StartCPUProfile(f) == nil {
+					defer pprof.StopCPUProfile()
+				}
+			}
 			code, err := client.Run(o)
 			if err != nil {
 				return err

@@ -17,6 +17,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"sync"
@@ -165,6 +166,7 @@ func Start(cfg Config) (g *Gateway, err error) {
 		return nil, err
 	}
 	g = &Gateway{cfg: cfg}
+	boundMemory()
 	defer func() {
 		if err != nil {
 			g.Close()
@@ -502,5 +504,15 @@ func (g *Gateway) writeStats() {
 	p := filepath.Join(g.cfg.StateDir, "stats.json")
 	if os.WriteFile(p+".tmp", b, 0o600) == nil {
 		os.Rename(p+".tmp", p)
+	}
+}
+
+// boundMemory gives the Go runtime a soft memory limit (unless GOMEMLIMIT
+// says otherwise): wireguard-go's buffer pools grow without bound under a
+// burst (64 KiB per in-flight message) and the runtime would otherwise keep
+// that memory long after the burst.
+func boundMemory() {
+	if os.Getenv("GOMEMLIMIT") == "" {
+		debug.SetMemoryLimit(80 << 20)
 	}
 }

@@ -336,3 +336,14 @@ func rss(pid int) (int64, error) {
 	}
 	return 0, fmt.Errorf("no VmRSS for pid %d", pid)
 }
+
+// ShapeLinks limits the gateway host's link toward the outside host to rate
+// (tc tbf, e.g. "1gbit", as the reference's 1 Gbit/s links); "" removes it.
+// Every path crosses that link, so the comparison stays fair.
+func (e *Env) ShapeLinks(ctx context.Context, rate string) error {
+	sh(ctx, "ip", "netns", "exec", e.GwNS, "tc", "qdisc", "del", "dev", "eth1", "root")
+	if rate == "" {
+		return nil
+	}
+	return sh(ctx, "ip", "netns", "exec", e.GwNS, "tc", "qdisc", "add", "dev", "eth1", "root", "tbf", "rate", rate, "burst", "512k", "latency", "20ms")
+}

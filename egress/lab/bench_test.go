@@ -27,6 +27,13 @@ func TestBenchEgress(t *testing.T) {
 		paths = strings.Split(p, ",")
 	}
 	ctx := context.Background()
+	if r := os.Getenv("PALISADE_EGRESS_BENCH_RATE"); r != "" {
+		if err := env.ShapeLinks(ctx, r); err != nil {
+			t.Fatal(err)
+		}
+		defer env.ShapeLinks(ctx, "")
+		fmt.Printf("gateway -> outside link shaped to %s\n", r)
+	}
 	fmt.Printf("%-12s %8s %8s %8s %8s   (Mbit/s; ratio to direct)\n", "path", "1", "2", "10", "20")
 	direct := map[int]float64{}
 	for _, p := range paths {
