@@ -11,6 +11,7 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
+	"github.com/palisade-hpc/palisade/policy"
 )
 
 // Uninstall stops the namespace's running agent (if any) and removes every
@@ -76,15 +77,23 @@ type Status struct {
 
 // GetStatus inspects the pins of the caller's namespace.
 func GetStatus(o AgentOptions) (*Status, error) {
-	cfg, err := o.LoadConfig()
-	if err != nil {
-		return nil, err
+	cfg, cfgErr := o.LoadConfig()
+	if cfgErr != nil {
+		// Still report what is in force, from the default locations.
+		cfg = &policy.Config{}
+		cfg.Agent.SetDefaults()
+		if o.PidFile != "" {
+			cfg.Agent.PidFile = o.PidFile
+		}
 	}
 	cookie, err := NetnsCookie()
 	if err != nil {
 		return nil, err
 	}
 	s := &Status{Mode: "none", NetnsCookie: cookie, AgentPID: ReadPid(cfg.Agent.PidFile), Nft: NftInstalled()}
+	if cfgErr != nil {
+		s.Warnings = append(s.Warnings, "configuration invalid (a reload would be refused): "+cfgErr.Error())
+	}
 	fs, _ := findBPFFS(cfg.Agent.BPFFS, s.AgentPID)
 	s.PinDir = PinDir(fs, cookie)
 	linkDir := filepath.Join(s.PinDir, "links")
