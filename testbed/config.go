@@ -181,7 +181,9 @@ func (tb *Testbed) policyConfig(n Node) string {
 	return fmt.Sprintf(`# Palisade policy for %s of testbed %s (written by palisade testbed up)
 [policy]
 system_port_max = 1023
-exempt_connectors = ["root", "svc"]
+# slurmctld (SlurmUser) connects to srun's ephemeral listeners: it must be
+# an exempt connector on any site, or interactive jobs die.
+exempt_connectors = ["root", "slurm", "svc"]
 exempt_listeners = ["root", "slurm", "svc"]
 
 [cluster]
