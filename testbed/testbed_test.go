@@ -26,7 +26,7 @@ var (
 	failName = testName('f')
 	e2eName  = testName('e')
 	// testNameRE matches the names of any run of this package.
-	testNameRE = regexp.MustCompile(`^pal[tfe](\d{5})$`)
+	testNameRE = regexp.MustCompile(`^pal[tfe8](\d{5})$`)
 )
 
 func testName(kind byte) string { return fmt.Sprintf("pal%c%05d", kind, os.Getpid()%100000) }
@@ -541,5 +541,37 @@ func testNetwork(ctx context.Context, t *testing.T, tb *Testbed) {
 		if err != nil || strings.TrimSpace(out) != p.to {
 			t.Errorf("%s -> %s (%s): %q %v", p.from, p.to, p.addr, out, err)
 		}
+	}
+}
+
+// TestEightNodes: the cluster scales to 8 nodes (addresses, Slurm, ssh).
+func TestEightNodes(t *testing.T) {
+	needRoot(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	name := testName('8')
+	tb, err := Up(ctx, Options{Name: name, Nodes: 8, Binary: "/bin/true"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := Down(context.Background(), name); err != nil {
+			t.Error(err)
+		}
+		if l := grepLines(mustRun(t, "ip", "-o", "link"), name); len(l) > 0 {
+			t.Errorf("links left: %v", l)
+		}
+	}()
+	if tb.Nodes[7].Eth0V4.String() != "198.18.0.8" || tb.Nodes[7].IBV6.String() != "2001:2:0:1::8" {
+		t.Errorf("node8 addresses: %+v", tb.Nodes[7])
+	}
+	out, err := tb.Output(ctx, "node8", "carol", "srun", "-N8", "hostname")
+	got := strings.Fields(out)
+	sort.Strings(got)
+	if err != nil || strings.Join(got, " ") != "node1 node2 node3 node4 node5 node6 node7 node8" {
+		t.Errorf("srun -N8 hostname: %q %v", out, err)
+	}
+	if out, err := tb.Output(ctx, "node8", "bob", "ssh", "node7-ib", "hostname"); err != nil || out != "node7\n" {
+		t.Errorf("ssh node8 -> node7-ib: %q %v", out, err)
 	}
 }
