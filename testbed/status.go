@@ -68,7 +68,10 @@ func (tb *Testbed) Status(ctx context.Context) string {
 	}
 	fmt.Fprintf(&b, "\ndir %s  binary %s\n", tb.Dir, tb.Binary)
 	sinfo, serr := tb.Sinfo(ctx)
-	daemons := tb.Daemons()
+	var daemons []DaemonStatus
+	if !tb.VM { // a VM's daemons are not visible from the host
+		daemons = tb.Daemons()
+	}
 	fmt.Fprintf(&b, "%-8s %-12s %-15s %-16s %-15s %-18s %-8s %s\n", "NODE", "NETNS", "ETH0", "ETH0 v6", "IB0", "IB0 v6", "SLURM", "DAEMONS")
 	for _, n := range tb.Nodes {
 		var ds []string
@@ -89,8 +92,10 @@ func (tb *Testbed) Status(ctx context.Context) string {
 	}
 	fmt.Fprintf(&b, "%-8s %-12s %-15s %-16s (router %s: %s %s / %s %s)\n", "outside", tb.Outside.NetNS, tb.Outside.Eth0V4, tb.Outside.Eth0V6,
 		tb.Router, RouterEth0V4, RouterEth0V6, RouterOutsideV4, RouterOutsideV6)
-	m := daemons[0]
-	fmt.Fprintf(&b, "munged pid %d alive=%v  socket %s\n", m.PID, m.Alive, tb.MungeSocket())
+	if len(daemons) > 0 {
+		m := daemons[0]
+		fmt.Fprintf(&b, "munged pid %d alive=%v  socket %s\n", m.PID, m.Alive, tb.MungeSocket())
+	}
 	if serr != nil {
 		fmt.Fprintf(&b, "sinfo failed: %v\n", serr)
 	}
