@@ -237,33 +237,33 @@ func alive(pid int) bool {
 	return ok && s != 'Z' && s != 'X'
 }
 
-// killAll sends TERM to every process of the instance, waits up to 5 s,
-// then KILLs the rest. Repeats while new ones show up (children of dying
-// daemons).
+// killAll sends TERM to every process of the instance (again each round:
+// dying daemons may leave children), KILLs what is left after 5 s, and
+// waits up to 2 s more for them to go.
 func (tb *Testbed) killAll() {
-	deadline := time.Now().Add(5 * time.Second)
-	sig := syscall.SIGTERM
-	for round := 0; round < 100; round++ {
+	start := time.Now()
+	for round := 0; ; round++ {
 		pids := tb.processes()
 		if len(pids) == 0 {
 			return
 		}
-		if time.Now().After(deadline) {
+		elapsed := time.Since(start)
+		if elapsed > 7*time.Second {
+			fmt.Fprintf(os.Stderr, "testbed %s: processes still alive after KILL: %v\n", tb.Name, pids)
+			return
+		}
+		sig := syscall.SIGTERM
+		if elapsed > 5*time.Second {
 			sig = syscall.SIGKILL
 		}
-		if debug {
-			for _, p := range pids {
+		for _, p := range pids {
+			if debug {
 				b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", p))
 				fmt.Fprintf(os.Stderr, "testbed %s: round %d sig %d pid %d %q\n", tb.Name, round, sig, p, b)
 			}
-		}
-		for _, p := range pids {
 			syscall.Kill(p, sig)
 		}
 		time.Sleep(50 * time.Millisecond)
-		if sig == syscall.SIGKILL && round > 90 {
-			return
-		}
 	}
 }
 
