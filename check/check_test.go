@@ -78,6 +78,13 @@ func testModeNone(ctx context.Context, t *testing.T, tb *testbed.Testbed) {
 	passed, failed := rep.Counts()
 	if failed > 0 || passed != len(rep.Cases) {
 		t.Errorf("mode none: %d passed, %d failed", passed, failed)
+		for i, c := range rep.Failures() {
+			if i == 40 {
+				t.Errorf("… and %d more", failed-i)
+				break
+			}
+			t.Errorf("%s", describeFailure(c))
+		}
 	}
 	if len(rep.Cases) < 200 {
 		t.Errorf("only %d cases, want at least 200", len(rep.Cases))

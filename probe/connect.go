@@ -30,11 +30,19 @@ type Target struct {
 // rank of an MPI job or a job whose node Slurm picks; the key "*" applies on
 // every host.
 type Plan struct {
-	// TCPTimeoutMS bounds a TCP connect and, separately, the wait for the
-	// reply (default 1000).
+	// TCPTimeoutMS bounds a TCP connect (default 1000): the handshake is
+	// the kernel's, so only a silent drop reaches it.
 	TCPTimeoutMS int `json:"tcp_timeout_ms,omitempty"`
-	// UDPTries datagrams are sent, UDPWaitMS apart, before a UDP case
-	// counts as timed out (defaults 3 and 150).
+	// ReplyTimeoutMS bounds the wait for a TCP listener's reply once
+	// connected (default 3000). That needs the listener process to run,
+	// which on a loaded machine can take a while, and no firewall refuses
+	// by withholding a reply on an accepted connection.
+	ReplyTimeoutMS int `json:"reply_timeout_ms,omitempty"`
+	// UDPTries datagrams are sent before a UDP case counts as timed out;
+	// the first wait is UDPWaitMS and each next one twice as long
+	// (defaults 3 and 150: 150+300+600 ms). Refusals by ICMP surface at
+	// once; the growing waits only keep a slow listener from looking
+	// like a silent drop.
 	UDPTries  int `json:"udp_tries,omitempty"`
 	UDPWaitMS int `json:"udp_wait_ms,omitempty"`
 	// Parallel bounds concurrent cases (default 512).
@@ -165,16 +173,21 @@ func (b badReply) Error() string { return b.why }
 
 // Connector probes targets with a plan's timeouts.
 type Connector struct {
-	TCPTimeout time.Duration
-	UDPTries   int
-	UDPWait    time.Duration
-	Parallel   int
+	TCPTimeout   time.Duration
+	ReplyTimeout time.Duration
+	UDPTries     int
+	UDPWait      time.Duration
+	Parallel     int
 }
 
 // NewConnector applies the plan's settings over the defaults.
 func NewConnector(p *Plan) *Connector {
-	c := &Connector{TCPTimeout: time.Second, UDPTries: 3, UDPWait: 150 * time.Millisecond, Parallel: 512}
+	c := &Connector{TCPTimeout: time.Second, ReplyTimeout: 3 * time.Second, UDPTries: 3,
+		UDPWait: 150 * time.Millisecond, Parallel: 512}
 	if p != nil {
+		if p.ReplyTimeoutMS > 0 {
+			c.ReplyTimeout = time.Duration(p.ReplyTimeoutMS) * time.Millisecond
+		}
 		if p.TCPTimeoutMS > 0 {
 			c.TCPTimeout = time.Duration(p.TCPTimeoutMS) * time.Millisecond
 		}
@@ -249,7 +262,7 @@ func (c *Connector) tcp(ctx context.Context, t Target, nonce string) (Reply, err
 		return Reply{}, err
 	}
 	defer conn.Close()
-	conn.SetDeadline(time.Now().Add(c.TCPTimeout))
+	conn.SetDeadline(time.Now().Add(c.ReplyTimeout))
 	if _, err := conn.Write(formatRequest(nonce, t.ID)); err != nil {
 		return Reply{}, err
 	}
@@ -277,14 +290,15 @@ func (c *Connector) udp(ctx context.Context, t Target, nonce string) (Reply, err
 	req := formatRequest(nonce, t.ID)
 	buf := make([]byte, maxMsg)
 	var last error = os.ErrDeadlineExceeded
-	for try := 0; try < c.UDPTries; try++ {
+	wait := c.UDPWait
+	for try := 0; try < c.UDPTries; try, wait = try+1, wait*2 {
 		if err := ctx.Err(); err != nil {
 			return Reply{}, err
 		}
 		if _, err := conn.Write(req); err != nil {
 			return Reply{}, err
 		}
-		deadline := time.Now().Add(c.UDPWait)
+		deadline := time.Now().Add(wait)
 		conn.SetReadDeadline(deadline)
 		for {
 			n, err := conn.Read(buf)
