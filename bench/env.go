@@ -11,6 +11,8 @@ import (
 	"os/exec"
 	"strings"
 	"time"
+
+	"github.com/palisade-hpc/palisade/testbed"
 )
 
 // Node is what the bench needs to know about a testbed host.
@@ -31,6 +33,9 @@ type Env struct {
 	Outside *Node
 	VM      bool
 	Mode    string // the data plane the testbed was brought up with
+	// TB is the testbed itself (nil for a synthetic Env): drivers that
+	// call another package's testbed hooks need it.
+	TB *testbed.Testbed
 	// Command runs argv on node as user ("" = root) the way a login would;
 	// the caller owns Stdin/Stdout/Stderr.
 	Command func(ctx context.Context, node, user string, argv ...string) *exec.Cmd

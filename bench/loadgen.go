@@ -29,6 +29,7 @@ import (
 type ConnResult struct {
 	Threads int     `json:"threads"`
 	Conns   int     `json:"conns"` // per thread
+	OK      int     `json:"ok"`    // connections that completed (all threads)
 	Seconds float64 `json:"seconds"`
 	Rate    float64 `json:"rate"` // connections per second
 	// ConnectUS is the median time spent in connect(), i.e. the handshake
@@ -153,10 +154,17 @@ func ConnRun(addr string, threads, conns int) (ConnResult, error) {
 	wg.Wait()
 	end := time.Now()
 	secs := end.Sub(start).Seconds()
+	zeroNaN := func(x float64) float64 {
+		if x != x { // no successful connection: JSON has no NaN
+			return 0
+		}
+		return x
+	}
 	r := ConnResult{
 		Threads: threads, Conns: conns, Seconds: secs,
+		OK:        len(connects),
 		Rate:      float64(len(connects)) / secs,
-		ConnectUS: medianOf(connects), TotalUS: medianOf(totals),
+		ConnectUS: zeroNaN(medianOf(connects)), TotalUS: zeroNaN(medianOf(totals)),
 		Errors: nerr, FirstErr: firstErr,
 		StartUnix: start.UnixNano(), EndUnix: end.UnixNano(),
 	}
@@ -267,7 +275,7 @@ func readFull(fd int, b []byte) error {
 // ServeConfig says which servers `palisade bench serve` runs.
 type ServeConfig struct {
 	Addr       string // bind address ("" = all)
-	ConnPort   int    // connection-setup server (reads one byte, closes)
+	ConnPorts  []int  // connection-setup servers (read one byte, close)
 	RRPort     int    // echo server for round trips
 	IperfPorts []int  // iperf3 servers started as children
 	Iperf3     string // iperf3 binary (default "iperf3")
@@ -292,13 +300,14 @@ func Serve(ctx context.Context, cfg ServeConfig, stdin io.Reader, stdout io.Writ
 		}
 		return l, err
 	}
-	if cfg.ConnPort > 0 {
-		l, err := listen(cfg.ConnPort)
+	for _, p := range cfg.ConnPorts {
+		l, err := listen(p)
 		if err != nil {
 			return err
 		}
 		go acceptLoop(l, func(c net.Conn) {
-			_ = c.SetReadDeadline(time.Now().Add(30 * time.Second))
+			// Long enough for the scale test's held connections.
+			_ = c.SetReadDeadline(time.Now().Add(10 * time.Minute))
 			var b [1]byte
 			_, _ = c.Read(b[:])
 			c.Close()

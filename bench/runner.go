@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/netip"
 	"os"
 	"slices"
 	"strings"
@@ -268,6 +269,9 @@ func (s *session) runSuites(suites []string) []error {
 			return []error{err}
 		}
 		defer s.stopServers()
+		if err := s.verifyEnforcement(); err != nil {
+			return []error{err}
+		}
 	}
 	for _, su := range suites {
 		var err error
@@ -300,4 +304,39 @@ func (s *session) runSuites(suites []string) []error {
 func fileExists(p string) bool {
 	_, err := os.Stat(p)
 	return err == nil
+}
+
+// CrossUserDenier is implemented by data planes that refuse one user's
+// connection to another user's listener (userwall). Before measuring, the
+// bench checks that the refusal happens in the mode rounds and not in the
+// baseline rounds: numbers from a data plane that is not in force would
+// be meaningless.
+type CrossUserDenier interface {
+	DeniesCrossUser() bool
+}
+
+// OtherUser connects to the bench user's listeners in the enforcement check.
+const OtherUser = "bob"
+
+func (s *session) verifyEnforcement() error {
+	cd, ok := s.drv.(CrossUserDenier)
+	if !ok || !cd.DeniesCrossUser() {
+		return nil
+	}
+	client, _, cross, err := s.paths()
+	if err != nil {
+		return err
+	}
+	rs, err := s.connRun(client.Name, OtherUser, netip.AddrPortFrom(cross, PortCheck), []int{1}, 3)
+	if err != nil {
+		return fmt.Errorf("enforcement check: %w", err)
+	}
+	denied := len(rs) == 1 && rs[0].OK == 0
+	switch {
+	case s.variant == Enforced && !denied:
+		return fmt.Errorf("enforcement check: %s reached %s's listener on %s (%d of %d connections) with %s on: the data plane is not in force", OtherUser, BenchUser, cross, rs[0].OK, rs[0].Conns, s.mode)
+	case s.variant == Baseline && denied:
+		return fmt.Errorf("enforcement check: %s could not reach %s's listener in the baseline (%s): the data plane is still in force", OtherUser, BenchUser, rs[0].FirstErr)
+	}
+	return nil
 }

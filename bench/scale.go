@@ -2,7 +2,6 @@ package bench
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"math"
 	"net/netip"
@@ -88,7 +87,7 @@ func (s *session) scaleUsers() error {
 			for _, r := range rs {
 				first = min(first, r.StartUnix)
 				last = max(last, r.EndUnix)
-				total += r.Conns*r.Threads - r.Errors
+				total += r.OK
 				connects = append(connects, r.ConnectUS)
 				if r.Errors > 0 {
 					failed += r.Errors
@@ -182,91 +181,73 @@ func (s *session) setup() error {
 	return nil
 }
 
-// EgressDriver is implemented by the egress mode: the argv of an iperf3
-// client going through the gateway (or directly, for the baseline), and
-// where the iperf3 server runs.
+// EgressDriver is implemented by the egress mode: iperf3 throughput from a
+// compute node to the outside host through a client data path of the
+// gateway, or directly ("") for the baseline.
 type EgressDriver interface {
 	// EgressPaths lists the client data paths to measure (e.g. "tun",
-	// "netstack", "socks", "openconnect"); the baseline is always direct.
+	// "socks", "openconnect" — the reference's own stack).
 	EgressPaths() []string
-	// EgressServer is the node and address of the iperf3 target.
-	EgressServer(env *Env) (node string, addr netip.Addr)
-	// EgressClient returns the node, user and argv running iperf3argv
-	// through path, or directly when path is "".
-	EgressClient(env *Env, path string, iperf3argv []string) (node, user string, argv []string)
+	// EgressThroughput runs xfers parallel transfers for dur and returns
+	// the received Mbit/s.
+	EgressThroughput(ctx context.Context, env *Env, path string, xfers int, dur time.Duration) (float64, error)
 }
 
-// egressJSON parses the iperf3 result of an egress client.
-func egressJSON(out string) (float64, error) {
-	var j iperfJSON
-	if err := json.Unmarshal([]byte(out), &j); err != nil {
-		return 0, err
-	}
-	if j.Error != "" {
-		return 0, fmt.Errorf("iperf3: %s", j.Error)
-	}
-	if j.End.SumReceived.BPS <= 0 {
-		return 0, fmt.Errorf("iperf3 reported no throughput")
-	}
-	return j.End.SumReceived.BPS / 1e6, nil
+// EgressRSSDriver measures the gateway's resident memory with n clients.
+type EgressRSSDriver interface {
+	EgressGatewayRSS(ctx context.Context, env *Env, clients int) (mb float64, err error)
 }
 
 // egress: iperf3 through the gateway against direct, with 1..20 parallel
-// transfers (reference 002, Table 1). The baseline variant runs direct, the
-// mode variant runs each client data path.
+// transfers (reference 002, Table 1). The baseline variant runs direct;
+// the mode variant runs every client data path, each compared with it.
 func (s *session) egress() error {
 	ed, ok := s.drv.(EgressDriver)
 	if !ok {
 		return nil
 	}
-	snode, saddr := ed.EgressServer(s.env)
-	srv, err := s.env.startServer(s.ctx, snode, BenchUser, s.env.Binary, "bench", "serve", "--iperf", strconv.Itoa(PortIperf))
-	if err != nil {
-		return fmt.Errorf("iperf3 server on %s: %w", snode, err)
-	}
-	defer srv.stop()
 	paths := []string{""}
 	if s.variant == Enforced {
 		paths = ed.EgressPaths()
 	}
+	dur := time.Duration(s.plan.IperfSeconds) * time.Second
 	var errs []string
 	for _, path := range paths {
-		series := "direct"
-		if path != "" {
-			series = path
-		}
 		for _, x := range s.plan.EgressXfers {
-			iargv := []string{"iperf3", "-c", saddr.String(), "-p", strconv.Itoa(PortIperf), "-J",
-				"-t", strconv.Itoa(s.plan.IperfSeconds), "-P", strconv.Itoa(x)}
-			if s.plan.IperfOmit > 0 {
-				iargv = append(iargv, "-O", strconv.Itoa(s.plan.IperfOmit))
-			}
-			node, user, argv := ed.EgressClient(s.env, path, iargv)
-			out, err := s.env.run(s.ctx, node, user, argv...)
-			mbit, perr := egressJSON(out)
-			if err != nil || perr != nil {
-				errs = append(errs, fmt.Sprintf("%s %d transfers: %v %v", series, x, err, perr))
+			mbit, err := ed.EgressThroughput(s.ctx, s.env, path, x, dur)
+			if err != nil {
+				name := path
+				if name == "" {
+					name = "direct"
+				}
+				errs = append(errs, fmt.Sprintf("%s %d transfers: %v", name, x, err))
 				continue
 			}
-			// Every path is compared with the direct baseline: store the
-			// mode-variant samples under the path's series and the
-			// baseline under each of them too (see egressSeries).
-			for _, ser := range egressSeries(s.variant, series, ed.EgressPaths()) {
+			// A direct (baseline) sample is the baseline of every path's figure.
+			series := []string{path}
+			if s.variant == Baseline {
+				series = ed.EgressPaths()
+			}
+			for _, ser := range series {
 				s.emit(SuiteEgress, ser, float64(x), "mbit_s", mbit, "")
 			}
+		}
+	}
+	if rd, ok := s.drv.(EgressRSSDriver); ok && s.variant == Enforced && s.round == 1 {
+		clients := 100
+		if len(s.plan.EgressXfers) > 0 && s.plan.EgressXfers[len(s.plan.EgressXfers)-1] < 10 {
+			clients = 10 // quick
+		}
+		mb, err := rd.EgressGatewayRSS(s.ctx, s.env, clients)
+		if err != nil {
+			errs = append(errs, fmt.Sprintf("gateway RSS with %d clients: %v", clients, err))
+		} else {
+			s.res.Foot = append(s.res.Foot, Footprint{Mode: s.mode, Round: s.round, Node: fmt.Sprintf("gateway, %d clients", clients),
+				Process: "gateway", RSSMB: mb, HWMMB: mb})
 		}
 	}
 	if len(errs) > 0 {
 		return fmt.Errorf("%s", strings.Join(errs, "; "))
 	}
 	return nil
-}
-
-// egressSeries: a baseline (direct) sample is the baseline of every
-// client path's figure.
-func egressSeries(variant, series string, paths []string) []string {
-	if variant == Baseline {
-		return paths
-	}
-	return []string{series}
 }

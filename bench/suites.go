@@ -14,6 +14,9 @@ const (
 	PortIperf = 29201
 	PortRR    = 29202
 	PortConn  = 29203
+	// PortCheck serves only the enforcement check, so that the measured
+	// connections' TIME_WAIT sockets never share its 4-tuples.
+	PortCheck = 29204
 	// PortScaleBase + i is the server of scale user i.
 	PortScaleBase = 29300
 	// ScaleUIDBase + i is scale user i (no passwd entry needed).
@@ -41,7 +44,7 @@ func (s *session) startServers() error {
 			return err
 		}
 		argv := s.wrap(BenchUser, s.env.Binary, "bench", "serve",
-			"--iperf", strconv.Itoa(PortIperf), "--rr", strconv.Itoa(PortRR), "--conn", strconv.Itoa(PortConn))
+			"--iperf", strconv.Itoa(PortIperf), "--rr", strconv.Itoa(PortRR), "--conn", joinInts([]int{PortConn, PortCheck}))
 		srv, err := s.env.startServer(s.ctx, n.Name, BenchUser, argv...)
 		if err != nil {
 			s.stopServers()

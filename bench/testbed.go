@@ -16,7 +16,7 @@ const DefaultVMName = "palvm"
 
 // EnvFromTestbed adapts a running testbed.
 func EnvFromTestbed(tb *testbed.Testbed) *Env {
-	e := &Env{Name: tb.Name, Dir: tb.Dir, Binary: tb.Binary, VM: tb.VM, Mode: tb.Mode, Command: tb.Command}
+	e := &Env{Name: tb.Name, Dir: tb.Dir, Binary: tb.Binary, VM: tb.VM, Mode: tb.Mode, Command: tb.Command, TB: tb}
 	for _, n := range tb.Nodes {
 		e.Nodes = append(e.Nodes, Node{Name: n.Name, Eth0: n.Eth0V4, IB: n.IBV4})
 	}

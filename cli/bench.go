@@ -132,6 +132,7 @@ func benchServeCmd() *cobra.Command {
 	var (
 		cfg   bench.ServeConfig
 		iperf string
+		conn  string
 		priv  privFlags
 	)
 	cmd := &cobra.Command{
@@ -142,6 +143,13 @@ func benchServeCmd() *cobra.Command {
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := priv.apply(); err != nil {
 				return err
+			}
+			if conn != "" {
+				ps, err := bench.ParseInts(conn)
+				if err != nil {
+					return err
+				}
+				cfg.ConnPorts = ps
 			}
 			if iperf != "" {
 				ps, err := bench.ParseInts(iperf)
@@ -154,7 +162,7 @@ func benchServeCmd() *cobra.Command {
 		},
 	}
 	cmd.Flags().StringVar(&cfg.Addr, "addr", "", "bind address (default all)")
-	cmd.Flags().IntVar(&cfg.ConnPort, "conn", 0, "connection-setup server port")
+	cmd.Flags().StringVar(&conn, "conn", "", "connection-setup server ports (comma-separated)")
 	cmd.Flags().IntVar(&cfg.RRPort, "rr", 0, "echo server port")
 	cmd.Flags().StringVar(&iperf, "iperf", "", "iperf3 server ports (comma-separated)")
 	priv.add(cmd)
