@@ -247,8 +247,9 @@ func TestTestbed(t *testing.T) {
 	Down(ctx, tbName) // leftovers of an interrupted run
 	before := takeSnapshot(t)
 
+	bin := palisadeBinary(t)
 	start := time.Now()
-	tb, err := Up(ctx, Options{Name: tbName, Nodes: 3, Mode: "tbtest", Binary: palisadeBinary(t)})
+	tb, err := Up(ctx, Options{Name: tbName, Nodes: 3, Mode: "tbtest", Binary: bin})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -455,6 +456,16 @@ func TestTestbed(t *testing.T) {
 		}
 	})
 
+	// The namespaces' identities, to find any process still in them after Down.
+	nsIDs := map[string]bool{}
+	for _, ns := range tb.netnsNames() {
+		if l, err := os.Readlink("/proc/self/fd/" + openFD(t, "/run/netns/"+ns)); err == nil {
+			nsIDs[l] = true
+		}
+	}
+	if len(nsIDs) != len(tb.netnsNames()) {
+		t.Fatalf("namespaces: %v", nsIDs)
+	}
 	start = time.Now()
 	if err := Down(ctx, tbName); err != nil {
 		t.Fatal(err)
@@ -470,6 +481,17 @@ func TestTestbed(t *testing.T) {
 	}
 	if l := leftovers(tb.Dir, tbName); len(l) > 0 {
 		t.Errorf("processes left: %v", l)
+	}
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		if l, err := os.Readlink("/proc/" + e.Name() + "/ns/net"); err == nil && nsIDs[l] {
+			var pid int
+			fmt.Sscanf(e.Name(), "%d", &pid)
+			if alive(pid) {
+				cl, _ := os.ReadFile("/proc/" + e.Name() + "/cmdline")
+				t.Errorf("process %s (%q) still in a namespace of the testbed", e.Name(), cl)
+			}
+		}
 	}
 	if _, err := os.Stat(tb.Dir); err == nil {
 		t.Errorf("%s left behind", tb.Dir)
@@ -574,4 +596,16 @@ func TestEightNodes(t *testing.T) {
 	if out, err := tb.Output(ctx, "node8", "bob", "ssh", "node7-ib", "hostname"); err != nil || out != "node7\n" {
 		t.Errorf("ssh node8 -> node7-ib: %q %v", out, err)
 	}
+}
+
+// openFD opens path for the rest of the test and returns its fd number
+// (nsfs files read back through /proc/self/fd as "net:[inode]").
+func openFD(t *testing.T, path string) string {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return strconv.Itoa(int(f.Fd()))
 }
