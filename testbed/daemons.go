@@ -73,7 +73,7 @@ func (tb *Testbed) startDaemons(ctx context.Context) error {
 		return err
 	}
 	// A slurmd that cannot register at once retries only ~10 s later.
-	if err := waitPort(ctx, tb.Nodes[0].NetNS, net.JoinHostPort(tb.Nodes[0].Eth0V4.String(), "6817"), 10*time.Second); err != nil {
+	if err := waitPort(ctx, tb.Nodes[0].NetNS, net.JoinHostPort(tb.Nodes[0].Eth0V4.String(), "6817"), 30*time.Second); err != nil {
 		return fmt.Errorf("slurmctld not listening (log %s): %w", filepath.Join(tb.LogDir(), "slurmctld.log"), err)
 	}
 	return parallel(len(tb.Nodes), func(yield func(func() error)) {

@@ -220,7 +220,7 @@ func (tb *Testbed) bringUpNative(ctx context.Context, s *state) error {
 		}
 		mpi <- err
 	}()
-	werr := tb.waitIdle(ctx, 20*time.Second)
+	werr := tb.waitIdle(ctx, 45*time.Second)
 	if err := <-mpi; err != nil {
 		fmt.Fprintf(os.Stderr, "testbed %s: building the MPI test program failed (mpirun checks will fail): %v\n", tb.Name, err)
 	}
