@@ -11,6 +11,7 @@ import (
 	"github.com/palisade-hpc/palisade/check"
 	"github.com/palisade-hpc/palisade/testbed"
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 )
 
 func init() {
@@ -35,6 +36,30 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 			tb, err := testbed.Open(name)
 			if err != nil {
 				return err
+			}
+			if tb.VM {
+				// The matrix runs next to the nodes: inside the guest.
+				r := check.Relay()
+				if r == nil {
+					return fmt.Errorf("testbed %s runs in a VM and no VM relay is registered: run `palisade check` inside the VM", tb.Name)
+				}
+				ctx, stop := signal.NotifyContext(cmd.Context(), syscall.SIGINT, syscall.SIGTERM)
+				defer stop()
+				// The same flags, except --name: the guest has its own testbed.
+				args := []string{"check"}
+				cmd.Flags().Visit(func(f *pflag.Flag) {
+					if f.Name != "name" {
+						args = append(args, "--"+f.Name+"="+f.Value.String())
+					}
+				})
+				code, err := r(ctx, tb, args, cmd.OutOrStdout(), cmd.ErrOrStderr())
+				if err != nil {
+					return err
+				}
+				if code != 0 {
+					return &exitError{code, fmt.Sprintf("check in VM testbed %s exited %d", tb.Name, code)}
+				}
+				return nil
 			}
 			if mode == "" {
 				mode = tb.Mode
