@@ -94,10 +94,13 @@ func Run(ctx context.Context, tb *testbed.Testbed, opts Options) (*Report, error
 	ctx, cancel := context.WithTimeout(ctx, opts.Timeout)
 	defer cancel()
 	r := &runner{tb: tb, m: m, log: opts.Log}
-	if err := r.prepare(); err != nil {
+	err = r.prepare()
+	if r.dir != "" {
+		defer os.RemoveAll(r.dir)
+	}
+	if err != nil {
 		return nil, err
 	}
-	defer os.RemoveAll(r.dir)
 
 	r.logf("matrix: %d cases, %d connector processes, %d listeners on %d hosts", len(m.cases), len(m.procs),
 		len(m.listeners)*len(m.listenerHosts()), len(m.listenerHosts()))
