@@ -12,7 +12,7 @@ import (
 // userwall data plane; the agent also runs the ident service).
 type AgentConfig struct {
 	// Interfaces get the tc programs (cross-node checks). Empty: every
-	// non-loopback interface with an address in a cluster subnet.
+	// interface but lo (off-cluster traffic is checked wherever it arrives).
 	Interfaces []string `toml:"interfaces"`
 	// MetricsAddress is where Prometheus metrics are served ("" = off).
 	// Keep it local: the metrics name users.

@@ -259,9 +259,10 @@ func (a *agent) syncNode() {
 	}
 }
 
-// wantInterfaces: the configured list, or every non-loopback interface with
-// an address in a cluster subnet; lo always gets the egress program (it notes
-// local UDP flows so that replies get through).
+// wantInterfaces: the configured list, or every interface but lo, so that
+// off-cluster traffic is checked whichever interface it arrives on (identity
+// is trusted by source subnet, not by interface). lo gets only the egress
+// program, which notes local UDP flows so that replies get through.
 func (a *agent) wantInterfaces() (map[string]int, error) {
 	links, err := netlink.LinkList()
 	if err != nil {
@@ -270,25 +271,8 @@ func (a *agent) wantInterfaces() (map[string]int, error) {
 	want := map[string]int{}
 	for _, l := range links {
 		at := l.Attrs()
-		if at.Name == "lo" {
-			want["lo"] = at.Index
-			continue
-		}
-		if len(a.cfg.Agent.Interfaces) > 0 {
-			if slices.Contains(a.cfg.Agent.Interfaces, at.Name) {
-				want[at.Name] = at.Index
-			}
-			continue
-		}
-		addrs, err := netlink.AddrList(l, netlink.FAMILY_ALL)
-		if err != nil {
-			continue
-		}
-		for _, x := range addrs {
-			if ip, ok := netip.AddrFromSlice(x.IP); ok && !ip.IsLoopback() && a.cfg.Policy.InCluster(ip) && len(a.cfg.Policy.ClusterSubnets) > 0 {
-				want[at.Name] = at.Index
-				break
-			}
+		if at.Name == "lo" || len(a.cfg.Agent.Interfaces) == 0 || slices.Contains(a.cfg.Agent.Interfaces, at.Name) {
+			want[at.Name] = at.Index
 		}
 	}
 	return want, nil
