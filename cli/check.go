@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"os/signal"
@@ -33,6 +34,9 @@ open (today's shared cluster), "userwall" expects the policy core's verdict. Pri
 and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if os.Geteuid() != 0 {
+				return errors.New("check needs root: it starts processes as the testbed's users inside its namespaces")
+			}
 			tb, err := testbed.Open(name)
 			if err != nil {
 				return err
