@@ -333,11 +333,7 @@ func (tb *Testbed) genKeys(ctx context.Context) error {
 	for _, n := range tb.Nodes {
 		jobs = append(jobs, keygen(filepath.Join(tb.SSHDir(n.Name), "ssh_host_ed25519_key"), "host "+n.Name))
 	}
-	if err := parallel(len(jobs), func(yield func(func() error)) {
-		for _, j := range jobs {
-			yield(j)
-		}
-	}); err != nil {
+	if err := parallel(jobs...); err != nil {
 		return err
 	}
 	pub, err := os.ReadFile(tb.RootKey() + ".pub")

@@ -76,17 +76,17 @@ func (tb *Testbed) startDaemons(ctx context.Context) error {
 	if err := waitPort(ctx, tb.Nodes[0].NetNS, net.JoinHostPort(tb.Nodes[0].Eth0V4.String(), "6817"), 30*time.Second); err != nil {
 		return fmt.Errorf("slurmctld not listening (log %s): %w", filepath.Join(tb.LogDir(), "slurmctld.log"), err)
 	}
-	return parallel(len(tb.Nodes), func(yield func(func() error)) {
-		for _, n := range tb.Nodes {
-			yield(func() error {
-				if _, err := tb.onNode(ctx, n, "/usr/sbin/slurmd"); err != nil {
-					return err
-				}
-				_, err := tb.onNode(ctx, n, "/usr/sbin/sshd", "-E", filepath.Join(tb.LogDir(), "sshd-"+n.Name+".log"))
+	var jobs []func() error
+	for _, n := range tb.Nodes {
+		jobs = append(jobs, func() error {
+			if _, err := tb.onNode(ctx, n, "/usr/sbin/slurmd"); err != nil {
 				return err
-			})
-		}
-	})
+			}
+			_, err := tb.onNode(ctx, n, "/usr/sbin/sshd", "-E", filepath.Join(tb.LogDir(), "sshd-"+n.Name+".log"))
+			return err
+		})
+	}
+	return parallel(jobs...)
 }
 
 // waitPort waits until a TCP connect to addr from inside netns ns succeeds.

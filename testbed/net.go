@@ -211,11 +211,11 @@ func (tb *Testbed) upNetwork(ctx context.Context) error {
 		"route add default via " + RouterOutsideV4.String(),
 		"route add default via " + RouterOutsideV6.String(),
 	}
-	return parallel(len(jobs), func(yield func(func() error)) {
-		for ns, lines := range jobs {
-			yield(func() error { return ipBatch(ctx, ns, false, lines) })
-		}
-	})
+	var fs []func() error
+	for ns, lines := range jobs {
+		fs = append(fs, func() error { return ipBatch(ctx, ns, false, lines) })
+	}
+	return parallel(fs...)
 }
 
 // downNetwork deletes the host-side links (which takes their peers along)
@@ -235,16 +235,14 @@ func (tb *Testbed) downNetwork(ctx context.Context) error {
 	return ipBatch(ctx, "", true, lines)
 }
 
-// parallel runs the jobs produced by gen concurrently and returns the first error.
-func parallel(n int, gen func(yield func(func() error))) error {
-	errs := make(chan error, n)
-	count := 0
-	gen(func(f func() error) {
-		count++
-		go func() { errs <- f() }()
-	})
+// parallel runs jobs concurrently and returns the first error.
+func parallel(jobs ...func() error) error {
+	errs := make(chan error, len(jobs))
+	for _, j := range jobs {
+		go func() { errs <- j() }()
+	}
 	var first error
-	for range count {
+	for range jobs {
 		if err := <-errs; err != nil && first == nil {
 			first = err
 		}
