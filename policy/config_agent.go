@@ -29,6 +29,11 @@ type AgentConfig struct {
 	PidFile string `toml:"pid_file"`
 	// GroupRefresh is how often group membership is reloaded from NSS.
 	GroupRefresh string `toml:"group_refresh"`
+	// SocketStorage also records each socket's creator (euid, egid) in
+	// socket-local storage from a cgroup sock_create hook. Off by default:
+	// the socket's file credentials hold the same creation-time ids, and the
+	// hook costs ~1.1 µs per socket() (docs/userwall.md).
+	SocketStorage bool `toml:"socket_storage"`
 	// UnixSockets enforces the rules on abstract Unix sockets (BPF LSM).
 	UnixSockets bool `toml:"unix_sockets"`
 	// IdentPort is the ident service's UDP port (privileged; 0 = off).

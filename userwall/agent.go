@@ -219,7 +219,7 @@ func (a *agent) install(cgroupRoot string) error {
 	if err := InstallNft(); err != nil {
 		return err
 	}
-	if err := a.dp.AttachCgroup(cgroupRoot); err != nil {
+	if err := a.dp.AttachCgroup(cgroupRoot, a.cfg.Agent.SocketStorage); err != nil {
 		return err
 	}
 	return a.syncInterfaces()

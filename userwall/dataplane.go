@@ -151,8 +151,12 @@ func (d *Dataplane) attach(name string, prog *ebpf.Program, attach func() (link.
 
 // AttachCgroup attaches the socket hooks (and the LSM hooks) to the root of
 // the cgroup v2 hierarchy at cgroupRoot.
-func (d *Dataplane) AttachCgroup(cgroupRoot string) error {
+func (d *Dataplane) AttachCgroup(cgroupRoot string, socketStorage bool) error {
 	for _, h := range cgroupHooks {
+		if h.prog == progSockCreate && !socketStorage {
+			d.detach(h.link)
+			continue
+		}
 		p := d.coll.Programs[h.prog]
 		attachType := h.attach
 		err := d.attach(h.link, p, func() (link.Link, error) {

@@ -384,7 +384,7 @@ func TestStatus(t *testing.T) {
 	if s.Mode != "userwall" || !s.Enabled || !s.Nft || s.AgentPID == 0 {
 		t.Fatalf("status: %+v", s)
 	}
-	want := map[string]bool{"connect4": true, "connect6": true, "sendmsg4": true, "sendmsg6": true, "sock_create": true,
+	want := map[string]bool{"connect4": true, "connect6": true, "sendmsg4": true, "sendmsg6": true,
 		"sockops": true, "tcx_in_eth0": true, "tcx_eg_eth0": true, "tcx_in_ib0": true, "tcx_eg_ib0": true, "tcx_eg_lo": true}
 	for _, l := range s.Links {
 		delete(want, l.Name)
