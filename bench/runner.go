@@ -180,6 +180,9 @@ func runMode(ctx context.Context, o *Options, plan Plan, d Driver, mode string, 
 			mpi[env] = p
 		}
 	}
+	if rc, ok := d.(interface{ MaxRounds() int }); ok && plan.Rounds > rc.MaxRounds() && o.Rounds == 0 {
+		plan.Rounds = rc.MaxRounds()
+	}
 	fmt.Fprintf(o.Log, "bench: mode %s on testbed %s: %d rounds of %s\n", mode, env.Name, plan.Rounds, strings.Join(suites, ", "))
 	failures := 0
 	for r := 1; r <= plan.Rounds; r++ {

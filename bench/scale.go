@@ -206,29 +206,47 @@ func (s *session) egress() error {
 	if !ok {
 		return nil
 	}
-	paths := []string{""}
+	baseOf := func(p string) string { return "" }
+	if eb, ok := s.drv.(interface{ EgressBaseline(string) string }); ok {
+		baseOf = eb.EgressBaseline
+	}
+	// Baseline rounds measure each distinct baseline path once; its
+	// samples are the baseline of every path compared with it.
+	type job struct {
+		path   string
+		series []string
+	}
+	var jobs []job
 	if s.variant == Enforced {
-		paths = ed.EgressPaths()
+		for _, p := range ed.EgressPaths() {
+			jobs = append(jobs, job{p, []string{p}})
+		}
+	} else {
+		idx := map[string]int{}
+		for _, p := range ed.EgressPaths() {
+			b := baseOf(p)
+			if i, ok := idx[b]; ok {
+				jobs[i].series = append(jobs[i].series, p)
+				continue
+			}
+			idx[b] = len(jobs)
+			jobs = append(jobs, job{b, []string{p}})
+		}
 	}
 	dur := time.Duration(s.plan.IperfSeconds) * time.Second
 	var errs []string
-	for _, path := range paths {
+	for _, j := range jobs {
 		for _, x := range s.plan.EgressXfers {
-			mbit, err := ed.EgressThroughput(s.ctx, s.env, path, x, dur)
+			mbit, err := ed.EgressThroughput(s.ctx, s.env, j.path, x, dur)
 			if err != nil {
-				name := path
+				name := j.path
 				if name == "" {
 					name = "direct"
 				}
 				errs = append(errs, fmt.Sprintf("%s %d transfers: %v", name, x, err))
 				continue
 			}
-			// A direct (baseline) sample is the baseline of every path's figure.
-			series := []string{path}
-			if s.variant == Baseline {
-				series = ed.EgressPaths()
-			}
-			for _, ser := range series {
+			for _, ser := range j.series {
 				s.emit(SuiteEgress, ser, float64(x), "mbit_s", mbit, "")
 			}
 		}
