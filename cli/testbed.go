@@ -45,6 +45,12 @@ func init() {
 			}
 			fmt.Printf("testbed %s is up: %d nodes, mode %s, in %.1fs (dir %s)\n", t.Name, len(t.Nodes), t.Mode,
 				time.Since(start).Seconds(), t.Dir)
+			flag := ""
+			if t.Name != testbed.DefaultName {
+				flag = " --name " + t.Name
+			}
+			fmt.Printf("  palisade testbed status%s\n  palisade testbed exec%s node1 --user alice -- srun -N%d hostname\n  palisade check%s\n  palisade testbed down%s\n",
+				flag, flag, len(t.Nodes), flag, flag)
 			return nil
 		},
 	}

@@ -246,6 +246,7 @@ func TestTestbed(t *testing.T) {
 	defer cancel()
 	Down(ctx, tbName) // leftovers of an interrupted run
 	before := takeSnapshot(t)
+	rootSSH := dirListing("/root/.ssh")
 
 	bin := palisadeBinary(t)
 	start := time.Now()
@@ -496,6 +497,9 @@ func TestTestbed(t *testing.T) {
 	if _, err := os.Stat(tb.Dir); err == nil {
 		t.Errorf("%s left behind", tb.Dir)
 	}
+	if got := dirListing("/root/.ssh"); got != rootSSH {
+		t.Errorf("/root/.ssh changed:\nbefore %s\nafter %s", rootSSH, got)
+	}
 	for _, n := range tb.netnsNames() {
 		if _, err := os.Lstat("/etc/netns/" + n); err == nil {
 			t.Errorf("/etc/netns/%s left behind", n)
@@ -608,4 +612,19 @@ func openFD(t *testing.T, path string) string {
 	}
 	t.Cleanup(func() { f.Close() })
 	return strconv.Itoa(int(f.Fd()))
+}
+
+// dirListing is names, sizes and mtimes of a directory's entries.
+func dirListing(dir string) string {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return err.Error()
+	}
+	var b strings.Builder
+	for _, e := range ents {
+		if fi, err := e.Info(); err == nil {
+			fmt.Fprintf(&b, "%s %d %s; ", e.Name(), fi.Size(), fi.ModTime())
+		}
+	}
+	return b.String()
 }
