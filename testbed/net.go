@@ -133,6 +133,13 @@ func (tb *Testbed) upNetwork(ctx context.Context) error {
 		"net.ipv6.conf.all.accept_ra":      "0",
 		"net.ipv6.conf.default.accept_ra":  "0",
 		"net.ipv4.ping_group_range":        "0 2147483647",
+		// Refusals by ICMP (unreachable / admin-prohibited) must come back
+		// at once in tests: no per-peer ICMP rate limit (burst 6 by
+		// default), a generous global one. All per network namespace.
+		"net.ipv4.icmp_ratelimit":    "0",
+		"net.ipv6.icmp.ratelimit":    "0",
+		"net.ipv4.icmp_msgs_per_sec": "10000",
+		"net.ipv4.icmp_msgs_burst":   "1000",
 	}
 	for _, ns := range tb.netnsNames() {
 		kv := base
