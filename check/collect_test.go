@@ -68,6 +68,7 @@ func TestCollect(t *testing.T) {
 		lines = append(lines, l)
 	}
 	writeLines(t, out(pb, "node1"), append(lines, probe.Line{Type: "done", Host: "node1"})...)
+	pb.output = "some launcher noise\n{\"type\":\"done\",\"host\":\"node1\",\"cases\":100}\n"
 	r.collect(pb)
 	if s := pb.Cases[0].Observed.State; s != Broken {
 		t.Errorf("wrong listener answered: observed %s", s)
@@ -140,9 +141,32 @@ func TestCollect(t *testing.T) {
 		lines = append(lines, probe.Line{Type: "result", Host: "node1", ID: c.ID, Kind: "ECONNREFUSED"})
 	}
 	writeLines(t, out(pp, "node1"), append(lines, probe.Line{Type: "done", Host: "node1"})...)
+	pp.output = `{"type":"done","host":"node1"}` + "\n"
 	r.collect(pp)
 	if o := target.Observed; o.State != Broken || !strings.Contains(o.Error, "did not start") {
 		t.Errorf("dead listener: observed %+v", o)
+	}
+
+	// 6. srun root: every result arrived through the shared directory, but
+	// srun never delivered the connector's stdout (srun exits 0 anyway).
+	ps := procOf(Srun, "root")
+	h = ps.Hosts[0]
+	lines = []probe.Line{start(ps, h, map[string]string{"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"})}
+	for _, c := range ps.Cases {
+		lines = append(lines, answer(c))
+	}
+	writeLines(t, out(ps, h), append(lines, probe.Line{Type: "done", Host: h})...)
+	ps.output = "srun: error: slurmstepd could not connect IO\n"
+	r.collect(ps)
+	for _, c := range ps.Cases {
+		if o := c.Observed; o.State != Broken || !strings.Contains(o.Error, "lost the output") {
+			t.Fatalf("lost I/O: %s observed %+v", c, o)
+		}
+	}
+	ps.output += fmt.Sprintf(`{"type":"done","host":%q}`+"\n", h)
+	r.collect(ps)
+	if o := ps.Cases[0].Observed; o.State != Allowed {
+		t.Errorf("with its output delivered: observed %+v", o)
 	}
 
 	// The report lists every failure and ends with the count line.

@@ -273,7 +273,7 @@ func (r *runner) startListener(ctx context.Context, host string, l ListenerSpec)
 	case s := <-line:
 		if err := json.Unmarshal([]byte(s), &ready); err != nil || ready.Type != "ready" {
 			cmd.Wait()
-			return lp, fmt.Errorf("%v %s", cmd.ProcessState, lastLines(stderr.String(), 3))
+			return lp, fmt.Errorf("%v %s", cmd.ProcessState, summarize(stderr.String(), 3))
 		}
 	case <-time.After(15 * time.Second):
 		return lp, errors.New("not ready after 15s")
@@ -425,7 +425,7 @@ func (r *runner) runProc(ctx context.Context, p *proc) {
 	out, err := cmd.CombinedOutput()
 	p.output = string(out)
 	if err != nil {
-		p.failure = fmt.Sprintf("%s as %s on %s: %v %s", p.Launcher, p.User, p.Start, err, lastLines(p.output, 3))
+		p.failure = fmt.Sprintf("%s as %s on %s: %v %s", p.Launcher, p.User, p.Start, err, summarize(p.output, 3))
 	}
 }
 
@@ -450,7 +450,7 @@ func (r *runner) submit(ctx context.Context, p *proc) bool {
 	out, err := cmd.CombinedOutput()
 	id, _, _ := strings.Cut(strings.TrimSpace(string(out)), ";")
 	if _, perr := strconv.Atoi(id); err != nil || perr != nil {
-		p.failure = fmt.Sprintf("sbatch as %s on %s: %v %s", p.User, p.Start, err, lastLines(string(out), 3))
+		p.failure = fmt.Sprintf("sbatch as %s on %s: %v %s", p.User, p.Start, err, summarize(string(out), 3))
 		return false
 	}
 	p.jobID = id
@@ -526,13 +526,22 @@ func (r *runner) collect(p *proc) {
 	why := p.failure
 	if why == "" {
 		why = fmt.Sprintf("%s exited without reporting", p.Launcher)
-		if o := lastLines(p.output, 3); o != "" {
+		if o := summarize(p.output, 3); o != "" {
 			why += ": " + o
 		}
 	} else if len(results) == len(p.Cases) {
 		// Everything answered, yet the launcher complained: worth
 		// showing, but the cases stand on their own evidence.
 		r.warn("%s", p.failure)
+	}
+	// Each connector also prints its done line to stdout, through the
+	// launcher's own I/O path (srun exits 0 even when job I/O failed).
+	ioDone := map[string]bool{}
+	for _, ln := range strings.Split(p.output, "\n") {
+		var l probe.Line
+		if strings.HasPrefix(ln, "{") && json.Unmarshal([]byte(ln), &l) == nil && l.Type == "done" {
+			ioDone[l.Host] = true
+		}
 	}
 	wrongLaunch := map[string]string{}
 	for h, st := range starts {
@@ -552,6 +561,10 @@ func (r *runner) collect(p *proc) {
 				host, st.Self, p.Connector.UID, p.Connector.GID)}
 		case wrongLaunch[host] != "":
 			c.Observed = Observation{State: Broken, Error: fmt.Sprintf("connector on %s: %s", host, wrongLaunch[host])}
+		case done[host] && !ioDone[host]:
+			c.Observed = Observation{State: Broken, Error: fmt.Sprintf("%s lost the output of the connector on %s "+
+				"(its results came through the shared directory, its stdout never arrived): %s",
+				p.Launcher, host, summarize(p.output+"\n"+p.failure, 3))}
 		case !ok && !done[host]:
 			c.Observed = Observation{State: Broken, Error: fmt.Sprintf("connector on %s did not finish: %s", host, why)}
 		case !ok:
@@ -612,13 +625,29 @@ func (p *proc) checkLaunch(st probe.Line, all map[string]probe.Line) error {
 	return nil
 }
 
-// lastLines keeps the tail of a launcher's output for error messages.
-func lastLines(s string, n int) string {
-	lines := strings.Split(strings.TrimSpace(s), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
+// summarize condenses a launcher's output for an error message: the lines
+// that say "error" if any (srun, sbatch, ssh), else the first lines of what
+// it printed (Open MPI's banners put the cause first), at most n, without
+// banner rules and blank lines.
+func summarize(s string, n int) string {
+	var lines, errs []string
+	for _, l := range strings.Split(s, "\n") {
+		l = strings.TrimSpace(l)
+		if strings.Trim(l, "-*= ") == "" {
+			continue
+		}
+		lines = append(lines, l)
+		if strings.Contains(strings.ToLower(l), "error") {
+			errs = append(errs, l)
+		}
 	}
-	return strings.TrimSpace(strings.Join(lines, " | "))
+	if len(errs) > 0 {
+		lines = errs
+	}
+	if len(lines) > n {
+		lines = lines[:n]
+	}
+	return strings.Join(lines, " | ")
 }
 
 // shellJoin quotes argv for a POSIX shell (ssh, sbatch --wrap, sg -c).

@@ -184,7 +184,16 @@ kind) and a "done" line. Targets can also be given as arguments: tcp:127.0.0.1:2
 				return err
 			}
 			if f, ok := out.(*os.File); ok && outPath != "" {
-				return f.Close()
+				if err := f.Close(); err != nil {
+					return err
+				}
+				// The done line also goes through the launcher's own
+				// I/O path (ssh channel, srun/slurmstepd, Open MPI's
+				// forwarding, the batch output file): a launcher whose
+				// I/O breaks while the job still runs is caught there.
+				b, _ := json.Marshal(probe.Line{Type: "done", Host: host, PID: os.Getpid(), Cases: len(targets)})
+				_, err := cmd.OutOrStdout().Write(append(b, '\n'))
+				return err
 			}
 			return nil
 		},
