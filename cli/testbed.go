@@ -31,6 +31,9 @@ func init() {
 			if cmd.Flags().Changed("nodes") && opts.Nodes == 0 {
 				return fmt.Errorf("invalid node count 0: want 1..%d", testbed.MaxNodes)
 			}
+			if !cmd.Flags().Changed("nodes") {
+				opts.Nodes = 0 // default for a new instance, any size for a running one
+			}
 			opts.Name = name
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 			defer stop()

@@ -75,7 +75,9 @@ func lockInstance(name string) (func(), error) {
 // Up brings an instance up (or returns the running one, with AlreadyUp set,
 // if its node count and mode match). A failure rolls everything back.
 func Up(ctx context.Context, opts Options) (*Testbed, error) {
-	explicitMode := opts.Mode != ""
+	// What the caller asked for explicitly must match a running instance;
+	// the rest (zero values) is "whatever it runs with".
+	explicitMode, explicitNodes := opts.Mode != "", opts.Nodes != 0
 	if err := validate(&opts); err != nil {
 		return nil, err
 	}
@@ -88,8 +90,8 @@ func Up(ctx context.Context, opts Options) (*Testbed, error) {
 	if s, err := readState(opts.Name); err == nil {
 		old := build(s)
 		if s.Phase == "up" && old.alive() {
-			if opts.Nodes != s.Nodes || (explicitMode && opts.Mode != old.Mode) || opts.VM != s.VM ||
-				opts.Egress != slices.Contains(s.Extensions, "egress") {
+			if (explicitNodes && opts.Nodes != s.Nodes) || (explicitMode && opts.Mode != old.Mode) || (opts.VM && !s.VM) ||
+				(opts.Egress && !slices.Contains(s.Extensions, "egress")) {
 				return nil, fmt.Errorf("testbed %s is already up with %d nodes, mode %s: run `palisade testbed down --name %s` first",
 					s.Name, s.Nodes, old.Mode, s.Name)
 			}

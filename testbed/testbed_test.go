@@ -279,6 +279,9 @@ func TestTestbed(t *testing.T) {
 		if err != nil || !again.AlreadyUp {
 			t.Fatalf("second Up: %v (already up %v)", err, again != nil && again.AlreadyUp)
 		}
+		if _, err := Up(ctx, Options{Name: tbName, Nodes: 4}); err == nil || !strings.Contains(err.Error(), "already up with 3 nodes") {
+			t.Errorf("Up with another node count on a live testbed: %v", err)
+		}
 		out, err := exec.CommandContext(ctx, tb.Binary, "testbed", "up", "--name", tbName).CombinedOutput()
 		if err != nil || !strings.Contains(string(out), "testbed "+tbName+" is already up") {
 			t.Errorf("palisade testbed up on a live testbed: %v: %s", err, out)
