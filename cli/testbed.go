@@ -72,6 +72,8 @@ func init() {
 				fmt.Printf("testbed %s is not up\n", n)
 				return nil
 			}
+			// Half a teardown helps nobody: finish it (it takes a second).
+			signal.Ignore(os.Interrupt, syscall.SIGTERM, syscall.SIGHUP)
 			start := time.Now()
 			if err := testbed.Down(context.WithoutCancel(cmd.Context()), n); err != nil {
 				return err
