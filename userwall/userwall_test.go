@@ -560,6 +560,36 @@ exempt_connectors = ["carol", `, 1)
 	run(t, []tcase{{"node1", "carol", "tcp", "127.0.0.1", 5151, "OK", nil}})
 }
 
+// A node without the agent sends option-less SYNs and unstamped datagrams:
+// node1 treats them as off-cluster, even from a cluster address.
+func TestNoIdentityFromCluster(t *testing.T) {
+	needTestbed(t)
+	listen(t, "node1", "alice", "tcp", "::", 5171)
+	listen(t, "node1", "alice", "udp", "::", 5172)
+	n1, n2 := tb.Nodes[0], tb.Nodes[1]
+	if err := StopAgent(context.Background(), tb, n2); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := StartAgent(context.Background(), tb, n2); err != nil {
+			t.Fatal(err)
+		}
+	}()
+	a := n1.Eth0V4.String()
+	run(t, []tcase{
+		{"node2", "alice", "tcp", a, 5171, refused, nil},
+		{"node2", "alice", "udp", a, 5172, icmp, []string{"connected"}},
+		{"node2", "", "tcp", a, 22, "OK*", nil}, // system ports stay open
+	})
+	found := false
+	for _, e := range events(t, "node1") {
+		found = found || (e.Dst == a+":5171" && e.Rule == "off-cluster-denied" && e.Connector == nil)
+	}
+	if !found {
+		t.Error("no off-cluster-denied event for the option-less SYN")
+	}
+}
+
 func TestCheckMatrix(t *testing.T) {
 	needTestbed(t)
 	out, err := exec.Command(tb.Binary, "check", "--name", tbName, "--mode", "userwall", "--quiet").CombinedOutput()
