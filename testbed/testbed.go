@@ -371,5 +371,9 @@ func Open(name string) (*Testbed, error) {
 	if s.Phase != "up" {
 		return nil, fmt.Errorf("testbed %s is %s (not up); run `palisade testbed down --name %s`", name, s.Phase, name)
 	}
-	return build(s), nil
+	tb := build(s)
+	if !tb.alive() {
+		return nil, fmt.Errorf("testbed %s has state but its namespaces are gone (reboot?): run `palisade testbed down --name %s`", name, name)
+	}
+	return tb, nil
 }
