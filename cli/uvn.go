@@ -6,8 +6,10 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"os/exec"
 	"strconv"
 	"strings"
+	"syscall"
 	"text/tabwriter"
 
 	"github.com/spf13/cobra"
@@ -26,7 +28,7 @@ user's processes reach only the user's own listeners (locally and on other
 nodes), system services in the default VRF, and off-subnet hosts through a
 per-user NAT address. See docs/uvn.md.`,
 	}
-	cmd.AddCommand(uvnSetupCmd(), uvnReleaseCmd(), uvnTeardownCmd(), uvnStatusCmd(), uvnPAMCmd(), uvnJobCmd(), uvnLeftoversCmd())
+	cmd.AddCommand(uvnSetupCmd(), uvnReleaseCmd(), uvnTeardownCmd(), uvnStatusCmd(), uvnPAMCmd(), uvnJobCmd(), uvnLoginCmd(), uvnLeftoversCmd())
 	register(cmd)
 }
 
@@ -93,7 +95,7 @@ is recorded as a live user of the network.`,
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "uid %d: VRF %s (table %d), VXLANs %s, NAT %s%s, holders %d\n",
-				st.UID, st.VRF, st.Table, strings.Join(st.Links, ","), st.NAT, prefixed(" ", st.NAT6), len(st.Holders))
+				st.UID, st.VRF, st.Table, strings.Join(st.Links, ","), st.NAT, "", len(st.Holders))
 			return nil
 		},
 	}
@@ -204,7 +206,7 @@ func uvnStatusCmd() *cobra.Command {
 					state = "damaged"
 				}
 				fmt.Fprintf(w, "%d\t%s\t%d\t%s\t%s\t%d/%d\t%d\t%s\n", u.UID, u.VRF, u.Table, strings.Join(u.Links, ","),
-					u.NAT+prefixed(" ", u.NAT6), u.LiveHolders, len(u.Holders), len(u.Attach), state)
+					u.NAT, u.LiveHolders, len(u.Holders), len(u.Attach), state)
 			}
 			w.Flush()
 			if node == nil {
@@ -326,4 +328,38 @@ func uvnLeftoversCmd() *cobra.Command {
 			return nil
 		},
 	}
+}
+
+func uvnLoginCmd() *cobra.Command {
+	var uid string
+	c := &cobra.Command{
+		Use:    "login --uid USER -- ARGV...",
+		Short:  "Set up USER's network, move this process into the VRF and exec ARGV (as root; ARGV drops privileges)",
+		Hidden: true,
+		Args:   cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			m, _, err := uvnManager(cmd, true)
+			if err != nil {
+				return err
+			}
+			if m != nil {
+				u, served, err := serveUID(m, uid)
+				if err != nil {
+					return err
+				}
+				if served {
+					if _, err := m.Setup(u, os.Getpid(), os.Getpid()); err != nil {
+						return err
+					}
+				}
+			}
+			path, err := exec.LookPath(args[0])
+			if err != nil {
+				return err
+			}
+			return syscall.Exec(path, args, os.Environ())
+		},
+	}
+	c.Flags().StringVar(&uid, "uid", "", "user (uid or name)")
+	return c
 }

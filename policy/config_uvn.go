@@ -14,12 +14,14 @@ import (
 //	min_uid       = 1000             # uids below get no VRF (system accounts)
 //	uid_max       = 16777215         # highest uid served; above 2^24-1 each underlay needs a port block
 //	nat_pool      = "100.64.0.0/10"  # per-user CGNAT addresses (SNAT off-subnet)
-//	nat6_pool     = ""               # optional IPv6 per-user NAT addresses (e.g. a ULA /64)
 //	state_dir     = "/run/palisade/uvn"
 //	uplinks       = []               # NICs to SNAT out of; default: every non-uvn device of a main-table route
 //	vxlan_ttl     = 5
 //	src_port_min  = 600              # kernel VXLAN source ports: privileged, so no user socket can use them
 //	src_port_max  = 999
+//	underlay_ports = ["1-1023", "6817-6819"]  # to cluster nodes: over the underlay with SNAT
+//	                                 # (system services and Slurm reached on any node, even one
+//	                                 # where the user has no VXLAN yet); other ports: overlay only
 //	[[uvn.underlay]]
 //	prefixes = ["198.18.0.0/24", "2001:2::/64"]  # first prefix: tunnel endpoint; all: addresses mirrored
 //	port     = 4789                  # VXLAN UDP port of this underlay (unique per underlay)
@@ -30,17 +32,21 @@ type UVNConfig struct {
 	MinUID     int64         `toml:"min_uid"`
 	UIDMax     int64         `toml:"uid_max"`
 	NATPool    string        `toml:"nat_pool"`
-	NAT6Pool   string        `toml:"nat6_pool"`
 	StateDir   string        `toml:"state_dir"`
 	Uplinks    []string      `toml:"uplinks"`
 	VXLANTTL   int64         `toml:"vxlan_ttl"`
 	SrcPortMin int64         `toml:"src_port_min"`
 	SrcPortMax int64         `toml:"src_port_max"`
 	Underlays  []UVNUnderlay `toml:"underlay"`
+	// UnderlayPorts are TCP/UDP destination ports that a user's VRF reaches
+	// on cluster nodes through the underlay (SNAT to the node's address)
+	// instead of the overlay.
+	UnderlayPorts []PortSpec `toml:"underlay_ports"`
+	// UnderlayRanges is UnderlayPorts parsed.
+	UnderlayRanges []PortRange `toml:"-"`
 
 	// Parsed by Validate.
-	NATPrefix  netip.Prefix `toml:"-"`
-	NAT6Prefix netip.Prefix `toml:"-"` // invalid when nat6_pool is empty
+	NATPrefix netip.Prefix `toml:"-"`
 }
 
 // UVNUnderlay is one [[uvn.underlay]] entry: an underlay network that gets a
@@ -75,6 +81,7 @@ func (u *UVNConfig) SetDefaults() {
 	u.VXLANTTL = 5
 	u.SrcPortMin = 600
 	u.SrcPortMax = 999
+	u.UnderlayPorts = []PortSpec{"1-1023", "6817-6819"}
 }
 
 // PortSpan is how many consecutive UDP ports each underlay uses: one per
@@ -100,14 +107,6 @@ func (u *UVNConfig) Validate() error {
 	} else {
 		u.NATPrefix = p.Masked()
 	}
-	u.NAT6Prefix = netip.Prefix{}
-	if u.NAT6Pool != "" {
-		if p, err := netip.ParsePrefix(u.NAT6Pool); err != nil || !p.Addr().Is6() || p.Addr().Is4In6() || p.Bits() > 126 {
-			bad("nat6_pool", "", "%q: want an IPv6 prefix of at least /126", u.NAT6Pool)
-		} else {
-			u.NAT6Prefix = p.Masked()
-		}
-	}
 	if u.StateDir == "" || !filepath.IsAbs(u.StateDir) {
 		bad("state_dir", "", "%q: want an absolute path", u.StateDir)
 	}
@@ -124,6 +123,18 @@ func (u *UVNConfig) Validate() error {
 	}
 	if u.SrcPortMax < u.SrcPortMin || u.SrcPortMax > 1023 {
 		bad("src_port_max", "", "%d: must be in src_port_min-1023", u.SrcPortMax)
+	}
+	u.UnderlayRanges = nil
+	for _, ps := range u.UnderlayPorts {
+		r, err := ParsePortRange(string(ps))
+		if err != nil {
+			bad("underlay_ports", string(ps), "%v", err)
+			continue
+		}
+		u.UnderlayRanges = append(u.UnderlayRanges, r)
+	}
+	if len(u.UnderlayRanges) > 8 {
+		bad("underlay_ports", "", "at most 8 ranges")
 	}
 	if len(u.Underlays) > UVNMaxUnderlays {
 		bad("underlay", "", "%d underlays; at most %d", len(u.Underlays), UVNMaxUnderlays)

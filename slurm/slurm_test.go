@@ -34,7 +34,7 @@ func TestBuildPlugin(t *testing.T) {
 		}
 	}
 	for _, want := range []string{"plugin_name", "plugin_type", "plugin_version", "spank_plugin_version",
-		"slurm_spank_init", "slurm_spank_task_init_privileged", "slurm_spank_exit"} {
+		"slurm_spank_init", "slurm_spank_exit"} {
 		if !have[want] {
 			t.Errorf("plugin lacks symbol %s", want)
 		}

@@ -3,9 +3,11 @@ package uvn
 import (
 	"bufio"
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io/fs"
+	"net/netip"
 	"os"
 	"path"
 	"strconv"
@@ -15,6 +17,8 @@ import (
 	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
+
+	"github.com/palisade-hpc/palisade/policy"
 )
 
 // cgroup2 is a private, detached mount of the cgroup2 hierarchy. Opening one
@@ -266,6 +270,105 @@ func vrfProgram(ifindex int) (*ebpf.Program, error) {
 
 const bpfFAllowMulti = 1 << 1 // BPF_F_ALLOW_MULTI
 
+// Offsets in struct bpf_sock_addr.
+const (
+	offUserIP4   = 4
+	offUserPort  = 24
+	offMsgSrcIP4 = 40
+)
+
+// underlayProgram builds the cgroup connect4 (sendmsg=false) or sendmsg4
+// program that sends a user's traffic to system/Slurm ports of cluster
+// nodes over the underlay: if the destination port is in one of ranges and
+// the address in one of nets, the socket gets the user's NAT address as its
+// source (bpf_bind for connect, msg_src_ip4 for unconnected UDP). A node
+// rule then routes that source through the main table and the node's SNAT
+// makes it the node's own address; replies come back into the VRF like
+// off-subnet replies. Everything else is left alone (overlay).
+func underlayProgram(sendmsg bool, ranges []policy.PortRange, nets []netip.Prefix, nat netip.Addr) (*ebpf.Program, error) {
+	le := func(a netip.Addr) int32 {
+		b := a.As4()
+		return int32(binary.LittleEndian.Uint32(b[:]))
+	}
+	insns := asm.Instructions{
+		asm.Mov.Reg(asm.R6, asm.R1),
+		asm.LoadMem(asm.R2, asm.R6, offUserPort, asm.Word),
+		asm.HostTo(asm.BE, asm.R2, asm.Half),
+	}
+	for i, r := range ranges {
+		next := fmt.Sprintf("range%d", i+1)
+		insns = append(insns,
+			asm.JLT.Imm32(asm.R2, int32(r.First), next).WithSymbol(fmt.Sprintf("range%d", i)),
+			asm.JLE.Imm32(asm.R2, int32(r.Last), "addr"),
+		)
+	}
+	insns = append(insns, asm.Ja.Label("out").WithSymbol(fmt.Sprintf("range%d", len(ranges))),
+		asm.LoadMem(asm.R3, asm.R6, offUserIP4, asm.Word).WithSymbol("addr"))
+	for _, n := range nets {
+		mb := lastAddrMask(n.Bits())
+		insns = append(insns,
+			asm.Mov.Reg(asm.R4, asm.R3),
+			asm.And.Imm32(asm.R4, le(mb)),
+			asm.JEq.Imm32(asm.R4, le(n.Masked().Addr()), "act"),
+		)
+	}
+	insns = append(insns, asm.Ja.Label("out"))
+	if sendmsg {
+		insns = append(insns,
+			asm.StoreImm(asm.R6, offMsgSrcIP4, int64(le(nat)), asm.Word).WithSymbol("act"))
+	} else {
+		insns = append(insns,
+			asm.StoreImm(asm.RFP, -16, 0, asm.DWord).WithSymbol("act"),
+			asm.StoreImm(asm.RFP, -8, 0, asm.DWord),
+			asm.StoreImm(asm.RFP, -16, unix.AF_INET, asm.Half),
+			asm.StoreImm(asm.RFP, -12, int64(le(nat)), asm.Word),
+			asm.Mov.Reg(asm.R1, asm.R6),
+			asm.Mov.Reg(asm.R2, asm.RFP),
+			asm.Add.Imm(asm.R2, -16),
+			asm.Mov.Imm(asm.R3, 16),
+			asm.FnBind.Call(),
+		)
+	}
+	insns = append(insns,
+		asm.Mov.Imm(asm.R0, 1).WithSymbol("out"),
+		asm.Return())
+	spec := &ebpf.ProgramSpec{Name: "pal_uvn_conn4", Type: ebpf.CGroupSockAddr, AttachType: ebpf.AttachCGroupInet4Connect,
+		License: "GPL", Instructions: insns}
+	if sendmsg {
+		spec.Name, spec.AttachType = "pal_uvn_send4", ebpf.AttachCGroupUDP4Sendmsg
+	}
+	return ebpf.NewProgram(spec)
+}
+
+// lastAddrMask is the IPv4 netmask of a prefix length.
+func lastAddrMask(bits int) netip.Addr {
+	var b [4]byte
+	for i := 0; i < bits; i++ {
+		b[i/8] |= 0x80 >> (i % 8)
+	}
+	return netip.AddrFrom4(b)
+}
+
+// attachProg attaches prog to cg with ALLOW_MULTI and returns its id.
+func (c *cgroup2) attachProg(cg string, prog *ebpf.Program, at ebpf.AttachType) (uint32, error) {
+	fd, err := c.openDir(cg)
+	if err != nil {
+		return 0, fmt.Errorf("open cgroup %s: %w", cg, err)
+	}
+	defer unix.Close(fd)
+	if err := link.RawAttachProgram(link.RawAttachProgramOptions{
+		Target: fd, Program: prog, Attach: at, Flags: bpfFAllowMulti,
+	}); err != nil {
+		return 0, fmt.Errorf("attach %s to cgroup %s: %w", at, cg, err)
+	}
+	info, err := prog.Info()
+	if err != nil {
+		return 0, err
+	}
+	id, _ := info.ID()
+	return uint32(id), nil
+}
+
 // attach loads the program for ifindex and attaches it to cg (it stays
 // attached after the fd closes, for as long as the cgroup exists).
 func (c *cgroup2) attach(cg string, ifindex int) (uint32, error) {
@@ -294,6 +397,13 @@ func (c *cgroup2) attach(cg string, ifindex int) (uint32, error) {
 
 // detach removes program id from cg; a missing program or cgroup is fine.
 func (c *cgroup2) detach(cg string, id uint32) error {
+	return c.detachAs(cg, id, ebpf.AttachCGroupInetSockCreate)
+}
+
+func (c *cgroup2) detachAs(cg string, id uint32, at ebpf.AttachType) error {
+	if id == 0 {
+		return nil
+	}
 	prog, err := ebpf.NewProgramFromID(ebpf.ProgramID(id))
 	if err != nil {
 		return nil // gone with its last cgroup
@@ -304,7 +414,7 @@ func (c *cgroup2) detach(cg string, id uint32) error {
 		return nil
 	}
 	defer unix.Close(fd)
-	err = link.RawDetachProgram(link.RawDetachProgramOptions{Target: fd, Program: prog, Attach: ebpf.AttachCGroupInetSockCreate})
+	err = link.RawDetachProgram(link.RawDetachProgramOptions{Target: fd, Program: prog, Attach: at})
 	if err != nil && !errors.Is(err, unix.ENOENT) {
 		return fmt.Errorf("detach program %d from cgroup %s: %w", id, cg, err)
 	}

@@ -10,7 +10,9 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
 )
 
@@ -95,11 +97,7 @@ func (m *Manager) buildNode(ns *NodeState) error {
 	}
 	forwardGuard := false
 	for _, up := range uplinks {
-		fams := []string{"ipv4"}
-		if m.cfg.NAT6Prefix.IsValid() {
-			fams = append(fams, "ipv6")
-		}
-		for _, f := range fams {
+		for _, f := range []string{"ipv4"} {
 			p := "net/" + f + "/conf/" + up + "/forwarding"
 			if old, err := readSysctl(p); err == nil && old == "0" {
 				forwardGuard = true
@@ -112,6 +110,12 @@ func (m *Manager) buildNode(ns *NodeState) error {
 		}
 	}
 
+	if len(m.cfg.UnderlayRanges) > 0 {
+		if err := m.natRules(ns); err != nil {
+			return err
+		}
+	}
+
 	// RPDB: the local table must be looked up after the l3mdev rule (1000),
 	// or a VRF's addresses that are also local in the default VRF (the
 	// mirrored underlay addresses) would be delivered outside the VRF.
@@ -121,7 +125,7 @@ func (m *Manager) buildNode(ns *NodeState) error {
 		}
 	}
 
-	g := guard{srcMin: uint16(m.cfg.SrcPortMin), srcMax: uint16(m.cfg.SrcPortMax), natPool: m.cfg.NATPrefix, nat6Pool: m.cfg.NAT6Prefix, forwardGuard: forwardGuard}
+	g := guard{srcMin: uint16(m.cfg.SrcPortMin), srcMax: uint16(m.cfg.SrcPortMax), natPool: m.cfg.NATPrefix, forwardGuard: forwardGuard}
 	for _, u := range m.cfg.Underlays {
 		gu := guardUnderlay{portLo: uint16(u.Port), portHi: uint16(u.Port + m.cfg.PortSpan() - 1), v6: u.Nets[0].Addr().Is6()}
 		if nic, _, _, err := localUnderlay(u); err == nil && nic != nil {
@@ -167,18 +171,14 @@ func (m *Manager) setSysctl(ns *NodeState, p, v string) error {
 }
 
 // uplinks are the configured uplinks, or every device of a main-table
-// gateway route (IPv4, and IPv6 when nat6_pool is set).
+// gateway route (IPv4: off-subnet IPv6 is not NATed, see docs/uvn.md).
 func (m *Manager) uplinks() ([]string, error) {
 	if len(m.cfg.Uplinks) > 0 {
 		return m.cfg.Uplinks, nil
 	}
 	seen := map[string]bool{}
 	var out []string
-	fams := []int{netlink.FAMILY_V4}
-	if m.cfg.NAT6Prefix.IsValid() {
-		fams = append(fams, netlink.FAMILY_V6)
-	}
-	for _, fam := range fams {
+	for _, fam := range []int{netlink.FAMILY_V4} {
 		rs, err := netlink.RouteListFiltered(fam, &netlink.Route{Table: unix.RT_TABLE_MAIN}, netlink.RT_FILTER_TABLE)
 		if err != nil {
 			return nil, err
@@ -198,7 +198,38 @@ func (m *Manager) uplinks() ([]string, error) {
 	return out, nil
 }
 
-const localRulePref = 32765
+const (
+	localRulePref  = 32765
+	l3mdevRulePref = 1000
+)
+
+// ensureL3mdevRule adds "pref 1000 l3mdev" (FRA_L3MDEV, which
+// vishvananda/netlink does not model) when the family has no rule at 1000.
+func ensureL3mdevRule(fam int) error {
+	rules, err := netlink.RuleList(fam)
+	if err != nil {
+		return err
+	}
+	for _, r := range rules {
+		if r.Priority == l3mdevRulePref {
+			return nil
+		}
+	}
+	req := nl.NewNetlinkRequest(unix.RTM_NEWRULE, unix.NLM_F_CREATE|unix.NLM_F_EXCL|unix.NLM_F_ACK)
+	msg := nl.NewRtMsg()
+	msg.Family = uint8(fam)
+	msg.Protocol = unix.RTPROT_BOOT
+	msg.Scope = unix.RT_SCOPE_UNIVERSE
+	msg.Table = unix.RT_TABLE_UNSPEC
+	msg.Type = unix.FR_ACT_TO_TBL
+	req.AddData(msg)
+	req.AddData(nl.NewRtAttr(nl.FRA_PRIORITY, nl.Uint32Attr(l3mdevRulePref)))
+	req.AddData(nl.NewRtAttr(unix.FRA_L3MDEV, []byte{1}))
+	if _, err := req.Execute(unix.NETLINK_ROUTE, 0); err != nil && !errors.Is(err, unix.EEXIST) {
+		return fmt.Errorf("add l3mdev rule: %w", err)
+	}
+	return nil
+}
 
 func (m *Manager) moveLocalRule(ns *NodeState, fam int) error {
 	rules, err := netlink.RuleList(fam)
@@ -301,6 +332,19 @@ func undo(u Undo) error {
 		if err := netlink.RuleDel(r); !gone(err) {
 			return fmt.Errorf("remove local rule at %d: %w", localRulePref, err)
 		}
+	case "rule":
+		r := netlink.NewRule()
+		r.Family, r.Priority, r.Table = u.Family, u.Pref, int(u.Table)
+		if u.Dst != "" {
+			_, n, err := net.ParseCIDR(u.Dst)
+			if err != nil {
+				return err
+			}
+			r.Src = n
+		}
+		if err := netlink.RuleDel(r); !gone(err) {
+			return fmt.Errorf("remove rule %d: %w", u.Pref, err)
+		}
 	case "nft":
 		if err := removeGuard(); err != nil {
 			return fmt.Errorf("remove nftables table: %w", err)
@@ -322,7 +366,7 @@ func (m *Manager) teardownLocked(st *UserState) error {
 			errs = append(errs, err)
 		} else {
 			for _, a := range st.Attach {
-				if err := cg.detach(a.Cgroup, a.ProgID); err != nil {
+				if err := cg.detachAll(a); err != nil {
 					errs = append(errs, err)
 				}
 				if a.Created {
@@ -403,11 +447,15 @@ func (m *Manager) attach(st *UserState, pid, holder int) error {
 		if err := m.st.saveUser(st); err != nil {
 			return err
 		}
+		a0 := &st.Attach[len(st.Attach)-1]
 		id, err := cg.attach(path, vl.Attrs().Index)
 		if err != nil {
 			return err
 		}
-		st.Attach[len(st.Attach)-1].ProgID = id
+		a0.ProgID = id
+		if err := m.attachUnderlay(cg, a0, st); err != nil {
+			return err
+		}
 	}
 	if holder > 0 {
 		start, ok := procStart(holder)
@@ -438,7 +486,7 @@ func (m *Manager) pruneAttachments(st *UserState, cg *cgroup2) {
 		}
 		if a.Created {
 			if pids, err := cg.procs(a.Cgroup, true); err == nil && len(pids) == 0 {
-				cg.detach(a.Cgroup, a.ProgID)
+				cg.detachAll(a)
 				if cg.removeCgroup(a.Cgroup) == nil {
 					continue
 				}
@@ -576,3 +624,75 @@ func Leftovers() ([]string, error) {
 
 // StateDir is where the manager keeps journals.
 func (m *Manager) StateDir() string { return filepath.Clean(m.st.dir) }
+
+// detachAll removes every program of a.
+func (c *cgroup2) detachAll(a Attachment) error {
+	return errors.Join(
+		c.detachAs(a.Cgroup, a.ConnectID, ebpf.AttachCGroupInet4Connect),
+		c.detachAs(a.Cgroup, a.SendmsgID, ebpf.AttachCGroupUDP4Sendmsg),
+		c.detach(a.Cgroup, a.ProgID))
+}
+
+// attachUnderlay attaches the underlay-port programs (see underlayProgram)
+// for the IPv4 underlay prefixes.
+func (m *Manager) attachUnderlay(cg *cgroup2, a *Attachment, st *UserState) error {
+	var nets []netip.Prefix
+	for _, u := range m.cfg.Underlays {
+		for _, n := range u.Nets {
+			if n.Addr().Is4() {
+				nets = append(nets, n)
+			}
+		}
+	}
+	if len(nets) == 0 || len(m.cfg.UnderlayRanges) == 0 {
+		return nil
+	}
+	nat, err := netip.ParseAddr(st.NAT)
+	if err != nil {
+		return err
+	}
+	for _, sendmsg := range []bool{false, true} {
+		prog, err := underlayProgram(sendmsg, m.cfg.UnderlayRanges, nets, nat)
+		if err != nil {
+			return fmt.Errorf("load underlay-port program: %w", err)
+		}
+		at := ebpf.AttachCGroupInet4Connect
+		if sendmsg {
+			at = ebpf.AttachCGroupUDP4Sendmsg
+		}
+		id, err := cg.attachProg(a.Cgroup, prog, at)
+		prog.Close()
+		if err != nil {
+			return err
+		}
+		if sendmsg {
+			a.SendmsgID = id
+		} else {
+			a.ConnectID = id
+		}
+	}
+	return nil
+}
+
+// Node rules for the underlay ports: a socket whose source is a NAT
+// address (set by the underlay-port program) is routed by the local and
+// main tables, before the l3mdev rule sends it to the VRF table.
+const (
+	natLocalRulePref = 998
+	natMainRulePref  = 999
+)
+
+func (m *Manager) natRules(ns *NodeState) error {
+	for _, r := range []struct{ pref, table int }{{natLocalRulePref, unix.RT_TABLE_LOCAL}, {natMainRulePref, unix.RT_TABLE_MAIN}} {
+		if err := m.recordNode(ns, Undo{Kind: "rule", Pref: r.pref, Table: uint32(r.table), Family: netlink.FAMILY_V4, Dst: m.cfg.NATPrefix.String()}); err != nil {
+			return err
+		}
+		rule := netlink.NewRule()
+		rule.Family, rule.Priority, rule.Table = netlink.FAMILY_V4, r.pref, r.table
+		rule.Src = prefixToIPNet(m.cfg.NATPrefix)
+		if err := netlink.RuleAdd(rule); err != nil && !errors.Is(err, unix.EEXIST) {
+			return fmt.Errorf("add rule from %s lookup %d: %w", m.cfg.NATPrefix, r.table, err)
+		}
+	}
+	return nil
+}

@@ -48,6 +48,9 @@ type Attachment struct {
 	// session's own cgroup, because that one was shared) and must remove it.
 	Created bool   `json:"created,omitempty"`
 	ProgID  uint32 `json:"prog_id"`
+	// ConnectID and SendmsgID are the underlay-port programs (0: none).
+	ConnectID uint32 `json:"connect_id,omitempty"`
+	SendmsgID uint32 `json:"sendmsg_id,omitempty"`
 }
 
 // UserState is a user's journal and bookkeeping on this node.
@@ -57,7 +60,6 @@ type UserState struct {
 	VRF      string       `json:"vrf"`
 	Table    uint32       `json:"table"`
 	NAT      string       `json:"nat,omitempty"`
-	NAT6     string       `json:"nat6,omitempty"`
 	Links    []string     `json:"links,omitempty"`
 	Undo     []Undo       `json:"undo"`
 	Holders  []Holder     `json:"holders,omitempty"`

@@ -200,6 +200,15 @@ func (m *Manager) build(st *UserState) error {
 		return err
 	}
 	vidx := vl.Attrs().Index
+	// The kernel adds the l3mdev rule (pref 1000) with the first VRF of a
+	// network namespace, once; if someone removed it, VRF lookups would
+	// silently use the main table. Make sure it is there. It stays after the
+	// last user (it matches only flows of an l3mdev).
+	for _, fam := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
+		if err := ensureL3mdevRule(fam); err != nil {
+			return err
+		}
+	}
 
 	// Loopback addresses and the NAT addresses live on the VRF device: lo is
 	// in the default VRF only, so replies to 127.0.0.1/::1 need these.
@@ -207,14 +216,16 @@ func (m *Manager) build(st *UserState) error {
 		return err
 	}
 	addrs := []string{"127.0.0.1/8", "::1/128", st.NAT + "/32"}
-	if st.NAT6 != "" {
-		addrs = append(addrs, st.NAT6+"/128")
-	}
 	for _, a := range addrs {
 		if err := addAddr(vl, netip.MustParsePrefix(a)); err != nil {
 			// Never disable IPv6 host-wide (prior art did): fail closed.
 			return fmt.Errorf("add %s to %s: %w", a, st.VRF, err)
 		}
+	}
+
+	// Up before routes: a route through a down device is refused.
+	if err := netlink.LinkSetUp(vl); err != nil {
+		return fmt.Errorf("set %s up: %w", st.VRF, err)
 	}
 
 	// Routes: unreachable defaults first, then the off-subnet routes of the
@@ -236,11 +247,8 @@ func (m *Manager) build(st *UserState) error {
 		}
 	}
 
-	if err := m.step("up"); err != nil {
+	if err := m.step("complete"); err != nil {
 		return err
-	}
-	if err := netlink.LinkSetUp(vl); err != nil {
-		return fmt.Errorf("set %s up: %w", st.VRF, err)
 	}
 	st.Complete = true
 	if err := m.st.saveUser(st); err != nil {
@@ -252,6 +260,12 @@ func (m *Manager) build(st *UserState) error {
 
 func addAddr(l netlink.Link, p netip.Prefix) error {
 	a := &netlink.Addr{IPNet: prefixToIPNet(p)}
+	if p.Addr().IsLoopback() {
+		// Scope host, as on lo: with scope global, source selection for
+		// off-subnet traffic could pick 127.0.0.1 (and the kernel refuses
+		// a loopback source out of a real device).
+		a.Scope = unix.RT_SCOPE_HOST
+	}
 	if p.Addr().Is6() {
 		a.Flags = unix.IFA_F_NODAD
 	}
@@ -321,12 +335,12 @@ func (m *Manager) vrfRoutes(st *UserState, vidx int) error {
 			return err
 		}
 	}
-	nat := map[int]string{netlink.FAMILY_V4: st.NAT, netlink.FAMILY_V6: st.NAT6}
-	for _, fam := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
-		if nat[fam] == "" {
-			continue
-		}
-		src := net.ParseIP(nat[fam])
+	// Off-subnet IPv4 leaves through the main table's routes with the NAT
+	// source. (IPv6 cannot: the kernel refuses a leaked IPv6 route whose
+	// preferred source lives in another L3 domain, so off-subnet IPv6 from a
+	// VRF hits the unreachable default and fails fast.)
+	for _, fam := range []int{netlink.FAMILY_V4} {
+		src := net.ParseIP(st.NAT)
 		main, err := netlink.RouteListFiltered(fam, &netlink.Route{Table: unix.RT_TABLE_MAIN}, netlink.RT_FILTER_TABLE)
 		if err != nil {
 			return err
@@ -340,12 +354,6 @@ func (m *Manager) vrfRoutes(st *UserState, vidx int) error {
 			}
 			if p, ok := ipnetToPrefix(r.Dst); ok && (m.inUnderlay(p) || p.Addr().IsLinkLocalUnicast() || p.Addr().IsMulticast()) {
 				continue // reached over the overlay (or link-local)
-			}
-			if fam == netlink.FAMILY_V6 && r.Dst != nil {
-				if p, ok := ipnetToPrefix(r.Dst); ok && p.Bits() > 0 && r.Gw == nil {
-					// IPv6 connected routes outside the underlays are fine to copy.
-					_ = p
-				}
 			}
 			c := netlink.Route{Table: table, Family: fam, Dst: r.Dst, Gw: r.Gw, LinkIndex: r.LinkIndex, Src: src, Priority: r.Priority, Scope: r.Scope, Type: unix.RTN_UNICAST}
 			if r.Gw != nil {
@@ -521,7 +529,7 @@ func (m *Manager) allocNAT(st *UserState) error {
 		if err != nil || !ok {
 			continue
 		}
-		used[o.NAT], used[o.NAT6] = true, true
+		used[o.NAT] = true
 	}
 	pick := func(p netip.Prefix) (string, error) {
 		size := poolSize(p)
@@ -535,11 +543,6 @@ func (m *Manager) allocNAT(st *UserState) error {
 	}
 	if st.NAT, err = pick(m.cfg.NATPrefix); err != nil {
 		return err
-	}
-	if m.cfg.NAT6Prefix.IsValid() {
-		if st.NAT6, err = pick(m.cfg.NAT6Prefix); err != nil {
-			return err
-		}
 	}
 	return nil
 }

@@ -1,22 +1,28 @@
 /*
  * pal_uvn_spank.c — Palisade uvn SPANK plugin.
  *
- * Moves every task of a job step into the job user's VRF (per-user VRF +
- * VXLAN networks, see docs/uvn.md) and releases the user's network when the
- * step ends. The work is done by `palisade uvn job start|end`; this plugin
- * only calls it at the right moments, from slurmstepd (remote context):
+ * Moves every job step (slurmstepd and so all its tasks) into the job
+ * user's VRF (per-user VRF + VXLAN networks, see docs/uvn.md) and releases
+ * the user's network when the step ends. The work is done by
+ * `palisade uvn job start|end`; this plugin only calls it at the right
+ * moments, from slurmstepd (remote context):
  *
- *   slurm_spank_task_init_privileged  (in each task, as root, before exec)
- *       palisade --config CFG uvn job start UID --pid <task> --holder <slurmstepd>
- *   slurm_spank_exit                  (in slurmstepd, when the step ends)
+ *   slurm_spank_init   (in slurmstepd, as root, before it connects back to
+ *                       srun and before any task is forked)
+ *       palisade --config CFG uvn job start UID --pid <slurmstepd> --holder <slurmstepd>
+ *   slurm_spank_exit   (in slurmstepd, when the step ends)
  *       palisade --config CFG uvn job end UID --holder <slurmstepd>
+ *
+ * slurmstepd itself must be in the VRF: it connects back to srun, whose
+ * listening sockets are in the user's VRF when srun runs in a session that
+ * PAM moved there. Tasks inherit slurmstepd's cgroup, so they are covered.
  *
  * plugstack.conf (no path is compiled in):
  *
  *   required /usr/lib/palisade/pal_uvn_spank.so palisade=/usr/sbin/palisade config=/etc/palisade/palisade.toml
  *
- * "required" + a non-zero return from task_init_privileged fails the task
- * when its network cannot be set up: users never run outside their VRF.
+ * "required" + a non-zero return from slurm_spank_init fails the step when
+ * its network cannot be set up: users never run outside their VRF.
  *
  * Build: gcc -Wall -Wextra -O2 -fPIC -shared -o pal_uvn_spank.so pal_uvn_spank.c
  * (headers from libslurm-dev).
@@ -184,24 +190,16 @@ static int job_uid(spank_t sp, uid_t *uid)
 
 int slurm_spank_init(spank_t sp, int ac, char **av)
 {
+	uid_t uid;
+
 	/* Validate the arguments everywhere, act only in slurmstepd. */
 	if (parse_args(ac, av) < 0)
 		return spank_remote(sp) ? -1 : 0;
-	return 0;
-}
-
-int slurm_spank_task_init_privileged(spank_t sp, int ac, char **av)
-{
-	uid_t uid;
-
-	(void)ac;
-	(void)av;
 	if (!spank_remote(sp))
 		return 0;
-	if (palisade_bin[0] == '\0' || job_uid(sp, &uid) < 0)
+	if (job_uid(sp, &uid) < 0)
 		return -1;
-	/* This hook runs in the task itself, a child of slurmstepd. */
-	return run_palisade("start", uid, getpid(), getppid());
+	return run_palisade("start", uid, getpid(), getpid());
 }
 
 int slurm_spank_exit(spank_t sp, int ac, char **av)
