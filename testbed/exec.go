@@ -83,6 +83,15 @@ var (
 	ipPath     = "ip"
 )
 
+// LoginWrapper is optionally implemented by a Mode whose users must be set
+// up at login, as PAM would do on a real node (e.g. moved into their VRF).
+// For every non-root Command on a compute node, the returned argv runs as
+// root right before the privilege drop and must exec the rest of its
+// arguments.
+type LoginWrapper interface {
+	LoginPrefix(tb *Testbed, node, user string) []string
+}
+
 // Command prepares argv as user ("" = root) on node ("node1".., "outside"):
 // in the node's network namespace with its /etc overlay (ip netns exec) and
 // UTS namespace (nsenter), with the user's uid, gid and full group list
@@ -117,6 +126,13 @@ func (tb *Testbed) Command(ctx context.Context, node, user string, argv ...strin
 		argv = []string{a.shell, "-l"}
 	}
 	args := []string{ipPath, "netns", "exec", n.NetNS, "nsenter", "--uts=" + n.UTS, "--"}
+	if a.uid != 0 && node != "outside" {
+		if m, ok := lookupMode(tb.Mode); ok {
+			if w, ok := m.(LoginWrapper); ok {
+				args = append(args, w.LoginPrefix(tb, node, a.name)...)
+			}
+		}
+	}
 	if a.uid != 0 {
 		args = append(args, "setpriv", "--reuid="+strconv.Itoa(int(a.uid)), "--regid="+strconv.Itoa(int(a.gid)), "--init-groups", "--")
 	}

@@ -114,6 +114,12 @@ func (m *recMode) Up(ctx context.Context, tb *Testbed) error {
 }
 func (m *recMode) Down(context.Context, *Testbed) error { m.downs.Add(1); return nil }
 
+// LoginPrefix marks users' commands on compute nodes through the
+// environment (env execs the rest, as a real wrapper must).
+func (m *recMode) LoginPrefix(tb *Testbed, node, user string) []string {
+	return []string{"env", "TBTEST_LOGIN=" + node + ":" + user}
+}
+
 // failMode fails half-way, to prove that Up rolls back.
 type failMode struct{ downs atomic.Int32 }
 
@@ -313,6 +319,15 @@ func TestTestbed(t *testing.T) {
 		want := fmt.Sprintf("alice %s/alice 2001 2001 2100 %s/alice\n%s\n", HomeDir, HomeDir, tb.Binary)
 		if err != nil || out != want {
 			t.Errorf("login env: got %q want %q (%v)", out, want, err)
+		}
+		// The mode's login wrapper ran for a user on a compute node only.
+		if out, err := tb.Output(ctx, "node3", "bob", "sh", "-c", "echo $TBTEST_LOGIN"); err != nil || out != "node3:bob\n" {
+			t.Errorf("login wrapper for bob on node3: %q %v", out, err)
+		}
+		for _, c := range [][2]string{{"node3", ""}, {"outside", "bob"}} {
+			if out, err := tb.Output(ctx, c[0], c[1], "sh", "-c", "echo x$TBTEST_LOGIN"); err != nil || out != "x\n" {
+				t.Errorf("login wrapper ran for %q on %s: %q %v", c[1], c[0], out, err)
+			}
 		}
 		err = tb.Command(ctx, "node1", "bob", "sh", "-c", "exit 7").Run()
 		var ee *exec.ExitError
