@@ -739,19 +739,31 @@ int uw_tc_ingress(struct __sk_buff *skb)
 	if (!is_local(&p.dst))
 		return TC_ACT_OK;
 
+	/*
+	 * TCP: look up the listener itself (zero source). With the full
+	 * 4-tuple a SYN that matches a TIME_WAIT socket finds no full socket,
+	 * yet the kernel hands it to the listener (tcp_timewait_state_process):
+	 * that was a bypass. Reuseport groups share one owner, so the listener
+	 * picked for a zero source has the same identity.
+	 * UDP: the full tuple, so that a socket connected to the sender is found.
+	 */
 	struct bpf_sock_tuple t = {};
 	struct bpf_sock *sk;
 	__u32 tlen;
 	if (p.v4) {
-		__builtin_memcpy(&t.ipv4.saddr, &p.src.addr[12], 4);
+		if (udp) {
+			__builtin_memcpy(&t.ipv4.saddr, &p.src.addr[12], 4);
+			t.ipv4.sport = bpf_htons(p.sport);
+		}
 		__builtin_memcpy(&t.ipv4.daddr, &p.dst.addr[12], 4);
-		t.ipv4.sport = bpf_htons(p.sport);
 		t.ipv4.dport = bpf_htons(p.dport);
 		tlen = sizeof(t.ipv4);
 	} else {
-		__builtin_memcpy(t.ipv6.saddr, p.src.addr, 16);
+		if (udp) {
+			__builtin_memcpy(t.ipv6.saddr, p.src.addr, 16);
+			t.ipv6.sport = bpf_htons(p.sport);
+		}
 		__builtin_memcpy(t.ipv6.daddr, p.dst.addr, 16);
-		t.ipv6.sport = bpf_htons(p.sport);
 		t.ipv6.dport = bpf_htons(p.dport);
 		tlen = sizeof(t.ipv6);
 	}
