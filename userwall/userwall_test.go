@@ -65,6 +65,14 @@ if mode == 'listen':
 elif mode == 'connect':
     sport = int(sys.argv[5][6:]) if len(sys.argv) > 5 and sys.argv[5].startswith('sport=') else 0
     print(once(proto, addr, port, len(sys.argv) > 5 and sys.argv[5] == 'connected', sport))
+elif mode == 'late':
+    # connect first (no listener yet), send after the listener appeared
+    s = socket.socket(fam(addr), socket.SOCK_DGRAM); s.settimeout(2); s.connect((addr, port))
+    print('CONNECTED', flush=True); sys.stdin.readline()
+    try:
+        s.send(b'hi'); print('OK ' + s.recv(100).decode())
+    except socket.timeout: print('TIMEOUT')
+    except OSError as e: print(err(e))
 elif mode == 'loop':
     end = time.time() + float(sys.argv[5]); counts = {}
     while time.time() < end:
@@ -578,6 +586,37 @@ func TestSYNOverTimeWait(t *testing.T) {
 			t.Fatalf("no TIME_WAIT on node1 for port 45181: %q", out)
 		}
 		run(t, []tcase{{"node2", "bob", "tcp", a, 5181, refused, []string{"sport=45181"}}})
+	}
+}
+
+// A UDP socket connected before the listener existed sends with send(),
+// which runs no sendmsg hook: lo egress checks such datagrams.
+func TestLocalUDPConnectedEarly(t *testing.T) {
+	needTestbed(t)
+	for _, c := range []struct{ user, want string }{{"bob", icmp}, {"alice", "OK echo:hi"}} {
+		port := 5191
+		if c.user == "alice" {
+			port = 5192
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		cmd := tb.Command(ctx, "node1", c.user, "/usr/bin/python3", helper, "late", "udp", "127.0.0.1", strconv.Itoa(port))
+		in, _ := cmd.StdinPipe()
+		out, _ := cmd.StdoutPipe()
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		r := bufio.NewReader(out)
+		if l, _ := r.ReadString('\n'); !strings.HasPrefix(l, "CONNECTED") {
+			t.Fatalf("late connector: %q", l)
+		}
+		listen(t, "node1", "alice", "udp", "0.0.0.0", port)
+		in.Write([]byte("go\n"))
+		got, _ := r.ReadString('\n')
+		cmd.Wait()
+		cancel()
+		if strings.TrimSpace(got) != c.want {
+			t.Errorf("%s's early-connected UDP socket → alice: got %q, want %q", c.user, strings.TrimSpace(got), c.want)
+		}
 	}
 }
 

@@ -715,29 +715,16 @@ static __always_inline int parse_ip(struct __sk_buff *skb, struct pkt *p)
 	return 1;
 }
 
-SEC("tc")
-int uw_tc_ingress(struct __sk_buff *skb)
+/*
+ * check_pkt: the listener check for a SYN or datagram p to a local user port.
+ * local: a datagram from a connected UDP socket of this node seen on lo
+ * (its connect() may predate the listener, and send() on a connected socket
+ * runs no sendmsg hook); its identity, from the socket, is trusted.
+ */
+static __always_inline void check_pkt(struct __sk_buff *skb, struct pkt *p, int local)
 {
-	struct uw_config *c = uw_cfg();
-	if (!c)
-		return TC_ACT_OK;
-	struct pkt p;
-	if (!parse_ip(skb, &p))
-		return TC_ACT_OK;
-	if (p.dport <= c->system_port_max)
-		return TC_ACT_OK;
-
-	int udp = p.proto == IPPROTO_UDP;
-	__u32 path = udp ? P_REMOTE_UDP : P_REMOTE_TCP;
-	if (!udp) {
-		__u8 fl[2];
-		if (bpf_skb_load_bytes(skb, p.l4off + 12, fl, 2))
-			return TC_ACT_OK;
-		if ((fl[1] & 0x12) != 0x02) /* only SYN without ACK opens a connection */
-			return TC_ACT_OK;
-	}
-	if (!is_local(&p.dst))
-		return TC_ACT_OK;
+	int udp = p->proto == IPPROTO_UDP;
+	__u32 path = local ? P_LOCAL_UDP : (udp ? P_REMOTE_UDP : P_REMOTE_TCP);
 
 	/*
 	 * TCP: look up the listener itself (zero source). With the full
@@ -750,21 +737,21 @@ int uw_tc_ingress(struct __sk_buff *skb)
 	struct bpf_sock_tuple t = {};
 	struct bpf_sock *sk;
 	__u32 tlen;
-	if (p.v4) {
+	if (p->v4) {
 		if (udp) {
-			__builtin_memcpy(&t.ipv4.saddr, &p.src.addr[12], 4);
-			t.ipv4.sport = bpf_htons(p.sport);
+			__builtin_memcpy(&t.ipv4.saddr, &p->src.addr[12], 4);
+			t.ipv4.sport = bpf_htons(p->sport);
 		}
-		__builtin_memcpy(&t.ipv4.daddr, &p.dst.addr[12], 4);
-		t.ipv4.dport = bpf_htons(p.dport);
+		__builtin_memcpy(&t.ipv4.daddr, &p->dst.addr[12], 4);
+		t.ipv4.dport = bpf_htons(p->dport);
 		tlen = sizeof(t.ipv4);
 	} else {
 		if (udp) {
-			__builtin_memcpy(t.ipv6.saddr, p.src.addr, 16);
-			t.ipv6.sport = bpf_htons(p.sport);
+			__builtin_memcpy(t.ipv6.saddr, p->src.addr, 16);
+			t.ipv6.sport = bpf_htons(p->sport);
 		}
-		__builtin_memcpy(t.ipv6.daddr, p.dst.addr, 16);
-		t.ipv6.dport = bpf_htons(p.dport);
+		__builtin_memcpy(t.ipv6.daddr, p->dst.addr, 16);
+		t.ipv6.dport = bpf_htons(p->dport);
 		tlen = sizeof(t.ipv6);
 	}
 	if (udp)
@@ -773,7 +760,7 @@ int uw_tc_ingress(struct __sk_buff *skb)
 		sk = bpf_sk_lookup_tcp(skb, &t, tlen, BPF_F_CURRENT_NETNS, 0);
 	if (!sk) {
 		count(path, R_NO_LISTENER);
-		return TC_ACT_OK;
+		return;
 	}
 	struct uw_owner l;
 	sk_owner(sk, &l);
@@ -782,53 +769,78 @@ int uw_tc_ingress(struct __sk_buff *skb)
 
 	if (!udp) {
 		__u8 doff;
-		if (bpf_skb_load_bytes(skb, p.l4off + 12, &doff, 1))
-			return TC_ACT_OK;
-		tcp_option(skb, &p, (doff >> 4) * 4);
+		if (bpf_skb_load_bytes(skb, p->l4off + 12, &doff, 1))
+			return;
+		tcp_option(skb, p, (doff >> 4) * 4);
 	}
 
 	__u32 rule;
+	int trusted = local || (p->has_id && in_cluster(&p->src));
 	if (connected_to_us) {
 		rule = R_UDP_REPLY;
-	} else if (!in_cluster(&p.src) || !p.has_id) {
+	} else if (!trusted) {
 		/* No trusted identity: the off-cluster policy applies. */
-		rule = offcluster_port(p.dport) ? R_OFFCLUSTER_PORT : R_OFFCLUSTER_DENIED;
+		rule = offcluster_port(p->dport) ? R_OFFCLUSTER_PORT : R_OFFCLUSTER_DENIED;
 	} else {
 		int group_ok = 0;
-		if (p.uid != l.uid) {
-			struct uw_member_key mk = {.uid = p.uid, .gid = l.gid};
-			group_ok = p.gid == l.gid || bpf_map_lookup_elem(&members, &mk) != 0;
+		if (p->uid != l.uid) {
+			struct uw_member_key mk = {.uid = p->uid, .gid = l.gid};
+			group_ok = p->gid == l.gid || bpf_map_lookup_elem(&members, &mk) != 0;
 		}
-		rule = decide_user(p.uid, l.uid, group_ok);
+		rule = decide_user(p->uid, l.uid, group_ok);
 	}
 	if (!allows(rule) && udp) {
 		struct uw_flow_key fk = {};
-		__builtin_memcpy(fk.peer, p.src.addr, 16);
-		fk.peer_port = p.sport;
-		fk.local_port = p.dport;
+		if (!local)
+			__builtin_memcpy(fk.peer, p->src.addr, 16);
+		fk.peer_port = p->sport;
+		fk.local_port = p->dport;
 		if (flow_seen(&fk))
 			rule = R_UDP_REPLY;
 	}
 	count(path, rule);
 	if (allows(rule))
-		return TC_ACT_OK;
+		return;
 
 	skb->mark = udp ? UW_MARK_ICMP : UW_MARK_RST;
 	struct uw_event e = {};
-	e.cuid = p.uid;
-	e.cgid = p.gid;
-	e.has_connector = p.has_id && in_cluster(&p.src);
+	e.cuid = p->uid;
+	e.cgid = p->gid;
+	e.has_connector = trusted;
 	e.luid = l.uid;
 	e.lgid = l.gid;
-	__builtin_memcpy(e.saddr, p.src.addr, 16);
-	__builtin_memcpy(e.daddr, p.dst.addr, 16);
-	e.sport = p.sport;
-	e.dport = p.dport;
-	e.proto = p.proto;
-	e.family = p.v4 ? 4 : 6;
+	__builtin_memcpy(e.saddr, p->src.addr, 16);
+	__builtin_memcpy(e.daddr, p->dst.addr, 16);
+	e.sport = p->sport;
+	e.dport = p->dport;
+	e.proto = p->proto;
+	e.family = p->v4 ? 4 : 6;
 	e.rule = rule;
 	e.path = path;
 	emit(&e);
+}
+
+SEC("tc")
+int uw_tc_ingress(struct __sk_buff *skb)
+{
+	struct uw_config *c = uw_cfg();
+	if (!c)
+		return TC_ACT_OK;
+	struct pkt p;
+	if (!parse_ip(skb, &p))
+		return TC_ACT_OK;
+	if (p.dport <= c->system_port_max)
+		return TC_ACT_OK;
+	if (p.proto == IPPROTO_TCP) {
+		__u8 fl[2];
+		if (bpf_skb_load_bytes(skb, p.l4off + 12, fl, 2))
+			return TC_ACT_OK;
+		if ((fl[1] & 0x12) != 0x02) /* only SYN without ACK opens a connection */
+			return TC_ACT_OK;
+	}
+	if (!is_local(&p.dst))
+		return TC_ACT_OK;
+	check_pkt(skb, &p, 0);
 	return TC_ACT_OK;
 }
 
@@ -858,8 +870,24 @@ int uw_tc_egress(struct __sk_buff *skb)
 	if (!ts || now - *ts > 1000000000ULL)
 		bpf_map_update_elem(&udp_flows, &fk, &now, BPF_ANY);
 
-	if (lo || p.has_id || p.dport <= c->system_port_max)
+	if (p.has_id || p.dport <= c->system_port_max)
 		return TC_ACT_OK;
+	if (lo) {
+		/* Connected UDP sockets on this node: checked per datagram (the
+		 * denial mark makes the nft table answer ICMP on lo input). */
+		struct bpf_sock *ls = skb->sk;
+		if (ls)
+			ls = bpf_sk_fullsock(ls);
+		if (ls && ls->dst_port != 0) {
+			struct uw_owner lo_o;
+			sk_owner(ls, &lo_o);
+			p.uid = lo_o.uid;
+			p.gid = lo_o.gid;
+			p.has_id = 1;
+			check_pkt(skb, &p, 1);
+		}
+		return TC_ACT_OK;
+	}
 	if (!in_cluster(&p.dst) || is_local(&p.dst))
 		return TC_ACT_OK;
 	if (skb->gso_segs > 1)
