@@ -21,6 +21,8 @@ type Report struct {
 	Cases    []*Case
 	Warnings []string
 	Elapsed  time.Duration
+	// MaxMismatches bounds the mismatches WriteTable lists (0 = all).
+	MaxMismatches int `json:"-"`
 }
 
 // Counts returns how many cases passed and failed.
@@ -116,8 +118,15 @@ func (r *Report) WriteTable(w io.Writer) {
 	fails := r.Failures()
 	if len(fails) > 0 {
 		fmt.Fprintf(w, "\nMISMATCHES (%d):\n", len(fails))
-		for _, c := range fails {
+		shown := fails
+		if r.MaxMismatches > 0 && len(shown) > r.MaxMismatches {
+			shown = shown[:r.MaxMismatches]
+		}
+		for _, c := range shown {
 			fmt.Fprintf(w, "  %s\n", describeFailure(c))
+		}
+		if len(shown) < len(fails) {
+			fmt.Fprintf(w, "  … and %d more (--json lists every case)\n", len(fails)-len(shown))
 		}
 	}
 	passed, failed := r.Counts()

@@ -19,6 +19,7 @@ func init() {
 	var (
 		mode, name, launchers string
 		asJSON, quick, quiet  bool
+		maxMismatches         int
 		timeout               time.Duration
 	)
 	cmd := &cobra.Command{
@@ -91,6 +92,7 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 					return err
 				}
 			} else {
+				rep.MaxMismatches = maxMismatches
 				rep.WriteTable(cmd.OutOrStdout())
 			}
 			if ctx.Err() != nil {
@@ -108,6 +110,7 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 	f.StringVar(&launchers, "launchers", "", "comma-separated subset of plain,ssh,srun,sbatch,mpirun (default all)")
 	f.BoolVar(&asJSON, "json", false, "print every case as JSON")
 	f.BoolVar(&quick, "quick", false, "fewer identities (bob, carol, root → alice, bob, svc, alice+proj1, root): every launcher, path, protocol, family and policy rule")
+	f.IntVar(&maxMismatches, "max-mismatches", 0, "list at most this many mismatches in the table (0 = all)")
 	f.BoolVar(&quiet, "quiet", false, "no progress lines on stderr")
 	f.DurationVar(&timeout, "timeout", 5*time.Minute, "give up on the run after this long")
 	register(cmd)
