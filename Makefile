@@ -23,11 +23,24 @@ lint:
 	gofmt -l . | (! grep .)
 	$(GO) vet ./...
 
+# The demo: the same simulated cluster first as today's shared cluster (every
+# listener open to every user), then with the userwall agent on every node.
+PAL := ./$(BIN)
 demo: deps build
-	./$(BIN) testbed down >/dev/null 2>&1 || true
-	./$(BIN) testbed up
-	./$(BIN) check --mode none || true
-	./$(BIN) testbed down
+	@$(PAL) testbed down >/dev/null 2>&1 || true
+	@echo "== 1. A 3-node cluster (Slurm, munge, sshd, OpenMPI; users alice, bob, carol, svc) without Palisade"
+	$(PAL) testbed up
+	@echo "== 2. Without Palisade every listener is open to every user (mode none: expect all open)"
+	$(PAL) check --mode none --quiet
+	@echo "== 3. The same cluster judged by Palisade's policy: every mismatch is a leak between users"
+	-$(PAL) check --mode userwall --quiet --max-mismatches 10
+	@echo "== 4. With the userwall agent (eBPF) on every node"
+	$(PAL) testbed down
+	$(PAL) testbed up --mode userwall
+	$(PAL) testbed exec node1 -- palisade status
+	$(PAL) check --mode userwall --quiet
+	$(PAL) testbed down
+	@echo "== Demo passed: open without Palisade, isolated with it."
 
 unit: build
 	$(GO) test -short ./...
