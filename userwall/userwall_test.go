@@ -33,7 +33,7 @@ const helperPy = `import socket, sys, time, errno, os
 def fam(a): return socket.AF_INET6 if ':' in a else socket.AF_INET
 def typ(p): return socket.SOCK_STREAM if p == 'tcp' else socket.SOCK_DGRAM
 def err(e): return 'ERR ' + errno.errorcode.get(e.errno, str(e.errno))
-def once(proto, addr, port, connected, sport=0):
+def once(proto, addr, port, connected, sport=0, size=2):
     s = socket.socket(fam(addr), typ(proto)); s.settimeout(2)
     try:
         if sport:
@@ -43,8 +43,8 @@ def once(proto, addr, port, connected, sport=0):
             while sport and s.recv(100): pass  # the server closes first: TIME_WAIT there
             return 'OK ' + d.decode()
         if connected:
-            s.connect((addr, port)); s.send(b'hi'); return 'OK ' + s.recv(100).decode()
-        s.sendto(b'hi', (addr, port)); return 'OK ' + s.recvfrom(100)[0].decode()
+            s.connect((addr, port)); s.send(b'hi' + b'x' * (size - 2)); return 'OK ' + s.recv(100).decode()[:9]
+        s.sendto(b'hi' + b'x' * (size - 2), (addr, port)); return 'OK ' + s.recvfrom(100)[0].decode()[:9]
     except socket.timeout: return 'TIMEOUT'
     except OSError as e: return err(e)
     finally: s.close()
@@ -64,7 +64,8 @@ if mode == 'listen':
         except OSError: pass
 elif mode == 'connect':
     sport = int(sys.argv[5][6:]) if len(sys.argv) > 5 and sys.argv[5].startswith('sport=') else 0
-    print(once(proto, addr, port, len(sys.argv) > 5 and sys.argv[5] == 'connected', sport))
+    size = ([int(x[5:]) for x in sys.argv[5:] if x.startswith('size=')] + [2])[0]
+    print(once(proto, addr, port, 'connected' in sys.argv[5:], sport, size))
 elif mode == 'late':
     # connect first (no listener yet), send after the listener appeared
     s = socket.socket(fam(addr), socket.SOCK_DGRAM); s.settimeout(2); s.connect((addr, port))
@@ -617,6 +618,21 @@ func TestLocalUDPConnectedEarly(t *testing.T) {
 		if strings.TrimSpace(got) != c.want {
 			t.Errorf("%s's early-connected UDP socket → alice: got %q, want %q", c.user, strings.TrimSpace(got), c.want)
 		}
+	}
+}
+
+// Fragmented datagrams (larger than the MTU) carry no stamp: refused, and
+// the first fragment is dropped so that reassembly cannot deliver them.
+func TestFragmentedUDP(t *testing.T) {
+	needTestbed(t)
+	listen(t, "node1", "alice", "udp", "::", 5195)
+	n1 := tb.Nodes[0]
+	for _, a := range []string{n1.Eth0V4.String(), n1.Eth0V6.String()} {
+		run(t, []tcase{
+			// connected: a delivered datagram's echo would come back
+			{"node2", "bob", "udp", a, 5195, "TIMEOUT", []string{"size=3000", "connected"}},
+			{"node2", "alice", "udp", a, 5195, "OK echo:hixx", []string{"size=300"}},
+		})
 	}
 }
 

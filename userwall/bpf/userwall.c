@@ -35,6 +35,7 @@ char LICENSE[] SEC("license") = "GPL";
 #define SOCK_STREAM 1
 #define SOCK_DGRAM 2
 #define TC_ACT_OK 0
+#define TC_ACT_SHOT 2
 #define EPERM 1
 
 /* Wire formats of the carried identity (see docs/userwall.md). */
@@ -603,6 +604,7 @@ struct pkt {
 	__u8 proto;
 	__u8 v4;
 	__u8 has_id;
+	__u8 frag; /* first fragment of a fragmented datagram */
 	__u32 uid, gid;
 };
 
@@ -660,6 +662,7 @@ static __always_inline int parse_ip(struct __sk_buff *skb, struct pkt *p)
 			return 0;
 		if (ip.frag_off & bpf_htons(0x1fff))
 			return 0; /* later fragments carry no ports */
+		p->frag = (ip.frag_off & bpf_htons(0x2000)) != 0;
 		p->v4 = 1;
 		p->proto = ip.protocol;
 		key4(&p->src, ip.saddr);
@@ -685,23 +688,47 @@ static __always_inline int parse_ip(struct __sk_buff *skb, struct pkt *p)
 		p->proto = ip6.nexthdr;
 		key6(&p->src, (__u32 *)&ip6.saddr);
 		key6(&p->dst, (__u32 *)&ip6.daddr);
-		p->l4off = l3 + sizeof(ip6);
-		if (ip6.nexthdr == IPPROTO_DSTOPTS) {
-			__u8 o[UW_DSTOPT_LEN];
-			if (bpf_skb_load_bytes(skb, p->l4off, o, sizeof(o)))
-				return 0;
-			p->proto = o[0];
-			p->l4off += (o[1] + 1) * 8;
-			if (o[0] == IPPROTO_UDP && o[1] == 1 && o[2] == UW_IP6OPT_TYPE &&
-			    o[3] == UW_IP6OPT_LEN && o[4] == (UW_EXID >> 8) && o[5] == (UW_EXID & 0xff)) {
-				__u32 u, g;
-				__builtin_memcpy(&u, &o[6], 4);
-				__builtin_memcpy(&g, &o[10], 4);
-				p->uid = bpf_ntohl(u);
-				p->gid = bpf_ntohl(g);
-				p->has_id = 1;
+		/* Walk the extension headers a sender may add without privilege
+		 * (routing header, fragments) or with it; our stamp is a
+		 * destination-options header right after the fixed header. */
+		__u8 nh = ip6.nexthdr;
+		__u32 off = l3 + sizeof(ip6);
+		for (int i = 0; i < 6; i++) {
+			if (nh == IPPROTO_TCP || nh == IPPROTO_UDP)
+				break;
+			if (nh == 44) { /* fragment */
+				__u8 f[4];
+				if (bpf_skb_load_bytes(skb, off, f, sizeof(f)))
+					return 0;
+				if (((f[2] << 8) | f[3]) & 0xfff8)
+					return 0; /* later fragments carry no ports */
+				p->frag = 1;
+				nh = f[0];
+				off += 8;
+				continue;
 			}
+			if (nh != 0 && nh != 43 && nh != IPPROTO_DSTOPTS)
+				return 0;
+			__u8 h[2];
+			if (bpf_skb_load_bytes(skb, off, h, sizeof(h)))
+				return 0;
+			if (i == 0 && nh == IPPROTO_DSTOPTS && h[1] == 1) {
+				__u8 o[UW_DSTOPT_LEN];
+				if (!bpf_skb_load_bytes(skb, off, o, sizeof(o)) && o[2] == UW_IP6OPT_TYPE &&
+				    o[3] == UW_IP6OPT_LEN && o[4] == (UW_EXID >> 8) && o[5] == (UW_EXID & 0xff)) {
+					__u32 u, g;
+					__builtin_memcpy(&u, &o[6], 4);
+					__builtin_memcpy(&g, &o[10], 4);
+					p->uid = bpf_ntohl(u);
+					p->gid = bpf_ntohl(g);
+					p->has_id = 1;
+				}
+			}
+			nh = h[0];
+			off += (h[1] + 1) * 8;
 		}
+		p->proto = nh;
+		p->l4off = off;
 	} else {
 		return 0;
 	}
@@ -721,7 +748,7 @@ static __always_inline int parse_ip(struct __sk_buff *skb, struct pkt *p)
  * (its connect() may predate the listener, and send() on a connected socket
  * runs no sendmsg hook); its identity, from the socket, is trusted.
  */
-static __always_inline void check_pkt(struct __sk_buff *skb, struct pkt *p, int local)
+static __always_inline int check_pkt(struct __sk_buff *skb, struct pkt *p, int local)
 {
 	int udp = p->proto == IPPROTO_UDP;
 	__u32 path = local ? P_LOCAL_UDP : (udp ? P_REMOTE_UDP : P_REMOTE_TCP);
@@ -760,7 +787,7 @@ static __always_inline void check_pkt(struct __sk_buff *skb, struct pkt *p, int 
 		sk = bpf_sk_lookup_tcp(skb, &t, tlen, BPF_F_CURRENT_NETNS, 0);
 	if (!sk) {
 		count(path, R_NO_LISTENER);
-		return;
+		return TC_ACT_OK;
 	}
 	struct uw_owner l;
 	sk_owner(sk, &l);
@@ -770,7 +797,7 @@ static __always_inline void check_pkt(struct __sk_buff *skb, struct pkt *p, int 
 	if (!udp) {
 		__u8 doff;
 		if (bpf_skb_load_bytes(skb, p->l4off + 12, &doff, 1))
-			return;
+			return TC_ACT_OK;
 		tcp_option(skb, p, (doff >> 4) * 4);
 	}
 
@@ -800,7 +827,7 @@ static __always_inline void check_pkt(struct __sk_buff *skb, struct pkt *p, int 
 	}
 	count(path, rule);
 	if (allows(rule))
-		return;
+		return TC_ACT_OK;
 
 	skb->mark = udp ? UW_MARK_ICMP : UW_MARK_RST;
 	struct uw_event e = {};
@@ -818,6 +845,9 @@ static __always_inline void check_pkt(struct __sk_buff *skb, struct pkt *p, int 
 	e.rule = rule;
 	e.path = path;
 	emit(&e);
+	/* A refused fragment is dropped: the mark may not survive reassembly,
+	 * and without the first fragment nothing is delivered. */
+	return p->frag ? TC_ACT_SHOT : TC_ACT_OK;
 }
 
 SEC("tc")
@@ -840,8 +870,7 @@ int uw_tc_ingress(struct __sk_buff *skb)
 	}
 	if (!is_local(&p.dst))
 		return TC_ACT_OK;
-	check_pkt(skb, &p, 0);
-	return TC_ACT_OK;
+	return check_pkt(skb, &p, 0);
 }
 
 /*
@@ -884,7 +913,7 @@ int uw_tc_egress(struct __sk_buff *skb)
 			p.uid = lo_o.uid;
 			p.gid = lo_o.gid;
 			p.has_id = 1;
-			check_pkt(skb, &p, 1);
+			return check_pkt(skb, &p, 1);
 		}
 		return TC_ACT_OK;
 	}
