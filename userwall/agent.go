@@ -181,6 +181,11 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	if err := netlink.AddrSubscribe(addrCh, done); err != nil {
 		log.Warn("address updates unavailable; polling only", "err", err)
 	}
+	// New interfaces get the tc programs at once, not at the next poll.
+	linkCh := make(chan netlink.LinkUpdate, 64)
+	if err := netlink.LinkSubscribe(linkCh, done); err != nil {
+		log.Warn("link updates unavailable; polling only", "err", err)
+	}
 	tick := time.NewTicker(5 * time.Second)
 	defer tick.Stop()
 	groups := time.NewTicker(a.cfg.Agent.GroupRefreshInterval())
@@ -196,6 +201,11 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 			// Drain a burst, then resync once.
 			for len(addrCh) > 0 {
 				<-addrCh
+			}
+			a.syncNode()
+		case <-linkCh:
+			for len(linkCh) > 0 {
+				<-linkCh
 			}
 			a.syncNode()
 		case <-tick.C:
