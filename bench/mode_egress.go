@@ -20,14 +20,19 @@ func (*egressDriver) Requires() Requirements { return Requirements{Egress: true}
 func (*egressDriver) BaselineText() string {
 	return "direct: the same transfers routed through the gateway host without a tunnel"
 }
-func (*egressDriver) Suites() []string                         { return []string{SuiteEgress} }
-func (*egressDriver) Wrap(_, _ string, argv []string) []string { return argv }
-func (*egressDriver) Set(context.Context, *Env, string) error  { return nil }
-func (*egressDriver) Restore(context.Context, *Env) error      { return nil }
+func (*egressDriver) Suites() []string { return []string{SuiteEgress} }
+func (*egressDriver) Wrap(_, user string, argv []string) (string, []string) {
+	return user, argv
+}
+func (*egressDriver) Set(context.Context, *Env, string) error { return nil }
+func (*egressDriver) Restore(context.Context, *Env) error     { return nil }
 
-// MaxRounds: every path at every transfer count is long; three rounds
-// still give a median with its range.
-func (*egressDriver) MaxRounds() int { return 3 }
+// AdjustPlan: every path at every transfer count on two link settings is
+// long; three rounds still give a median with its range.
+func (*egressDriver) AdjustPlan(p Plan, quick bool) Plan {
+	p.Rounds = min(p.Rounds, 3)
+	return p
+}
 
 func (d *egressDriver) Prepare(_ context.Context, env *Env) error {
 	if env.VM || env.TB == nil {

@@ -26,7 +26,9 @@ func (*userwallDriver) Suites() []string {
 // DeniesCrossUser: bob → alice across nodes is refused with the agent on.
 func (*userwallDriver) DeniesCrossUser() bool { return true }
 
-func (*userwallDriver) Wrap(_, _ string, argv []string) []string { return argv }
+func (*userwallDriver) Wrap(_, user string, argv []string) (string, []string) {
+	return user, argv
+}
 
 func (d *userwallDriver) Prepare(ctx context.Context, env *Env) error {
 	if env.VM || env.TB == nil {

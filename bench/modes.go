@@ -41,9 +41,9 @@ type Driver interface {
 	Restore(ctx context.Context, env *Env) error
 	// Processes lists the data plane's processes (for the footprint).
 	Processes(ctx context.Context, env *Env) []Proc
-	// Wrap returns the argv a client of the given variant runs (e.g.
-	// inside the user's VRF); most drivers return argv unchanged.
-	Wrap(variant, user string, argv []string) []string
+	// Wrap returns the user and argv that run argv as user in the given
+	// variant (e.g. inside the user's VRF); most drivers change nothing.
+	Wrap(variant, user string, argv []string) (string, []string)
 	// Suites lists what is measured for this mode.
 	Suites() []string
 	// BaselineText describes what the mode is compared against.
@@ -176,9 +176,17 @@ func (n *noneDriver) Restore(ctx context.Context, env *Env) error {
 	return err
 }
 
-func (*noneDriver) Processes(context.Context, *Env) []Proc   { return nil }
-func (*noneDriver) Wrap(_, _ string, argv []string) []string { return argv }
-func (*noneDriver) BaselineText() string                     { return "the same testbed (A/A run: the noise floor)" }
+func (*noneDriver) Processes(context.Context, *Env) []Proc { return nil }
+func (*noneDriver) Wrap(_, user string, argv []string) (string, []string) {
+	return user, argv
+}
+func (*noneDriver) BaselineText() string { return "the same testbed (A/A run: the noise floor)" }
+// AdjustPlan: the A/A run only shows the noise floor; three rounds do.
+func (*noneDriver) AdjustPlan(p Plan, quick bool) Plan {
+	p.Rounds = min(p.Rounds, 3)
+	return p
+}
+
 func (*noneDriver) Suites() []string {
 	return []string{SuiteThroughput, SuiteLatency, SuiteConn, SuiteMPI}
 }

@@ -73,7 +73,7 @@ func (s *session) mpi() error {
 			argv = append(argv, strconv.Itoa(sz))
 		}
 		series := fmt.Sprintf("np%d", np)
-		out, err := s.env.run(s.ctx, s.env.Nodes[0].Name, BenchUser, s.wrap(BenchUser, argv...)...)
+		out, err := s.runAs(s.env.Nodes[0].Name, BenchUser, argv...)
 		if err != nil {
 			errs = append(errs, fmt.Sprintf("%s: %v", series, err))
 			continue

@@ -180,8 +180,11 @@ func runMode(ctx context.Context, o *Options, plan Plan, d Driver, mode string, 
 			mpi[env] = p
 		}
 	}
-	if rc, ok := d.(interface{ MaxRounds() int }); ok && plan.Rounds > rc.MaxRounds() && o.Rounds == 0 {
-		plan.Rounds = rc.MaxRounds()
+	if pa, ok := d.(PlanAdjuster); ok {
+		plan = pa.AdjustPlan(plan, o.Quick)
+		if o.Rounds > 0 {
+			plan.Rounds = o.Rounds
+		}
 	}
 	fmt.Fprintf(o.Log, "bench: mode %s on testbed %s: %d rounds of %s\n", mode, env.Name, plan.Rounds, strings.Join(suites, ", "))
 	failures := 0
@@ -231,6 +234,12 @@ func hasSamples(res *Results, mode string) bool {
 	return false
 }
 
+// PlanAdjuster is implemented by modes whose runs are slower (the VM,
+// many paths) and need fewer rounds or points to fit the run's time.
+type PlanAdjuster interface {
+	AdjustPlan(p Plan, quick bool) Plan
+}
+
 // session is one measured set: one mode, one variant, one round.
 type session struct {
 	ctx     context.Context
@@ -252,8 +261,15 @@ func (s *session) emit(bench, series string, x float64, metric string, v float64
 }
 
 // wrap applies the driver's per-variant command wrapper.
-func (s *session) wrap(user string, argv ...string) []string {
-	return s.drv.Wrap(s.variant, user, argv)
+func (s *session) runAs(node, user string, argv ...string) (string, error) {
+	u, a := s.drv.Wrap(s.variant, user, argv)
+	return s.env.run(s.ctx, node, u, a...)
+}
+
+// startAs starts a server the way runAs runs a client.
+func (s *session) startAs(node, user string, argv ...string) (*server, error) {
+	u, a := s.drv.Wrap(s.variant, user, argv)
+	return s.env.startServer(s.ctx, node, u, a...)
 }
 
 // runSuites runs the selected suites, keeping going after a failure so
@@ -290,7 +306,8 @@ func (s *session) runSuites(suites []string) []error {
 		case SuiteScale:
 			err = s.scale()
 		case SuiteSetup:
-			if s.variant == Enforced {
+			// Setup times need no baseline and are slow (in the VM): once.
+			if s.variant == Enforced && s.round == 1 {
 				err = s.setup()
 			}
 		case SuiteEgress:

@@ -45,9 +45,8 @@ func (s *session) scaleUsers() error {
 		}
 		for i := 0; i < k; i++ {
 			uid := ScaleUIDBase + i
-			argv := s.wrap("", s.env.Binary, "bench", "serve", "--conn", strconv.Itoa(PortScaleBase+i),
+			sv, err := s.startAs(n2.Name, "", s.env.Binary, "bench", "serve", "--conn", strconv.Itoa(PortScaleBase+i),
 				"--uid", strconv.Itoa(uid), "--gid", strconv.Itoa(uid))
-			sv, err := s.env.startServer(s.ctx, n2.Name, "", argv...)
 			if err != nil {
 				stopAll()
 				return fmt.Errorf("scale %d users: %w", k, err)
@@ -121,9 +120,8 @@ func (s *session) scaleHeld() error {
 	for _, held := range s.plan.HoldConns {
 		var h *server
 		if held > 0 {
-			argv := s.wrap(BenchUser, s.env.Binary, "bench", "hold",
+			h, err = s.startAs(client.Name, BenchUser, s.env.Binary, "bench", "hold",
 				"--addr", netip.AddrPortFrom(cross, PortConn).String(), "-n", strconv.Itoa(held))
-			h, err = s.env.startServer(s.ctx, client.Name, BenchUser, argv...)
 			if err != nil {
 				return fmt.Errorf("hold %d connections: %w", held, err)
 			}

@@ -43,9 +43,8 @@ func (s *session) startServers() error {
 		if err != nil {
 			return err
 		}
-		argv := s.wrap(BenchUser, s.env.Binary, "bench", "serve",
+		srv, err := s.startAs(n.Name, BenchUser, s.env.Binary, "bench", "serve",
 			"--iperf", strconv.Itoa(PortIperf), "--rr", strconv.Itoa(PortRR), "--conn", joinInts([]int{PortConn, PortCheck}))
-		srv, err := s.env.startServer(s.ctx, n.Name, BenchUser, argv...)
 		if err != nil {
 			s.stopServers()
 			return fmt.Errorf("servers: %w", err)
@@ -102,7 +101,7 @@ func (s *session) iperf(node string, target netip.Addr, extra ...string) (gbit, 
 		argv = append(argv, "-O", strconv.Itoa(s.plan.IperfOmit))
 	}
 	argv = append(argv, extra...)
-	out, runErr := s.env.run(s.ctx, node, BenchUser, s.wrap(BenchUser, argv...)...)
+	out, runErr := s.runAs(node, BenchUser, argv...)
 	var j iperfJSON
 	if jerr := json.Unmarshal([]byte(out), &j); jerr != nil {
 		if runErr != nil {
@@ -180,10 +179,9 @@ func (s *session) latency() error {
 		series string
 		target netip.Addr
 	}{{"rr-local", local}, {"rr-cross", cross}} {
-		argv := s.wrap(BenchUser, s.env.Binary, "bench", "rr",
+		out, err := s.runAs(client.Name, BenchUser, s.env.Binary, "bench", "rr",
 			"--addr", netip.AddrPortFrom(p.target, PortRR).String(),
 			"--sizes", joinInts(s.plan.RRSizes), "--iters", strconv.Itoa(s.plan.RRIters))
-		out, err := s.env.run(s.ctx, client.Name, BenchUser, argv...)
 		if err != nil {
 			errs = append(errs, fmt.Sprintf("%s: %v", p.series, err))
 			continue
@@ -241,7 +239,7 @@ func (s *session) conn() error {
 func (s *session) connRun(node, user string, addr netip.AddrPort, threads []int, conns int, extra ...string) ([]ConnResult, error) {
 	argv := append([]string{s.env.Binary, "bench", "conn", "--addr", addr.String(),
 		"--threads", joinInts(threads), "--conns", strconv.Itoa(conns)}, extra...)
-	out, err := s.env.run(s.ctx, node, user, s.wrap(user, argv...)...)
+	out, err := s.runAs(node, user, argv...)
 	if err != nil {
 		return nil, err
 	}

@@ -18,8 +18,9 @@ import (
 func init() {
 	var (
 		o      bench.Options
-		modes  string
-		suites string
+		modes      string
+		suites     string
+		setupUsers string
 	)
 	cmd := &cobra.Command{
 		Use:   "bench",
@@ -40,6 +41,18 @@ A mode whose data plane is not available is reported as skipped.`,
 			}
 			if suites != "" {
 				o.Suites = splitList(suites)
+			}
+			if setupUsers != "" {
+				us, err := bench.ParseInts(setupUsers)
+				if err != nil {
+					return err
+				}
+				p := bench.FullPlan()
+				if o.Quick {
+					p = bench.QuickPlan()
+				}
+				p.SetupUsers = us
+				o.Plan = &p
 			}
 			o.Log = os.Stderr
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
@@ -72,6 +85,7 @@ A mode whose data plane is not available is reported as skipped.`,
 	f.StringVar(&o.VMName, "vm-name", bench.DefaultVMName, "VM testbed instance for the uvn mode")
 	f.IntVar(&o.Rounds, "rounds", 0, "rounds per mode (default: 5, or 2 with --quick)")
 	f.StringVar(&suites, "suites", "", "run only these suites: throughput,latency,conn,mpi,scale,setup,egress")
+	f.StringVar(&setupUsers, "setup-users", "", "uvn scale test: user counts (default 10,100; 5 with --quick)")
 	f.BoolVar(&o.Keep, "keep", false, "leave a testbed the bench brought up running")
 
 	report := &cobra.Command{
@@ -94,7 +108,7 @@ A mode whose data plane is not available is reported as skipped.`,
 	report.Flags().String("from", filepath.Join("docs", "benchmarks", "results.json"), "results file")
 	report.Flags().String("out", "", "output directory (default: the results file's)")
 
-	cmd.AddCommand(report, benchServeCmd(), benchConnCmd(), benchRRCmd(), benchHoldCmd())
+	cmd.AddCommand(report, benchServeCmd(), benchConnCmd(), benchRRCmd(), benchHoldCmd(), benchUVNSetupCmd())
 	register(cmd)
 }
 
@@ -260,5 +274,28 @@ func benchHoldCmd() *cobra.Command {
 	cmd.Flags().StringVar(&addr, "addr", "", "server IP:port")
 	cmd.Flags().IntVarP(&n, "n", "n", 100, "connections")
 	priv.add(cmd)
+	return cmd
+}
+
+func benchUVNSetupCmd() *cobra.Command {
+	var (
+		first uint32
+		n     int
+	)
+	cmd := &cobra.Command{
+		Use:    "uvnsetup",
+		Short:  "uvn per-user setup/teardown times as users fill a node (JSON on stdout)",
+		Hidden: true,
+		Args:   cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			r, err := bench.UVNScale(configPath, first, n)
+			if err != nil {
+				return err
+			}
+			return json.NewEncoder(os.Stdout).Encode(r)
+		},
+	}
+	cmd.Flags().Uint32Var(&first, "first", bench.UVNScaleUIDBase, "first uid")
+	cmd.Flags().IntVarP(&n, "n", "n", 10, "users")
 	return cmd
 }
