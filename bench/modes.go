@@ -181,6 +181,7 @@ func (*noneDriver) Wrap(_, user string, argv []string) (string, []string) {
 	return user, argv
 }
 func (*noneDriver) BaselineText() string { return "the same testbed (A/A run: the noise floor)" }
+
 // AdjustPlan: the A/A run only shows the noise floor; three rounds do.
 func (*noneDriver) AdjustPlan(p Plan, quick bool) Plan {
 	p.Rounds = min(p.Rounds, 3)
