@@ -253,7 +253,7 @@ func init() {
 		},
 	}
 	eg.Flags().SetInterspersed(false)
-	eg.Flags().StringVar(&o.Path, "path", "auto", "client data path: auto, tun or socks")
+	eg.Flags().StringVar(&o.Path, "path", "auto", "client data path: auto, tun, netstack or socks")
 	eg.Flags().StringVar(&o.Token, "token", "", "join token (default $"+client.TokenEnv+")")
 	eg.Flags().StringVar(&o.GatewayKey, "gateway-key", "", "pin the gateway's public key (base64)")
 	eg.Flags().StringVar(&o.Node, "node", "", "node name in the overlay name (default hostname)")

@@ -173,9 +173,9 @@ func Run(o Options) (int, error) {
 		o.Path = "auto"
 	}
 	switch o.Path {
-	case "auto", "tun", "socks":
+	case "auto", "tun", "netstack", "socks":
 	default:
-		return 0, fmt.Errorf("--path %q: want auto, tun or socks", o.Path)
+		return 0, fmt.Errorf("--path %q: want auto, tun, netstack or socks", o.Path)
 	}
 	if len(o.Cmd) == 0 && o.Path != "socks" {
 		return 0, errors.New("no command to run (only --path socks serves without one)")
@@ -193,6 +193,13 @@ func Run(o Options) (int, error) {
 		if err == nil || o.Path == "tun" || !errors.Is(err, errNoNamespace) {
 			return code, err
 		}
+		o.Logf("%v; trying the netstack path", err)
+	}
+	if o.Path == "netstack" || o.Path == "auto" {
+		code, err := s.runNetstack(o)
+		if err == nil || o.Path == "netstack" || !errors.Is(err, errNoNamespace) {
+			return code, err
+		}
 		o.Logf("%v; falling back to the socks path", err)
 	}
 	return s.runSocks(o)
@@ -202,6 +209,7 @@ var errNoNamespace = errors.New("cannot create an unprivileged network namespace
 
 // nsConfig is what the namespace helper needs (passed in the environment).
 type nsConfig struct {
+	Mode   string      `json:"mode"` // "tun" or "veth"
 	Answer join.Answer `json:"answer"`
 	Cmd    []string    `json:"cmd"`
 }
@@ -212,19 +220,34 @@ const nsEnv = "PALISADE_EGRESS_NS"
 // namespace helper (see NSMain).
 const NSHelperArg = "__egress-ns"
 
-func (s *Session) runTun(o Options) (int, error) {
+// helper is the namespace helper process and its control socket.
+type helper struct {
+	cmd    *exec.Cmd
+	ctl    *os.File
+	fd     int      // tun or packet socket from the namespace
+	fields []string // words after "ok"
+}
+
+func (h *helper) kill() {
+	h.cmd.Process.Kill()
+	h.cmd.Wait()
+	h.ctl.Close()
+}
+
+// startHelper re-executes palisade in a new user + network + mount
+// namespace and waits for the descriptor of its data path.
+func (s *Session) startHelper(o Options, mode string) (*helper, error) {
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
 	parent := os.NewFile(uintptr(fds[0]), "egress-parent")
 	child := os.NewFile(uintptr(fds[1]), "egress-child")
-	defer parent.Close()
 	exe, err := os.Executable()
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
-	cfg, _ := json.Marshal(nsConfig{Answer: s.Answer, Cmd: o.Cmd})
+	cfg, _ := json.Marshal(nsConfig{Mode: mode, Answer: s.Answer, Cmd: o.Cmd})
 	cmd := exec.Command(exe, NSHelperArg)
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
 	cmd.Env = append(os.Environ(), nsEnv+"="+string(cfg))
@@ -234,56 +257,110 @@ func (s *Session) runTun(o Options) (int, error) {
 		Cloneflags:  syscall.CLONE_NEWUSER | syscall.CLONE_NEWNET | syscall.CLONE_NEWNS,
 		UidMappings: []syscall.SysProcIDMap{{ContainerID: uid, HostID: uid, Size: 1}},
 		GidMappings: []syscall.SysProcIDMap{{ContainerID: gid, HostID: gid, Size: 1}},
-		AmbientCaps: []uintptr{unix.CAP_NET_ADMIN, unix.CAP_SYS_ADMIN},
+		AmbientCaps: []uintptr{unix.CAP_NET_ADMIN, unix.CAP_NET_RAW, unix.CAP_SYS_ADMIN},
 		Pdeathsig:   syscall.SIGKILL,
 	}
 	if err := cmd.Start(); err != nil {
 		child.Close()
-		return 0, fmt.Errorf("%w: %v", errNoNamespace, err)
+		parent.Close()
+		return nil, fmt.Errorf("%w: %v", errNoNamespace, err)
 	}
 	child.Close()
-	// The helper answers "ok" with the tun fd, or "err <why>".
+	h := &helper{cmd: cmd, ctl: parent}
+	// The helper answers "ok [words]" with a descriptor, or "err <why>".
 	buf := make([]byte, 512)
 	oob := make([]byte, unix.CmsgSpace(4))
 	n, oobn, _, _, err := unix.Recvmsg(int(parent.Fd()), buf, oob, 0)
 	if err != nil || n == 0 {
-		cmd.Wait()
-		return 0, fmt.Errorf("%w: helper died", errNoNamespace)
+		h.kill()
+		return nil, fmt.Errorf("%w: helper died", errNoNamespace)
 	}
-	if msg := string(buf[:n]); msg != "ok" {
-		cmd.Wait()
-		return 0, fmt.Errorf("%w: %s", errNoNamespace, strings.TrimPrefix(msg, "err "))
+	msg := strings.Fields(string(buf[:n]))
+	if len(msg) == 0 || msg[0] != "ok" {
+		h.kill()
+		return nil, fmt.Errorf("%w: %s", errNoNamespace, strings.TrimPrefix(string(buf[:n]), "err "))
 	}
+	h.fields = msg[1:]
 	scms, err := unix.ParseSocketControlMessage(oob[:oobn])
 	if err != nil || len(scms) != 1 {
-		cmd.Process.Kill()
-		cmd.Wait()
-		return 0, errors.New("helper sent no tun descriptor")
+		h.kill()
+		return nil, errors.New("helper sent no descriptor")
 	}
-	tfds, err := unix.ParseUnixRights(&scms[0])
-	if err != nil || len(tfds) != 1 {
-		cmd.Process.Kill()
-		cmd.Wait()
-		return 0, errors.New("helper sent no tun descriptor")
+	dfds, err := unix.ParseUnixRights(&scms[0])
+	if err != nil || len(dfds) != 1 {
+		h.kill()
+		return nil, errors.New("helper sent no descriptor")
 	}
-	td, _, err := tun.CreateUnmonitoredTUNFromFD(tfds[0])
+	h.fd = dfds[0]
+	return h, nil
+}
+
+func (s *Session) runTun(o Options) (int, error) {
+	h, err := s.startHelper(o, "tun")
 	if err != nil {
-		cmd.Process.Kill()
-		cmd.Wait()
+		return 0, err
+	}
+	defer h.ctl.Close()
+	td, _, err := tun.CreateUnmonitoredTUNFromFD(h.fd)
+	if err != nil {
+		h.kill()
 		return 0, fmt.Errorf("tun: %w", err)
 	}
 	dev, err := s.device(&fixedMTU{td, s.Answer.MTU}, o.Logf)
 	if err != nil {
-		cmd.Process.Kill()
-		cmd.Wait()
+		h.kill()
 		return 0, fmt.Errorf("wireguard: %w", err)
 	}
 	defer dev.Close()
 	if err := handshake(dev, 5*time.Second); err != nil {
 		o.Logf("warning: %v", err)
 	}
-	parent.Write([]byte("go"))
-	return waitForwarding(cmd)
+	h.ctl.Write([]byte("go"))
+	return waitForwarding(h.cmd)
+}
+
+// runNetstack is the data path for nodes without /dev/net/tun: the job's
+// namespace gets a veth pair; the far end is read through a packet socket
+// by a gVisor stack that ends the job's flows and relays them through the
+// tunnel's own gVisor stack.
+func (s *Session) runNetstack(o Options) (int, error) {
+	h, err := s.startHelper(o, "veth")
+	if err != nil {
+		return 0, err
+	}
+	defer h.ctl.Close()
+	if len(h.fields) != 2 {
+		h.kill()
+		return 0, errors.New("helper sent no MAC addresses")
+	}
+	self, err1 := net.ParseMAC(h.fields[0])
+	jobMAC, err2 := net.ParseMAC(h.fields[1])
+	if err1 != nil || err2 != nil {
+		h.kill()
+		return 0, errors.New("helper sent bad MAC addresses")
+	}
+	st, err := stack.New([]netip.Addr{s.Answer.Address.Addr()}, s.Answer.MTU)
+	if err != nil {
+		h.kill()
+		return 0, err
+	}
+	dev, err := s.device(st, o.Logf)
+	if err != nil {
+		h.kill()
+		return 0, fmt.Errorf("wireguard: %w", err)
+	}
+	defer dev.Close()
+	front, err := stack.NewFront(h.fd, s.Answer.MTU, self, jobMAC, s.Answer.Address.Addr(), st)
+	if err != nil {
+		h.kill()
+		return 0, err
+	}
+	defer front.Close()
+	if err := handshake(dev, 5*time.Second); err != nil {
+		o.Logf("warning: %v", err)
+	}
+	h.ctl.Write([]byte("go"))
+	return waitForwarding(h.cmd)
 }
 
 // handshake waits for the first completed handshake so CMD's first packet

@@ -26,18 +26,27 @@ func NSMain() error {
 		return err
 	}
 	var cfg nsConfig
+	var err error
 	if err := json.Unmarshal([]byte(os.Getenv(nsEnv)), &cfg); err != nil {
 		return fail(fmt.Errorf("helper config: %v", err))
 	}
 	os.Unsetenv(nsEnv)
-	tfd, err := setupNet(cfg)
+	var tfd int
+	msg := "ok"
+	if cfg.Mode == "veth" {
+		var self, job net.HardwareAddr
+		tfd, self, job, err = setupVeth(cfg)
+		msg = fmt.Sprintf("ok %s %s", self, job)
+	} else {
+		tfd, err = setupNet(cfg)
+	}
 	if err != nil {
 		return fail(err)
 	}
 	if err := setupResolv(cfg); err != nil {
 		return fail(err)
 	}
-	if err := unix.Sendmsg(int(ctl.Fd()), []byte("ok"), unix.UnixRights(tfd), nil, 0); err != nil {
+	if err := unix.Sendmsg(int(ctl.Fd()), []byte(msg), unix.UnixRights(tfd), nil, 0); err != nil {
 		return err
 	}
 	unix.Close(tfd)
@@ -133,3 +142,69 @@ func setupResolv(cfg nsConfig) error {
 	}
 	return nil
 }
+
+// setupVeth builds the netstack path's segment: egress0 (the job's
+// interface, with the lease address and the default route) and egress1,
+// whose frames a packet socket hands to the client's userspace stack. Large
+// offloaded segments are disabled (gso_max_size = MTU) because the packet
+// socket reads one frame of at most the MTU at a time.
+func setupVeth(cfg nsConfig) (int, net.HardwareAddr, net.HardwareAddr, error) {
+	a := cfg.Answer
+	lo, err := netlink.LinkByName("lo")
+	if err == nil {
+		err = netlink.LinkSetUp(lo)
+	}
+	if err != nil {
+		return -1, nil, nil, fmt.Errorf("loopback: %v", err)
+	}
+	veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "egress0", MTU: a.MTU}, PeerName: "egress1"}
+	if err := netlink.LinkAdd(veth); err != nil {
+		return -1, nil, nil, fmt.Errorf("veth: %v", err)
+	}
+	job, err := netlink.LinkByName("egress0")
+	if err != nil {
+		return -1, nil, nil, err
+	}
+	far, err := netlink.LinkByName("egress1")
+	if err != nil {
+		return -1, nil, nil, err
+	}
+	for _, l := range []netlink.Link{job, far} {
+		netlink.LinkSetMTU(l, a.MTU)
+		if err := netlink.LinkSetGSOMaxSize(l, a.MTU); err != nil {
+			return -1, nil, nil, fmt.Errorf("gso_max_size: %v", err)
+		}
+		if err := netlink.LinkSetUp(l); err != nil {
+			return -1, nil, nil, err
+		}
+	}
+	ip := &net.IPNet{IP: a.Address.Addr().AsSlice(), Mask: net.CIDRMask(32, 32)}
+	if err := netlink.AddrAdd(job, &netlink.Addr{IPNet: ip}); err != nil {
+		return -1, nil, nil, fmt.Errorf("address %s: %v", a.Address, err)
+	}
+	gw := net.IP(a.Gateway.AsSlice())
+	farMAC := far.Attrs().HardwareAddr
+	// The next hop is answered by nobody: pin its MAC to the far end.
+	if err := netlink.NeighAdd(&netlink.Neigh{LinkIndex: job.Attrs().Index, Family: netlink.FAMILY_V4,
+		State: netlink.NUD_PERMANENT, IP: gw, HardwareAddr: farMAC}); err != nil {
+		return -1, nil, nil, fmt.Errorf("neighbour: %v", err)
+	}
+	for _, r := range a.Routes {
+		dst := &net.IPNet{IP: r.Addr().AsSlice(), Mask: net.CIDRMask(r.Bits(), r.Addr().BitLen())}
+		if err := netlink.RouteAdd(&netlink.Route{LinkIndex: job.Attrs().Index, Dst: dst, Gw: gw,
+			Flags: int(netlink.FLAG_ONLINK)}); err != nil {
+			return -1, nil, nil, fmt.Errorf("route %s: %v", r, err)
+		}
+	}
+	fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, int(htons(unix.ETH_P_ALL)))
+	if err != nil {
+		return -1, nil, nil, fmt.Errorf("packet socket: %v", err)
+	}
+	if err := unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: far.Attrs().Index}); err != nil {
+		unix.Close(fd)
+		return -1, nil, nil, fmt.Errorf("bind packet socket: %v", err)
+	}
+	return fd, farMAC, job.Attrs().HardwareAddr, nil
+}
+
+func htons(v uint16) uint16 { return v<<8 | v>>8 }

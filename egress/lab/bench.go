@@ -27,7 +27,7 @@ import (
 )
 
 // Paths the benchmark compares (reference 002, Table 1).
-var BenchPaths = []string{"direct", "tun", "tun-usergw", "socks", "openconnect"}
+var BenchPaths = []string{"direct", "tun", "tun-usergw", "netstack", "socks", "openconnect"}
 
 // BenchUser runs the client side of the benchmarks.
 const BenchUser = "alice"
@@ -38,6 +38,7 @@ const BenchUser = "alice"
 //	direct       plain routing through the gateway host (no tunnel): the baseline
 //	tun          palisade egress, namespace + tun, root gateway (kernel tun)
 //	tun-usergw   palisade egress, namespace + tun, unprivileged netstack gateway
+//	netstack     palisade egress --path netstack (veth + packet socket + gVisor), root gateway
 //	socks        palisade egress --path socks (curl downloads through the proxy)
 //	openconnect  the reference's stack: ocserv on the gateway host, openconnect
 //	             on the node (TCP-only, as in reference 002's measurements)
@@ -59,12 +60,16 @@ func (e *Env) Throughput(ctx context.Context, tb *testbed.Testbed, path string, 
 			return 0, err
 		}
 		return iperfMbps(out)
-	case "tun", "tun-usergw":
+	case "tun", "tun-usergw", "netstack":
 		tok, err := e.Token(BenchUser, "bench"+strconv.Itoa(streams), path == "tun-usergw", time.Hour)
 		if err != nil {
 			return 0, err
 		}
-		cmd := tb.Command(ctx, "node1", BenchUser, append([]string{"palisade", "egress", "--path", "tun", "--"}, iperf...)...)
+		cpath := "tun"
+		if path == "netstack" {
+			cpath = "netstack"
+		}
+		cmd := tb.Command(ctx, "node1", BenchUser, append([]string{"palisade", "egress", "--path", cpath, "--"}, iperf...)...)
 		cmd.Env = append(cmd.Env, "PALISADE_EGRESS_TOKEN="+tok)
 		out, err := cmd.Output()
 		if err != nil {

@@ -98,6 +98,8 @@ func TestReachOutside(t *testing.T) {
 	}{
 		{"tun-rootgw", "tun", false},
 		{"tun-usergw", "tun", true},
+		{"netstack-rootgw", "netstack", false},
+		{"netstack-usergw", "netstack", true},
 		{"socks-rootgw", "socks", false},
 		{"socks-usergw", "socks", true},
 	}

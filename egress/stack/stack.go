@@ -194,11 +194,21 @@ func (st *Stack) ListenTCP(ap netip.AddrPort) (net.Listener, error) {
 
 // Forward makes the stack a userspace router: every TCP connection and UDP
 // flow addressed to anyone but the stack itself is relayed through host
-// sockets opened by dial. allow vets each flow (source, destination) first.
+// sockets. allow vets each flow (source, destination) first.
 func (st *Stack) Forward(allow func(src, dst netip.AddrPort, proto string) bool) {
-	st.s.SetPromiscuousMode(nic, true)
-	st.s.SetSpoofing(nic, true)
-	tf := tcp.NewForwarder(st.s, 0, 2048, func(r *tcp.ForwarderRequest) {
+	d := &net.Dialer{Timeout: 10 * time.Second}
+	forward(st.ctx, st.s, allow,
+		func(ctx context.Context, ap netip.AddrPort) (net.Conn, error) { return d.DialContext(ctx, "tcp", ap.String()) },
+		func(ap netip.AddrPort) (net.Conn, error) { return net.Dial("udp", ap.String()) })
+}
+
+// forward installs TCP and UDP forwarders on s that terminate every flow
+// and relay it through the given dialers.
+func forward(ctx context.Context, s *stack.Stack, allow func(src, dst netip.AddrPort, proto string) bool,
+	dialTCP func(context.Context, netip.AddrPort) (net.Conn, error), dialUDP func(netip.AddrPort) (net.Conn, error)) {
+	s.SetPromiscuousMode(nic, true)
+	s.SetSpoofing(nic, true)
+	tf := tcp.NewForwarder(s, 0, 2048, func(r *tcp.ForwarderRequest) {
 		id := r.ID()
 		src := addrPort(id.RemoteAddress, id.RemotePort)
 		dst := addrPort(id.LocalAddress, id.LocalPort)
@@ -206,8 +216,10 @@ func (st *Stack) Forward(allow func(src, dst netip.AddrPort, proto string) bool)
 			r.Complete(true)
 			return
 		}
-		// Connect outside first so that a refusal reaches the client as a RST.
-		out, err := (&net.Dialer{Timeout: 10 * time.Second}).DialContext(st.ctx, "tcp", dst.String())
+		// Connect onward first so that a refusal reaches the client as a RST.
+		dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		out, err := dialTCP(dctx, dst)
+		cancel()
 		if err != nil {
 			r.Complete(true)
 			return
@@ -224,8 +236,8 @@ func (st *Stack) Forward(allow func(src, dst netip.AddrPort, proto string) bool)
 		in := gonet.NewTCPConn(&wq, ep)
 		go splice(in, out)
 	})
-	st.s.SetTransportProtocolHandler(tcp.ProtocolNumber, tf.HandlePacket)
-	uf := udp.NewForwarder(st.s, func(r *udp.ForwarderRequest) {
+	s.SetTransportProtocolHandler(tcp.ProtocolNumber, tf.HandlePacket)
+	uf := udp.NewForwarder(s, func(r *udp.ForwarderRequest) {
 		id := r.ID()
 		src := addrPort(id.RemoteAddress, id.RemotePort)
 		dst := addrPort(id.LocalAddress, id.LocalPort)
@@ -238,14 +250,14 @@ func (st *Stack) Forward(allow func(src, dst netip.AddrPort, proto string) bool)
 			return
 		}
 		in := gonet.NewUDPConn(&wq, ep)
-		out, err := net.Dial("udp", dst.String())
+		out, err := dialUDP(dst)
 		if err != nil {
 			in.Close()
 			return
 		}
 		go relayUDP(in, out)
 	})
-	st.s.SetTransportProtocolHandler(udp.ProtocolNumber, uf.HandlePacket)
+	s.SetTransportProtocolHandler(udp.ProtocolNumber, uf.HandlePacket)
 }
 
 func addrPort(a tcpip.Address, port uint16) netip.AddrPort {
