@@ -285,7 +285,7 @@ const (
 // rule then routes that source through the main table and the node's SNAT
 // makes it the node's own address; replies come back into the VRF like
 // off-subnet replies. Everything else is left alone (overlay).
-func underlayProgram(sendmsg bool, ranges []policy.PortRange, nets []netip.Prefix, nat netip.Addr) (*ebpf.Program, error) {
+func underlayProgram(sendmsg bool, ranges []policy.PortRange, nets []netip.Prefix, self []netip.Addr, nat netip.Addr) (*ebpf.Program, error) {
 	le := func(a netip.Addr) int32 {
 		b := a.As4()
 		return int32(binary.LittleEndian.Uint32(b[:]))
@@ -304,6 +304,9 @@ func underlayProgram(sendmsg bool, ranges []policy.PortRange, nets []netip.Prefi
 	}
 	insns = append(insns, asm.Ja.Label("out").WithSymbol(fmt.Sprintf("range%d", len(ranges))),
 		asm.LoadMem(asm.R3, asm.R6, offUserIP4, asm.Word).WithSymbol("addr"))
+	for _, a := range self {
+		insns = append(insns, asm.JEq.Imm32(asm.R3, le(a), "out"))
+	}
 	for _, n := range nets {
 		mb := lastAddrMask(n.Bits())
 		insns = append(insns,
@@ -315,13 +318,18 @@ func underlayProgram(sendmsg bool, ranges []policy.PortRange, nets []netip.Prefi
 	insns = append(insns, asm.Ja.Label("out"))
 	if sendmsg {
 		insns = append(insns,
-			asm.StoreImm(asm.R6, offMsgSrcIP4, int64(le(nat)), asm.Word).WithSymbol("act"))
+			asm.Mov.Imm32(asm.R7, le(nat)).WithSymbol("act"),
+			asm.StoreMem(asm.R6, offMsgSrcIP4, asm.R7, asm.Word))
 	} else {
 		insns = append(insns,
-			asm.StoreImm(asm.RFP, -16, 0, asm.DWord).WithSymbol("act"),
-			asm.StoreImm(asm.RFP, -8, 0, asm.DWord),
-			asm.StoreImm(asm.RFP, -16, unix.AF_INET, asm.Half),
-			asm.StoreImm(asm.RFP, -12, int64(le(nat)), asm.Word),
+			// struct sockaddr_in {AF_INET, port 0, NAT} at fp-16
+			asm.Mov.Imm(asm.R7, 0).WithSymbol("act"),
+			asm.StoreMem(asm.RFP, -16, asm.R7, asm.DWord),
+			asm.StoreMem(asm.RFP, -8, asm.R7, asm.DWord),
+			asm.Mov.Imm(asm.R7, unix.AF_INET),
+			asm.StoreMem(asm.RFP, -16, asm.R7, asm.Half),
+			asm.Mov.Imm32(asm.R7, le(nat)),
+			asm.StoreMem(asm.RFP, -12, asm.R7, asm.Word),
 			asm.Mov.Reg(asm.R1, asm.R6),
 			asm.Mov.Reg(asm.R2, asm.RFP),
 			asm.Add.Imm(asm.R2, -16),

@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -42,8 +43,13 @@ func (m *Manager) ensureNode() error {
 	if err != nil {
 		return err
 	}
-	if found && ns.Complete && guardPresent() {
-		return nil
+	if found && ns.Complete {
+		if guardPresent() {
+			return nil
+		}
+		// Someone removed the nftables guard: put it back (VXLAN ports
+		// must never be open to users), leave the rest as it is.
+		return installGuard(m.guardSpec(ns.ForwardGuard))
 	}
 	if found {
 		if err := m.undoAll(ns.Undo); err != nil {
@@ -95,6 +101,12 @@ func (m *Manager) buildNode(ns *NodeState) error {
 	if err != nil {
 		return err
 	}
+	// Replies to underlay-port traffic come back on the underlay NICs.
+	for _, u := range m.cfg.Underlays {
+		if nic, _, _, err := localUnderlay(u); err == nil && nic != nil && !slices.Contains(uplinks, nic.Attrs().Name) {
+			uplinks = append(uplinks, nic.Attrs().Name)
+		}
+	}
 	forwardGuard := false
 	for _, up := range uplinks {
 		for _, f := range []string{"ipv4"} {
@@ -125,6 +137,23 @@ func (m *Manager) buildNode(ns *NodeState) error {
 		}
 	}
 
+	ns.ForwardGuard = forwardGuard
+	g := m.guardSpec(forwardGuard)
+	if err := m.step("nft"); err != nil {
+		return err
+	}
+	if err := m.recordNode(ns, Undo{Kind: "nft", Name: nftTable}); err != nil {
+		return err
+	}
+	if err := installGuard(g); err != nil {
+		return err
+	}
+	ns.Complete = true
+	return m.st.saveNode(ns)
+}
+
+// guardSpec is the nftables guard for this node's configuration.
+func (m *Manager) guardSpec(forwardGuard bool) guard {
 	g := guard{srcMin: uint16(m.cfg.SrcPortMin), srcMax: uint16(m.cfg.SrcPortMax), natPool: m.cfg.NATPrefix, forwardGuard: forwardGuard}
 	for _, u := range m.cfg.Underlays {
 		gu := guardUnderlay{portLo: uint16(u.Port), portHi: uint16(u.Port + m.cfg.PortSpan() - 1), v6: u.Nets[0].Addr().Is6()}
@@ -140,17 +169,7 @@ func (m *Manager) buildNode(ns *NodeState) error {
 		}
 		g.underlays = append(g.underlays, gu)
 	}
-	if err := m.step("nft"); err != nil {
-		return err
-	}
-	if err := m.recordNode(ns, Undo{Kind: "nft", Name: nftTable}); err != nil {
-		return err
-	}
-	if err := installGuard(g); err != nil {
-		return err
-	}
-	ns.Complete = true
-	return m.st.saveNode(ns)
+	return g
 }
 
 func (m *Manager) setSysctl(ns *NodeState, p, v string) error {
@@ -576,7 +595,7 @@ func (m *Manager) Status() ([]UserStatus, *NodeState, error) {
 			continue
 		}
 		us := UserStatus{UserState: *st}
-		us.Intact = st.Complete && m.intact(st)
+		us.Intact = st.Complete && m.intact(st, false)
 		for _, h := range st.Holders {
 			if h.alive() {
 				us.LiveHolders++
@@ -651,8 +670,20 @@ func (m *Manager) attachUnderlay(cg *cgroup2, a *Attachment, st *UserState) erro
 	if err != nil {
 		return err
 	}
+	// The node's own underlay addresses stay in the VRF (local delivery to
+	// the default VRF's services through l3mdev_accept).
+	var self []netip.Addr
+	for _, u := range m.cfg.Underlays {
+		if _, _, mirror, err := localUnderlay(u); err == nil {
+			for _, p := range mirror {
+				if p.Addr().Is4() {
+					self = append(self, p.Addr())
+				}
+			}
+		}
+	}
 	for _, sendmsg := range []bool{false, true} {
-		prog, err := underlayProgram(sendmsg, m.cfg.UnderlayRanges, nets, nat)
+		prog, err := underlayProgram(sendmsg, m.cfg.UnderlayRanges, nets, self, nat)
 		if err != nil {
 			return fmt.Errorf("load underlay-port program: %w", err)
 		}

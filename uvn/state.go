@@ -69,8 +69,11 @@ type UserState struct {
 // NodeState is the node-wide journal (sysctls, RPDB reordering, nft table),
 // undone when the last user is torn down.
 type NodeState struct {
-	Complete bool   `json:"complete"`
-	Undo     []Undo `json:"undo"`
+	Complete bool `json:"complete"`
+	// ForwardGuard: uvn turned forwarding on, so the guard's forward
+	// chain admits only NAT-pool traffic.
+	ForwardGuard bool   `json:"forward_guard,omitempty"`
+	Undo         []Undo `json:"undo"`
 }
 
 // store is the state directory with its locks.

@@ -89,7 +89,7 @@ func (m *Manager) Setup(uid uint32, pid, holder int) (*UserState, error) {
 		return nil, err
 	}
 	fresh := false
-	if found && st.Complete && !m.intact(st) {
+	if found && st.Complete && !m.intact(st, true) {
 		m.logf("uvn: uid %d: state incomplete on the kernel side; rebuilding", uid)
 		st.Complete = false
 	}
@@ -123,7 +123,7 @@ func (m *Manager) Setup(uid uint32, pid, holder int) (*UserState, error) {
 }
 
 // intact is a cheap check that a complete state's kernel objects exist.
-func (m *Manager) intact(st *UserState) bool {
+func (m *Manager) intact(st *UserState, repair bool) bool {
 	l, err := netlink.LinkByName(st.VRF)
 	if err != nil {
 		return false
@@ -137,7 +137,19 @@ func (m *Manager) intact(st *UserState) bool {
 			return false
 		}
 	}
-	return guardPresent()
+	if !guardPresent() {
+		if !repair {
+			return false
+		}
+		// Restore the node-wide guard in place; the user's objects are fine.
+		unlock, err := m.st.lockNode()
+		if err != nil {
+			return false
+		}
+		defer unlock()
+		return m.ensureNode() == nil
+	}
+	return true
 }
 
 // record appends an undo record to the journal on disk before the object

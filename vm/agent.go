@@ -194,11 +194,6 @@ func (a *agent) start(id uint32, req Request) {
 			return
 		}
 		cmd = a.tb.Command(ctx, req.Node, req.User, req.Argv...)
-		if a.tb.Mode == ModeName && req.Node != "outside" && cmd.Err == nil {
-			// In uvn mode a login-like command is a login: it runs in the
-			// user's VRF, like an ssh session (PAM) or a job step (SPANK).
-			cmd.Args = wrapLogin(a.tb, cmd.Args, req.User)
-		}
 	case "sh":
 		if len(req.Argv) == 0 {
 			a.fail(id, errors.New("sh: no command"))

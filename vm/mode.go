@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -200,18 +199,10 @@ func (UVNMode) Down(ctx context.Context, tb *testbed.Testbed) error {
 	return errors.Join(errs...)
 }
 
-// wrapLogin makes a testbed login-like command enter the user's VRF first,
-// as a real login does through PAM: `palisade uvn login` runs as root just
-// before the testbed drops to the user (setpriv).
-func wrapLogin(tb *testbed.Testbed, args []string, user string) []string {
-	if user == "" || user == "root" {
-		return args
-	}
-	i := slices.Index(args, "setpriv")
-	if i < 0 {
-		return args
-	}
-	out := append([]string{}, args[:i]...)
-	out = append(out, tb.Binary, "uvn", "login", "--uid", user, "--")
-	return append(out, args[i:]...)
+// LoginPrefix makes a testbed login-like command a login: it runs in the
+// user's VRF, as an ssh session does through PAM and a job step through
+// SPANK. `palisade uvn login` runs as root just before the testbed drops to
+// the user, moves itself into the VRF and execs the rest.
+func (UVNMode) LoginPrefix(tb *testbed.Testbed, node, user string) []string {
+	return []string{tb.Binary, "uvn", "login", "--uid", user, "--"}
 }

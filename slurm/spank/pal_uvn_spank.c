@@ -130,6 +130,12 @@ static int run_palisade(const char *action, uid_t uid, pid_t pid, pid_t holder)
 	if (child == 0) {
 		int devnull = open("/dev/null", O_RDONLY);
 
+		/*
+		 * Leave slurmstepd's process group and ignore its end-of-step
+		 * SIGTERM: the release at slurm_spank_exit must finish.
+		 */
+		if (setsid() < 0 || signal(SIGTERM, SIG_IGN) == SIG_ERR || signal(SIGHUP, SIG_IGN) == SIG_ERR)
+			_exit(125);
 		if (devnull < 0 || dup2(devnull, 0) < 0 || dup2(fds[1], 1) < 0 || dup2(fds[1], 2) < 0)
 			_exit(126);
 		execve(palisade_bin, argv, envp);
