@@ -198,7 +198,9 @@ func (st *Stack) ListenTCP(ap netip.AddrPort) (net.Listener, error) {
 func (st *Stack) Forward(allow func(src, dst netip.AddrPort, proto string) bool) {
 	d := &net.Dialer{Timeout: 10 * time.Second}
 	forward(st.ctx, st.s, allow,
-		func(ctx context.Context, ap netip.AddrPort) (net.Conn, error) { return d.DialContext(ctx, "tcp", ap.String()) },
+		func(ctx context.Context, ap netip.AddrPort) (net.Conn, error) {
+			return d.DialContext(ctx, "tcp", ap.String())
+		},
 		func(ap netip.AddrPort) (net.Conn, error) { return net.Dial("udp", ap.String()) })
 }
 
