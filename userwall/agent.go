@@ -245,7 +245,24 @@ func (a *agent) syncAddrs() error {
 		if ip, ok := netip.AddrFromSlice(x.IP); ok {
 			addrs = append(addrs, ip)
 		}
+		// Broadcasts are delivered to this node's sockets too: a datagram
+		// to a subnet broadcast is checked like one to the node's address.
+		if b, ok := netip.AddrFromSlice(x.Broadcast); ok && b.Unmap().Is4() && !b.IsUnspecified() {
+			addrs = append(addrs, b)
+		}
+		if x.IPNet != nil {
+			if ip4 := x.IPNet.IP.To4(); ip4 != nil {
+				if ones, _ := x.IPNet.Mask.Size(); ones <= 30 {
+					var b [4]byte
+					for i := range b {
+						b[i] = ip4[i] | ^x.IPNet.Mask[len(x.IPNet.Mask)-4+i]
+					}
+					addrs = append(addrs, netip.AddrFrom4(b))
+				}
+			}
+		}
 	}
+	addrs = append(addrs, netip.AddrFrom4([4]byte{255, 255, 255, 255}))
 	return a.dp.SetLocalAddrs(addrs)
 }
 

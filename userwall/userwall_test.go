@@ -36,6 +36,8 @@ def err(e): return 'ERR ' + errno.errorcode.get(e.errno, str(e.errno))
 def once(proto, addr, port, connected, sport=0, size=2):
     s = socket.socket(fam(addr), typ(proto)); s.settimeout(2)
     try:
+        if addr.endswith('.255'):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
         if sport:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('', sport))
         if proto == 'tcp':
@@ -633,6 +635,22 @@ func TestFragmentedUDP(t *testing.T) {
 			{"node2", "bob", "udp", a, 5195, "TIMEOUT", []string{"size=3000", "connected"}},
 			{"node2", "alice", "udp", a, 5195, "OK echo:hixx", []string{"size=300"}},
 		})
+	}
+}
+
+// A subnet broadcast reaches every node's sockets on the port: it is
+// checked like a datagram to the node's own address.
+func TestBroadcastUDP(t *testing.T) {
+	needTestbed(t)
+	listen(t, "node1", "alice", "udp", "0.0.0.0", 5196)
+	try(t, "node2", "bob", "udp", "198.18.0.255", 5196)
+	time.Sleep(300 * time.Millisecond)
+	found := false
+	for _, e := range events(t, "node1") {
+		found = found || (e.Dst == "198.18.0.255:5196" && e.Path == "remote-udp" && e.Verdict == "deny")
+	}
+	if !found {
+		t.Error("bob's broadcast to alice's UDP port on node1 was not refused")
 	}
 }
 

@@ -102,7 +102,7 @@ struct uw_member_key {
 };
 
 struct uw_flow_key {
-	__u8 peer[16];  /* remote address (zero for flows on this node) */
+	__u8 peer[16];  /* the address the datagram was sent to */
 	__u16 peer_port;
 	__u16 local_port;
 	__u32 pad;
@@ -418,8 +418,21 @@ static __always_inline int check_local(struct bpf_sock_addr *ctx, struct uw_lpm_
 	} else {
 		rule = decide_user(cuid, l.uid, cuid != l.uid && current_has_group(l.gid));
 		if (!allows(rule) && udp && myport) {
-			/* A reply to a datagram this socket's peer sent us first. */
+			/* A reply to a datagram the destination socket sent to
+			 * this one first (noted at lo egress with the address it
+			 * was sent to: ours, bound or chosen by routing, which on
+			 * one node is the destination's address family-wise). */
 			struct uw_flow_key fk = {};
+			__builtin_memcpy(fk.peer, dst->addr, 16);
+			if (v4 && ctx->sk && ctx->sk->src_ip4) {
+				__u32 sa = ctx->sk->src_ip4;
+				__builtin_memcpy(&fk.peer[12], &sa, 4);
+			} else if (!v4 && ctx->sk) {
+				__u32 s6[4] = {ctx->sk->src_ip6[0], ctx->sk->src_ip6[1], ctx->sk->src_ip6[2],
+					       ctx->sk->src_ip6[3]};
+				if (s6[0] | s6[1] | s6[2] | s6[3])
+					__builtin_memcpy(fk.peer, s6, 16);
+			}
 			fk.peer_port = myport;
 			fk.local_port = port;
 			if (flow_seen(&fk))
@@ -818,8 +831,7 @@ static __always_inline int check_pkt(struct __sk_buff *skb, struct pkt *p, int l
 	}
 	if (!allows(rule) && udp) {
 		struct uw_flow_key fk = {};
-		if (!local)
-			__builtin_memcpy(fk.peer, p->src.addr, 16);
+		__builtin_memcpy(fk.peer, p->src.addr, 16);
 		fk.peer_port = p->sport;
 		fk.local_port = p->dport;
 		if (flow_seen(&fk))
@@ -890,8 +902,7 @@ int uw_tc_egress(struct __sk_buff *skb)
 
 	int lo = skb->ifindex == 1;
 	struct uw_flow_key fk = {};
-	if (!lo)
-		__builtin_memcpy(fk.peer, p.dst.addr, 16);
+	__builtin_memcpy(fk.peer, p.dst.addr, 16);
 	fk.peer_port = p.dport;
 	fk.local_port = p.sport;
 	__u64 now = bpf_ktime_get_ns();
