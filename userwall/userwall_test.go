@@ -365,7 +365,8 @@ func TestEventsAndMetrics(t *testing.T) {
 	if !found {
 		t.Errorf("no event for carol → alice 127.0.0.1:5131 in node1's event log")
 	}
-	out, err := tb.Output(context.Background(), "node1", "", "curl", "-s", "http://127.0.0.1:9464/metrics")
+	out, err := tb.Output(context.Background(), "node1", "", "/usr/bin/python3", "-c",
+		"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9464/metrics', timeout=5).read().decode())")
 	if err != nil {
 		t.Fatal(err)
 	}
