@@ -104,8 +104,18 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 		log.Warn("no configuration file; using the built-in default policy", "path", o.ConfigPath)
 	}
 	a := &agent{opts: o, cfg: cfg, log: log, attached: map[string]int{}}
-	if pid := ReadPid(cfg.Agent.PidFile); pid != 0 && pid != os.Getpid() {
-		return fmt.Errorf("an agent is already running (pid %d, %s)", pid, cfg.Agent.PidFile)
+	// One agent per namespace: an exclusive lock next to the pid file
+	// (held until exit; a stale pid file alone does not block a restart).
+	if err := os.MkdirAll(filepath.Dir(cfg.Agent.PidFile), 0o755); err != nil {
+		return err
+	}
+	lock, err := os.OpenFile(cfg.Agent.PidFile+".lock", os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return err
+	}
+	defer lock.Close()
+	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		return fmt.Errorf("an agent is already running (pid %d, %s)", ReadPid(cfg.Agent.PidFile), cfg.Agent.PidFile)
 	}
 	cookie, err := NetnsCookie()
 	if err != nil {
@@ -160,9 +170,6 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	}
 	a.startIdent(ctx)
 
-	if err := os.MkdirAll(filepath.Dir(cfg.Agent.PidFile), 0o755); err != nil {
-		return err
-	}
 	if err := os.WriteFile(cfg.Agent.PidFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
 		return err
 	}

@@ -40,6 +40,7 @@ func Uninstall(o AgentOptions) error {
 			}
 			os.Remove(pidFile)
 		}
+		os.Remove(pidFile + ".lock")
 	}
 	cookie, err := NetnsCookie()
 	if err != nil {
