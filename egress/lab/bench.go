@@ -47,7 +47,14 @@ const BenchUser = "alice"
 // 64 MiB object stand in (iperf3 cannot speak SOCKS).
 func (e *Env) Throughput(ctx context.Context, tb *testbed.Testbed, path string, streams int, dur time.Duration) (float64, error) {
 	node, _ := tb.Node("node1")
-	iperf := []string{"iperf3", "-c", OutsideAddr.String(), "-p", strconv.Itoa(IperfPort), "-P", strconv.Itoa(streams),
+	// A fresh one-shot server per run: a client that dies mid-test leaves a
+	// shared iperf3 server "busy" for the next one.
+	port, stopServer, err := e.iperfServer(ctx)
+	if err != nil {
+		return 0, err
+	}
+	defer stopServer()
+	iperf := []string{"iperf3", "-c", OutsideAddr.String(), "-p", strconv.Itoa(port), "-P", strconv.Itoa(streams),
 		"-t", strconv.Itoa(int(dur.Seconds())), "-J"}
 	switch path {
 	case "direct":
@@ -113,6 +120,33 @@ func (e *Env) Throughput(ctx context.Context, tb *testbed.Testbed, path string, 
 		return iperfMbps(out)
 	}
 	return 0, fmt.Errorf("unknown path %q (want one of %v)", path, BenchPaths)
+}
+
+var iperfPorts = 5300
+
+func (e *Env) iperfServer(ctx context.Context) (int, func(), error) {
+	iperfPorts++
+	if iperfPorts > 5399 {
+		iperfPorts = 5301
+	}
+	port := iperfPorts
+	cmd := exec.Command("ip", "netns", "exec", e.OutNS, "iperf3", "-s", "-1", "-p", strconv.Itoa(port))
+	if err := cmd.Start(); err != nil {
+		return 0, nil, err
+	}
+	stop := func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	}
+	for i := 0; i < 50; i++ {
+		out, _ := exec.Command("ip", "netns", "exec", e.OutNS, "ss", "-Htln", "sport", "= :"+strconv.Itoa(port)).Output()
+		if len(strings.TrimSpace(string(out))) > 0 {
+			return port, stop, nil
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	stop()
+	return 0, nil, fmt.Errorf("iperf3 server on port %d did not start", port)
 }
 
 func iperfMbps(out string) (float64, error) {
