@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"net/netip"
 	"os"
 
 	"github.com/spf13/cobra"
@@ -74,6 +75,39 @@ func init() {
 			return nil
 		},
 	}
-	cmd.AddCommand(hub, agent, execCmd, kernel)
+	var to, src, dst, payload string
+	var vni uint32
+	var dport uint16
+	inject := &cobra.Command{
+		Use:   "inject --to ADDR:PORT --vni N --src IP --dst IP --dport P --payload TEXT",
+		Short: "Send a crafted VXLAN frame from an ordinary UDP socket (the attack the uvn guard stops)",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			t, err := netip.ParseAddrPort(to)
+			if err != nil {
+				return err
+			}
+			s, err := netip.ParseAddr(src)
+			if err != nil {
+				return err
+			}
+			d, err := netip.ParseAddr(dst)
+			if err != nil {
+				return err
+			}
+			if err := vm.Inject(t, vm.VXLANFrame(vni, s, d, dport, []byte(payload))); err != nil {
+				return err
+			}
+			cmd.Println("sent")
+			return nil
+		},
+	}
+	inject.Flags().StringVar(&to, "to", "", "VXLAN endpoint ADDR:PORT")
+	inject.Flags().Uint32Var(&vni, "vni", 0, "victim's VNI")
+	inject.Flags().StringVar(&src, "src", "", "inner source IPv4")
+	inject.Flags().StringVar(&dst, "dst", "", "inner destination IPv4")
+	inject.Flags().Uint16Var(&dport, "dport", 0, "inner UDP destination port")
+	inject.Flags().StringVar(&payload, "payload", "INJECTED", "payload")
+	cmd.AddCommand(hub, agent, execCmd, kernel, inject)
 	register(cmd)
 }

@@ -200,7 +200,7 @@ func (a *agent) start(id uint32, req Request) {
 			return
 		}
 		cmd = exec.CommandContext(ctx, req.Argv[0], req.Argv[1:]...)
-		cmd.Env = append(os.Environ(), "PALISADE_TESTBED="+a.tbName())
+		cmd.Env = append(os.Environ(), "PALISADE_TESTBED="+a.tbName(), "PALISADE_VM=1")
 	case "ping":
 		cmd = exec.CommandContext(ctx, "true")
 	default:
