@@ -36,7 +36,7 @@ func (*uvnDriver) Suites() []string {
 func (*uvnDriver) AdjustPlan(p Plan, quick bool) Plan {
 	if quick {
 		p.Rounds = 1
-		p.Streams, p.LocalStreams = []int{1}, nil
+		p.Streams, p.LocalStreams, p.UDPRate = []int{1}, nil, ""
 		p.RRSizes, p.RRIters = []int{1, 65536}, 50
 		p.ConnThreads, p.ConnPerThr = []int{1}, 50
 		p.SetupUsers = []int{3}

@@ -7,9 +7,9 @@ type Plan struct {
 	Rounds       int    `json:"rounds"`
 	IperfSeconds int    `json:"iperf_seconds"`
 	IperfOmit    int    `json:"iperf_omit_seconds"`
-	Streams      []int  `json:"streams"`       // across nodes
-	LocalStreams []int  `json:"local_streams"` // on localhost
-	UDPRate      string `json:"udp_offered_load"`
+	Streams      []int  `json:"streams"`          // across nodes
+	LocalStreams []int  `json:"local_streams"`    // on localhost
+	UDPRate      string `json:"udp_offered_load"` // "" = no UDP test
 	UDPLen       int    `json:"udp_datagram_bytes"`
 	RRSizes      []int  `json:"rr_sizes"`
 	RRIters      int    `json:"rr_iterations"`

@@ -3,10 +3,12 @@ package bench
 import (
 	"errors"
 	"fmt"
+	"image/color"
 	"math"
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
@@ -23,8 +25,12 @@ type chart struct {
 	file, title, xlabel, ylabel string
 	bench, metric               string
 	series                      []string // "" = every series of bench/metric
+	match                       func(series string) bool
 	logX, logY                  bool
 	noRatio                     bool
+	// sharedBaseline: every series has the same baseline (egress: direct);
+	// draw it once, with this label.
+	sharedBaseline string
 }
 
 func chartsFor(mode string) []chart {
@@ -43,8 +49,12 @@ func chartsFor(mode string) []chart {
 			bench: SuiteScale, metric: "conn_rate"},
 		{file: "setup", title: "Per-user setup time vs users on the node", xlabel: "users", ylabel: "ms",
 			bench: SuiteSetup, metric: "setup_ms", logX: true, noRatio: true},
-		{file: "egress", title: "Egress throughput vs parallel transfers", xlabel: "transfers", ylabel: "Mbit/s",
-			bench: SuiteEgress, metric: "mbit_s", logX: true},
+		{file: "egress", title: "Egress throughput, links as they are", xlabel: "parallel transfers", ylabel: "Mbit/s",
+			bench: SuiteEgress, metric: "mbit_s", logX: true, sharedBaseline: "direct (baseline)",
+			match: func(s string) bool { return !strings.Contains(s, "@") }},
+		{file: "egress-1gbit", title: "Egress throughput, gateway link shaped to 1 Gbit/s", xlabel: "parallel transfers", ylabel: "Mbit/s",
+			bench: SuiteEgress, metric: "mbit_s", logX: true, sharedBaseline: "direct (baseline)",
+			match: func(s string) bool { return strings.HasSuffix(s, "@1gbit") }},
 	}
 	for i := range c {
 		c[i].file = fmt.Sprintf("%s-%s.png", c[i].file, mode)
@@ -66,7 +76,7 @@ func WritePlots(r *Results, dir string) (map[string][]string, error) {
 			var fs []Figure
 			for _, f := range r.Figures {
 				if f.Mode == ms.Name && f.Bench == c.bench && f.Metric == c.metric &&
-					(len(c.series) == 0 || contains(c.series, f.Series)) {
+					(len(c.series) == 0 || contains(c.series, f.Series)) && (c.match == nil || c.match(f.Series)) {
 					fs = append(fs, f)
 				}
 			}
@@ -98,7 +108,14 @@ type errPts struct {
 	plotter.YErrors
 }
 
-func drawChart(c chart, mode string, fs []Figure, path string) error {
+func drawChart(c chart, mode string, fs []Figure, path string) (err error) {
+	// gonum/plot panics on degenerate axes (e.g. a log axis with no
+	// positive value): one bad chart must not lose the run's other outputs.
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("plot: %v", r)
+		}
+	}()
 	bySeries := map[string][]Figure{}
 	var names []string
 	for _, f := range fs {
@@ -108,6 +125,13 @@ func drawChart(c chart, mode string, fs []Figure, path string) error {
 		bySeries[f.Series] = append(bySeries[f.Series], f)
 	}
 	sort.Strings(names)
+	xs := map[float64]bool{}
+	for _, f := range fs {
+		xs[f.X] = true
+	}
+	if len(xs) < 2 {
+		c.logX = false // a single x: a log axis would have no range
+	}
 	top, bot := plot.New(), plot.New()
 	top.Title.Text = c.title
 	top.Y.Label.Text = c.ylabel
@@ -133,11 +157,15 @@ func drawChart(c chart, mode string, fs []Figure, path string) error {
 		}
 	}
 	ratioLo, ratioHi := 1.0, 1.0
+	ratioPts := false
 	for i, name := range names {
 		ff := bySeries[name]
 		sort.Slice(ff, func(a, b int) bool { return ff[a].X < ff[b].X })
 		col := plotutil.Color(i)
 		for _, v := range []string{Baseline, Enforced} {
+			if v == Baseline && c.sharedBaseline != "" && i > 0 {
+				continue
+			}
 			var pts errPts
 			for _, f := range ff {
 				s := f.With
@@ -163,6 +191,10 @@ func drawChart(c chart, mode string, fs []Figure, path string) error {
 				l.Dashes = []vg.Length{vg.Points(4), vg.Points(3)}
 				sc.Shape = draw.CircleGlyph{}
 				label = name + " baseline"
+				if c.sharedBaseline != "" {
+					label = c.sharedBaseline
+					l.Color, sc.Color = color.Black, color.Black
+				}
 			} else {
 				sc.Shape = draw.TriangleGlyph{}
 			}
@@ -195,6 +227,7 @@ func drawChart(c chart, mode string, fs []Figure, path string) error {
 			ratioLo, ratioHi = math.Min(ratioLo, lo), math.Max(ratioHi, hi)
 		}
 		if len(rp.XYs) > 0 {
+			ratioPts = true
 			l, sc, err := plotter.NewLinePoints(rp.XYs)
 			if err != nil {
 				return err
@@ -208,6 +241,13 @@ func drawChart(c chart, mode string, fs []Figure, path string) error {
 		}
 	}
 	if c.noRatio {
+		return saveSingle(top, path)
+	}
+	if !ratioPts {
+		// No ratio to show (no baseline): a value panel alone.
+		if c.logX {
+			top.X.Label.Text = c.xlabel
+		}
 		return saveSingle(top, path)
 	}
 	// The parity line: 1.0 means no overhead.

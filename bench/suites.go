@@ -149,10 +149,14 @@ func (s *session) throughput() error {
 	}
 	tcp("tcp-cross", cross, s.plan.Streams)
 	tcp("tcp-local", local, s.plan.LocalStreams)
-	for _, p := range []struct {
+	udp := []struct {
 		series string
 		target netip.Addr
-	}{{"udp-cross", cross}, {"udp-local", local}} {
+	}{{"udp-cross", cross}, {"udp-local", local}}
+	if s.plan.UDPRate == "" {
+		udp = nil
+	}
+	for _, p := range udp {
 		g, loss, err := s.iperf(client.Name, p.target, "-u", "-b", s.plan.UDPRate, "-l", strconv.Itoa(s.plan.UDPLen))
 		if err != nil {
 			errs = append(errs, fmt.Sprintf("%s: %v", p.series, err))
