@@ -670,20 +670,11 @@ func (m *Manager) attachUnderlay(cg *cgroup2, a *Attachment, st *UserState) erro
 	if err != nil {
 		return err
 	}
-	// The node's own underlay addresses stay in the VRF (local delivery to
-	// the default VRF's services through l3mdev_accept).
-	var self []netip.Addr
-	for _, u := range m.cfg.Underlays {
-		if _, _, mirror, err := localUnderlay(u); err == nil {
-			for _, p := range mirror {
-				if p.Addr().Is4() {
-					self = append(self, p.Addr())
-				}
-			}
-		}
-	}
+	// The node's own addresses are included: a UDP service in the default
+	// VRF answers from the default VRF, which reaches the VRF socket only
+	// through the NAT address (rule 998 delivers locally).
 	for _, sendmsg := range []bool{false, true} {
-		prog, err := underlayProgram(sendmsg, m.cfg.UnderlayRanges, nets, self, nat)
+		prog, err := underlayProgram(sendmsg, m.cfg.UnderlayRanges, nets, nil, nat)
 		if err != nil {
 			return fmt.Errorf("load underlay-port program: %w", err)
 		}
