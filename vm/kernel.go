@@ -66,21 +66,37 @@ func kernelPackage(ctx context.Context) (string, error) {
 	if p := os.Getenv("PALISADE_VM_KERNEL_PKG"); p != "" {
 		return p, nil
 	}
-	out, err := exec.CommandContext(ctx, "apt-cache", "depends", "linux-image-amd64").Output()
-	if err == nil {
+	depends := func() string {
+		out, err := exec.CommandContext(ctx, "apt-cache", "depends", "linux-image-amd64").Output()
+		if err != nil {
+			return ""
+		}
 		sc := bufio.NewScanner(bytes.NewReader(out))
 		for sc.Scan() {
 			f := strings.Fields(sc.Text())
 			if len(f) == 2 && f[0] == "Depends:" && strings.HasPrefix(f[1], "linux-image-") {
-				return f[1], nil
+				return f[1]
 			}
 		}
+		return ""
 	}
-	// No package lists (fresh machine): fall back to a package already in the cache.
+	if p := depends(); p != "" {
+		return p, nil
+	}
+	// No package lists: use a kernel already prepared or downloaded, else
+	// fetch the lists once.
+	if m, _ := filepath.Glob(filepath.Join(CacheDir(), "*", ".ready-v2")); len(m) > 0 {
+		return "linux-image-" + filepath.Base(filepath.Dir(m[len(m)-1])), nil
+	}
 	if m, _ := filepath.Glob(filepath.Join(CacheDir(), "linux-image-6.*-amd64_*.deb")); len(m) > 0 {
 		return strings.SplitN(filepath.Base(m[len(m)-1]), "_", 2)[0], nil
 	}
-	return "", errors.New("cannot resolve the kernel package: run `apt-get update` (apt-cache depends linux-image-amd64 found nothing)")
+	if err := run(ctx, "/", "apt-get", "update", "-qq"); err == nil {
+		if p := depends(); p != "" {
+			return p, nil
+		}
+	}
+	return "", errors.New("cannot resolve the kernel package: `apt-cache depends linux-image-amd64` found nothing (run apt-get update)")
 }
 
 // PrepareKernel downloads (apt-get download, never install) and prepares the

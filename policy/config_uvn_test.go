@@ -1,0 +1,72 @@
+package policy
+
+import (
+	"strings"
+	"testing"
+)
+
+func parseUVN(t *testing.T, body string) (*Config, error) {
+	t.Helper()
+	return Parse("test.toml", []byte(body), nil)
+}
+
+func TestUVNConfigValid(t *testing.T) {
+	c, err := parseUVN(t, `
+[uvn]
+enable = true
+underlay_ports = ["22", "6817-6819"]
+[[uvn.underlay]]
+prefixes = ["198.18.0.0/24", "2001:2::/64"]
+port = 4789
+group = "239.192.0.0/16"
+[[uvn.underlay]]
+prefixes = ["198.19.0.0/24"]
+port = 4790
+peers = ["198.19.0.1", "198.19.0.2"]
+`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u := c.UVN
+	if u.MinUID != 1000 || u.UIDMax != 1<<24-1 || u.NATPrefix.String() != "100.64.0.0/10" || u.PortSpan() != 1 {
+		t.Errorf("defaults: %+v", u)
+	}
+	if len(u.Underlays) != 2 || !u.Underlays[0].GroupNet.IsValid() || len(u.Underlays[1].PeerAddrs) != 2 ||
+		len(u.Underlays[0].Nets) != 2 || len(u.UnderlayRanges) != 2 {
+		t.Errorf("parsed: %+v", u.Underlays)
+	}
+	// Defaults alone validate (config check re-encodes them).
+	if _, err := parseUVN(t, ""); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestUVNConfigRejects(t *testing.T) {
+	for _, c := range []struct{ body, want string }{
+		{"[uvn]\nmin_uid = 100", "min_uid"},
+		{"[uvn]\nenable = true", "no [[uvn.underlay]]"},
+		{"[uvn]\nsrc_port_max = 1024", "src_port_max"},
+		{"[uvn]\nsrc_port_min = 2000", "privileged"},
+		{"[uvn]\nnat_pool = \"2001:2::/64\"", "nat_pool"},
+		{"[uvn]\nunderlay_ports = [\"70000\"]", "underlay_ports"},
+		{"[uvn]\nstate_dir = \"rel\"", "state_dir"},
+		{"[[uvn.underlay]]\nprefixes = [\"198.18.0.0/24\"]\nport = 4789\n[[uvn.underlay]]\nprefixes = [\"198.19.0.0/24\"]\nport = 4789", "overlap"},
+		{"[[uvn.underlay]]\nprefixes = [\"198.18.0.0/24\"]\nport = 4789\n[[uvn.underlay]]\nprefixes = [\"198.18.0.0/24\"]\nport = 4790", "already in underlay"},
+		{"[[uvn.underlay]]\nprefixes = [\"198.18.0.0/24\"]\nport = 4789\ngroup = \"ff05::1\"", "family"},
+		{"[[uvn.underlay]]\nprefixes = [\"198.18.0.0/24\"]\nport = 4789\ngroup = \"198.18.0.1\"", "not multicast"},
+		{"[[uvn.underlay]]\nprefixes = [\"198.18.0.0/24\"]\nport = 4789\npeers = [\"198.19.0.1\"]", "not in the tunnel prefix"},
+		{"[[uvn.underlay]]\nprefixes = [\"198.18.0.0/24\"]\nport = 800", "source ports"},
+		// uid_max above 2^24: each underlay needs a block of ports.
+		{"[uvn]\nuid_max = 4294967294\n[[uvn.underlay]]\nprefixes = [\"198.18.0.0/24\"]\nport = 4789\n[[uvn.underlay]]\nprefixes = [\"198.19.0.0/24\"]\nport = 4790", "overlap"},
+		{"[uvn]\nbogus = 1", "unknown key"},
+	} {
+		_, err := parseUVN(t, c.body)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%q: want error containing %q, got %v", c.body, c.want, err)
+		}
+	}
+	// Port blocks that do not overlap are fine.
+	if _, err := parseUVN(t, "[uvn]\nuid_max = 4294967294\n[[uvn.underlay]]\nprefixes = [\"198.18.0.0/24\"]\nport = 4789\n[[uvn.underlay]]\nprefixes = [\"198.19.0.0/24\"]\nport = 5045"); err != nil {
+		t.Fatal(err)
+	}
+}
