@@ -39,7 +39,15 @@ func gatewayConfig(e policy.EgressConfig) (gateway.Config, error) {
 	if err != nil {
 		return gateway.Config{}, fmt.Errorf("egress.lease_ttl: %v", err)
 	}
-	return gateway.Config{StateDir: e.StateDir, ListenPort: e.ListenPort, Pool: pool, Mode: e.Mode,
+	var deny []netip.Prefix
+	for _, d := range e.Deny {
+		p, err := netip.ParsePrefix(d)
+		if err != nil {
+			return gateway.Config{}, fmt.Errorf("egress.deny: %v", err)
+		}
+		deny = append(deny, p.Masked())
+	}
+	return gateway.Config{Deny: deny, StateDir: e.StateDir, ListenPort: e.ListenPort, Pool: pool, Mode: e.Mode,
 		TunName: e.TunName, Domain: e.Domain, Upstream: e.UpstreamDNS, MTU: e.MTU, LeaseTTL: ttl,
 		UserRate: e.UserRate, GlobalRate: e.GlobalRate}, nil
 }

@@ -36,6 +36,9 @@ type EgressConfig struct {
 	// UserRate and GlobalRate limit bandwidth in bytes/s (0 = unlimited).
 	UserRate   int64 `toml:"user_rate"`
 	GlobalRate int64 `toml:"global_rate"`
+	// Deny lists CIDRs clients may not reach through the gateway (e.g. the
+	// cluster's networks: the gateway would otherwise lend them its identity).
+	Deny []string `toml:"deny"`
 	// GatewayKey (client side) pins the gateway's public key (base64); a
 	// token naming another key is refused.
 	GatewayKey string `toml:"gateway_key"`
@@ -90,6 +93,11 @@ func (e *EgressConfig) Validate() error {
 	for _, k := range []struct{ key, v string }{{"lease_ttl", e.LeaseTTL}, {"token_ttl", e.TokenTTL}} {
 		if d, err := time.ParseDuration(k.v); err != nil || d < time.Minute {
 			errs = append(errs, KeyErrorf(k.key, "%q: want a duration of at least 1m", k.v))
+		}
+	}
+	for _, d := range e.Deny {
+		if _, err := netip.ParsePrefix(d); err != nil {
+			errs = append(errs, &KeyError{Key: "deny", Value: d, Err: errors.New("want a CIDR")})
 		}
 	}
 	if e.UserRate < 0 {

@@ -68,7 +68,8 @@ type filter struct {
 	pool    netip.Prefix
 	self    netip.Addr
 	owners  atomic.Pointer[owners]
-	hairpin func([]byte) // netstack mode: client-to-client packets
+	hairpin func([]byte)   // netstack mode: client-to-client packets
+	deny    []netip.Prefix // destinations clients may never reach (cluster nets)
 	global  *bucket
 	perUser int64
 	users   sync.Map // user -> *bucket
@@ -110,6 +111,10 @@ func (f *filter) Write(bufs [][]byte, offset int) (int, error) {
 			continue
 		}
 		srcUser := own[src]
+		if denied(f.deny, dst) {
+			f.c.IsolationDrop.Add(1)
+			continue
+		}
 		if dst != f.self && f.pool.Contains(dst) {
 			if du, ok := own[dst]; !ok || du != srcUser {
 				f.c.IsolationDrop.Add(1)
@@ -165,3 +170,12 @@ func (f *filter) Read(bufs [][]byte, sizes []int, offset int) (int, error) {
 }
 
 var _ = binary.BigEndian
+
+func denied(deny []netip.Prefix, a netip.Addr) bool {
+	for _, p := range deny {
+		if p.Contains(a) {
+			return true
+		}
+	}
+	return false
+}

@@ -35,7 +35,7 @@ func pkt(src, dst string, size int) []byte {
 func newFilter(userRate, globalRate int64) (*filter, *sink) {
 	s := &sink{}
 	f := &filter{Device: s, mtu: 1420, pool: netip.MustParsePrefix("100.64.0.0/16"), self: netip.MustParseAddr("100.64.0.1"),
-		c: &Counters{}, perUser: userRate, global: newBucket(globalRate)}
+		c: &Counters{}, perUser: userRate, global: newBucket(globalRate), deny: []netip.Prefix{netip.MustParsePrefix("198.18.0.0/24")}}
 	f.owners.Store(&owners{
 		netip.MustParseAddr("100.64.0.2"): "alice",
 		netip.MustParseAddr("100.64.0.3"): "alice",
@@ -53,9 +53,10 @@ func TestIsolation(t *testing.T) {
 		pkt("100.64.0.4", "100.64.0.9", 100),   // bob -> unleased pool address: drop
 		pkt("100.64.0.4", "100.64.0.1", 100),   // bob -> gateway (DNS): pass
 		pkt("100.64.0.4", "198.18.201.1", 100), // bob -> outside: pass
+		pkt("100.64.0.4", "198.18.0.7", 100),   // bob -> cluster (denied): drop
 	}, 0)
-	if len(s.got) != 3 || f.c.IsolationDrop.Load() != 3 {
-		t.Fatalf("passed %d, isolation drops %d; want 3 and 3", len(s.got), f.c.IsolationDrop.Load())
+	if len(s.got) != 3 || f.c.IsolationDrop.Load() != 4 {
+		t.Fatalf("passed %d, isolation drops %d; want 3 and 4", len(s.got), f.c.IsolationDrop.Load())
 	}
 }
 

@@ -48,7 +48,11 @@ type Config struct {
 	GlobalRate int64         // bytes/s for all clients, 0 = unlimited
 	// Routes pushed to clients (default: everything).
 	Routes []netip.Prefix
-	Logf   func(format string, args ...any)
+	// Deny lists destinations clients may not reach through the gateway,
+	// typically the cluster's own networks and the gateway host's: traffic
+	// re-originated by the gateway would carry the gateway's identity there.
+	Deny []netip.Prefix
+	Logf func(format string, args ...any)
 }
 
 // Defaults fills unset fields.
@@ -185,7 +189,7 @@ func Start(cfg Config) (g *Gateway, err error) {
 		return g, err
 	}
 	g.filt = &filter{mtu: cfg.MTU, pool: cfg.Pool.Masked(), self: self, c: &g.counters,
-		global: newBucket(cfg.GlobalRate), perUser: cfg.UserRate}
+		global: newBucket(cfg.GlobalRate), perUser: cfg.UserRate, deny: cfg.Deny}
 	g.filt.owners.Store(&owners{})
 
 	mode := cfg.Mode

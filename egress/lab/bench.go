@@ -27,7 +27,7 @@ import (
 )
 
 // Paths the benchmark compares (reference 002, Table 1).
-var BenchPaths = []string{"direct", "tun", "tun-usergw", "netstack", "socks", "openconnect"}
+var BenchPaths = []string{"direct", "tun", "tun-usergw", "netstack", "openconnect", "direct-http", "socks"}
 
 // BenchUser runs the client side of the benchmarks.
 const BenchUser = "alice"
@@ -39,7 +39,8 @@ const BenchUser = "alice"
 //	tun          palisade egress, namespace + tun, root gateway (kernel tun)
 //	tun-usergw   palisade egress, namespace + tun, unprivileged netstack gateway
 //	netstack     palisade egress --path netstack (veth + packet socket + gVisor), root gateway
-//	socks        palisade egress --path socks (curl downloads through the proxy)
+//	direct-http  parallel HTTP downloads, routed without a tunnel: socks's baseline
+//	socks        palisade egress --path socks (the same downloads through the proxy)
 //	openconnect  the reference's stack: ocserv on the gateway host, openconnect
 //	             on the node (TCP-only, as in reference 002's measurements)
 //
@@ -83,14 +84,23 @@ func (e *Env) Throughput(ctx context.Context, tb *testbed.Testbed, path string, 
 			return 0, fmt.Errorf("%v: %s", err, out)
 		}
 		return iperfMbps(string(out))
-	case "socks":
-		tok, err := e.Token(BenchUser, "benchs"+strconv.Itoa(streams), false, time.Hour)
-		if err != nil {
-			return 0, err
-		}
+	case "socks", "direct-http":
 		script := fmt.Sprintf(`for i in $(seq %d); do curl -s -o /dev/null -w "%%{size_download} %%{time_total}\n" http://%s/blob & done; wait`, streams, OutsideAddr)
-		cmd := tb.Command(ctx, "node1", BenchUser, "palisade", "egress", "--path", "socks", "--", "sh", "-c", script)
-		cmd.Env = append(cmd.Env, "PALISADE_EGRESS_TOKEN="+tok)
+		var cmd *exec.Cmd
+		if path == "socks" {
+			tok, err := e.Token(BenchUser, "benchs"+strconv.Itoa(streams), false, time.Hour)
+			if err != nil {
+				return 0, err
+			}
+			cmd = tb.Command(ctx, "node1", BenchUser, "palisade", "egress", "--path", "socks", "--", "sh", "-c", script)
+			cmd.Env = append(cmd.Env, "PALISADE_EGRESS_TOKEN="+tok)
+		} else {
+			if err := sh(ctx, "ip", "-n", node.NetNS, "route", "replace", OutsideNet.String(), "via", GatewayAddr.String()); err != nil {
+				return 0, err
+			}
+			defer sh(context.Background(), "ip", "-n", node.NetNS, "route", "replace", "unreachable", OutsideNet.String())
+			cmd = tb.Command(ctx, "node1", BenchUser, "sh", "-c", script)
+		}
 		out, err := cmd.Output()
 		if err != nil {
 			return 0, fmt.Errorf("%v: %s", err, out)
@@ -104,7 +114,7 @@ func (e *Env) Throughput(ctx context.Context, tb *testbed.Testbed, path string, 
 			}
 		}
 		if secs == 0 || bytes < float64(streams)*(64<<20) {
-			return 0, fmt.Errorf("socks downloads incomplete: %q", out)
+			return 0, fmt.Errorf("downloads incomplete: %q", out)
 		}
 		return bytes * 8 / secs / 1e6, nil
 	case "openconnect":
@@ -376,13 +386,23 @@ func rss(pid int) (int64, error) {
 	return 0, fmt.Errorf("no VmRSS for pid %d", pid)
 }
 
-// ShapeLinks limits the gateway host's link toward the outside host to rate
-// (tc tbf, e.g. "1gbit", as the reference's 1 Gbit/s links); "" removes it.
+// ShapeLinks limits the link between the gateway host and the outside host,
+// both directions, to rate (tc tbf, e.g. "1gbit", as the reference's 1 Gbit/s
+// links); "" removes it.
 // Every path crosses that link, so the comparison stays fair.
 func (e *Env) ShapeLinks(ctx context.Context, rate string) error {
-	sh(ctx, "ip", "netns", "exec", e.GwNS, "tc", "qdisc", "del", "dev", "eth1", "root")
-	if rate == "" {
-		return nil
+	for _, ns := range []string{e.GwNS, e.OutNS} {
+		dev := "eth1"
+		if ns == e.OutNS {
+			dev = "eth0"
+		}
+		sh(ctx, "ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root")
+		if rate == "" {
+			continue
+		}
+		if err := sh(ctx, "ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "512k", "latency", "20ms"); err != nil {
+			return err
+		}
 	}
-	return sh(ctx, "ip", "netns", "exec", e.GwNS, "tc", "qdisc", "add", "dev", "eth1", "root", "tbf", "rate", rate, "burst", "512k", "latency", "20ms")
+	return nil
 }

@@ -151,7 +151,7 @@ func (Ext) Up(ctx context.Context, tb *testbed.Testbed) (err error) {
 	}
 	// Root gateway (kernel tun + masquerade).
 	rootCfg := filepath.Join(e.Dir, "gateway-root.toml")
-	os.WriteFile(rootCfg, fmt.Appendf(nil, "[egress]\nstate_dir = %q\nlisten_port = %d\npool = %q\nmode = \"tun\"\ntun_name = \"palgw0\"\nupstream_dns = \"%s:53\"\nendpoint = \"%s:%d\"\n",
+	os.WriteFile(rootCfg, fmt.Appendf(nil, "[egress]\nstate_dir = %q\nlisten_port = %d\npool = %q\nmode = \"tun\"\ntun_name = \"palgw0\"\ndeny = [\"198.18.0.0/24\", \"198.19.0.0/24\"]\nupstream_dns = \"%s:53\"\nendpoint = \"%s:%d\"\n",
 		e.RootDir, RootPort, RootPool, OutsideAddr, GatewayAddr, RootPort+1), 0o644)
 	if err := e.spawn(e.GwNS, 0, "gateway-root", e.Binary, "--config", rootCfg, "gateway"); err != nil {
 		return err
@@ -164,7 +164,7 @@ func (Ext) Up(ctx context.Context, tb *testbed.Testbed) (err error) {
 	os.MkdirAll(e.UserDir, 0o700)
 	os.Chown(e.UserDir, e.UserUID, e.UserUID)
 	userCfg := filepath.Join(e.Dir, "gateway-user.toml")
-	os.WriteFile(userCfg, fmt.Appendf(nil, "[egress]\nstate_dir = %q\nlisten_port = %d\npool = %q\nmode = \"netstack\"\nupstream_dns = \"%s:53\"\nendpoint = \"%s:%d\"\n",
+	os.WriteFile(userCfg, fmt.Appendf(nil, "[egress]\nstate_dir = %q\nlisten_port = %d\npool = %q\nmode = \"netstack\"\ndeny = [\"198.18.0.0/24\", \"198.19.0.0/24\"]\nupstream_dns = \"%s:53\"\nendpoint = \"%s:%d\"\n",
 		e.UserDir, UserPort, UserPool, OutsideAddr, GatewayAddr, UserPort+1), 0o644)
 	if err := e.spawn(e.GwNS, e.UserUID, "gateway-user", e.Binary, "--config", userCfg, "gateway"); err != nil {
 		return err

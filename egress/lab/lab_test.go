@@ -342,3 +342,20 @@ func TestSlurm(t *testing.T) {
 		t.Fatalf("sbatch job output: %q", got)
 	}
 }
+
+// TestClusterDenied: the tunnel is a way out, not a way around the cluster's
+// own isolation: through the gateway a job cannot reach the cluster networks
+// (here a node's sshd), while the node itself can.
+func TestClusterDenied(t *testing.T) {
+	ctx := context.Background()
+	target := "TCP:198.18.0.2:22,connect-timeout=3"
+	if out, err := tb.Output(ctx, "node1", "alice", "sh", "-c", "echo | socat -T 2 - "+target); err != nil || !strings.Contains(out, "SSH-") {
+		t.Fatalf("positive control: node1 cannot reach node2's sshd: %v %s", err, out)
+	}
+	for _, unpriv := range []bool{false, true} {
+		out, err := egress(t, "node1", "alice", token(t, "alice", fmt.Sprintf("deny%v", unpriv), unpriv), "--", "sh", "-c", "echo | socat -T 2 - "+target)
+		if err == nil || strings.Contains(out, "SSH-") {
+			t.Errorf("unprivileged=%v: job reached the cluster through the gateway: %s", unpriv, out)
+		}
+	}
+}
