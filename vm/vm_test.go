@@ -44,8 +44,12 @@ type bgProc struct {
 	in  io.WriteCloser
 }
 
-func (p *bgProc) Write(b []byte) (int, error) { p.mu.Lock(); defer p.mu.Unlock(); return p.buf.Write(b) }
-func (p *bgProc) String() string              { p.mu.Lock(); defer p.mu.Unlock(); return p.buf.String() }
+func (p *bgProc) Write(b []byte) (int, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.buf.Write(b)
+}
+func (p *bgProc) String() string { p.mu.Lock(); defer p.mu.Unlock(); return p.buf.String() }
 
 func (e *vmEnv) bg(t *testing.T, node, user, script string) *bgProc {
 	t.Helper()
@@ -159,7 +163,7 @@ func TestVM(t *testing.T) {
 			}
 		}
 		for _, k := range []string{"eth0-v4", "ib0-v4", "eth0-v6", "ib0-v6"} {
-			want(aOut, k, "alice-node2", true) // same user across nodes, both underlays, v4+v6
+			want(aOut, k, "alice-node2", true)  // same user across nodes, both underlays, v4+v6
 			want(bOut, k, "alice-node2", false) // another user: VRFs do not meet
 		}
 		want(aOut, "system-node3", "root-node3", true) // system service, no overlay needed
