@@ -130,6 +130,9 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 		return err
 	}
 	pinDir := PinDir(fs, cookie)
+	if gone := CollectStale(fs); len(gone) > 0 {
+		log.Info("removed the pins of deleted network namespaces", "cookies", gone)
+	}
 	_, statErr := os.Stat(filepath.Join(pinDir, "settings"))
 	adopting := statErr == nil
 	a.dp, err = Load(pinDir, cookie, cfg.Agent.UnixSockets)

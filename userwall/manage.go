@@ -49,6 +49,7 @@ func Uninstall(o AgentOptions) error {
 	var errs []error
 	if fsOK {
 		errs = append(errs, RemovePins(PinDir(fs, cookie)))
+		CollectStale(fs)
 	}
 	errs = append(errs, RemoveNft())
 	return errors.Join(errs...)
@@ -176,4 +177,36 @@ func SignalReload(o AgentOptions) error {
 		return fmt.Errorf("no running agent (%s)", cfg.Agent.PidFile)
 	}
 	return syscall.Kill(pid, syscall.SIGHUP)
+}
+
+// namespaceGone reports whether the namespace a pin directory belongs to no
+// longer exists: every agent attaches to lo, and lo lives exactly as long as
+// its namespace, so a tcx link on lo whose device is gone (ifindex 0) means
+// the namespace was deleted without `--uninstall`.
+func namespaceGone(pinDir string) bool {
+	l, err := link.LoadPinnedLink(filepath.Join(pinDir, "links", tcxLinkName("eg", "lo")), nil)
+	if err != nil {
+		return false
+	}
+	defer l.Close()
+	info, err := l.Info()
+	if err != nil || info.TCX() == nil {
+		return false
+	}
+	return info.TCX().Ifindex == 0
+}
+
+// CollectStale removes the pins of namespaces that no longer exist (their
+// programs can never match a socket again but stay loaded while pinned).
+// Live namespaces, this one included, are never touched.
+func CollectStale(bpffs string) []string {
+	var removed []string
+	root := filepath.Join(bpffs, "palisade")
+	for _, n := range pinnedNames(root) {
+		dir := filepath.Join(root, n)
+		if namespaceGone(dir) && RemovePins(dir) == nil {
+			removed = append(removed, n)
+		}
+	}
+	return removed
 }

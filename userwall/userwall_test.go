@@ -699,6 +699,55 @@ func TestCheckMatrix(t *testing.T) {
 	t.Log(strings.TrimSpace(s[strings.LastIndex(strings.TrimSpace(s), "\n")+1:]))
 }
 
+// A namespace deleted without --uninstall leaves pins whose programs can
+// never match again; the next agent (or uninstall) removes them.
+func TestCollectStale(t *testing.T) {
+	needTestbed(t)
+	ns := "paluwt-gc"
+	exec.Command("ip", "netns", "del", ns).Run()
+	if out, err := exec.Command("ip", "netns", "add", ns).CombinedOutput(); err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	defer exec.Command("ip", "netns", "del", ns).Run()
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "palisade.toml")
+	os.WriteFile(cfg, []byte(fmt.Sprintf("[agent]\npid_file = %q\nevent_log = \"\"\nmetrics_address = \"\"\nident_port = 0\nident_socket = \"\"\nsyslog = false\n",
+		filepath.Join(dir, "agent.pid"))), 0o644)
+	cmd := exec.Command("nsenter", "--net=/run/netns/"+ns, "--", tb.Binary, "agent", "--config", cfg)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	var cookie string
+	for i := 0; i < 100 && ReadPid(filepath.Join(dir, "agent.pid")) == 0; i++ {
+		time.Sleep(50 * time.Millisecond)
+	}
+	out, err := exec.Command("nsenter", "--net=/run/netns/"+ns, "--", tb.Binary, "status", "--json", "--config", cfg).Output()
+	var s Status
+	if err != nil || json.Unmarshal(out, &s) != nil || s.Mode != "userwall" {
+		cmd.Process.Kill()
+		t.Fatalf("scratch agent: %v %s", err, out)
+	}
+	cookie = strconv.FormatUint(s.NetnsCookie, 10)
+	cmd.Process.Signal(syscall.SIGTERM)
+	cmd.Wait()
+	pins := filepath.Join("/sys/fs/bpf/palisade", cookie)
+	if namespaceGone(pins) {
+		t.Fatal("namespace reported gone while it exists")
+	}
+	exec.Command("ip", "netns", "del", ns).Run()
+	for i := 0; i < 100 && !namespaceGone(pins); i++ {
+		time.Sleep(50 * time.Millisecond)
+	}
+	removed := CollectStale("/sys/fs/bpf")
+	if _, err := os.Stat(pins); !os.IsNotExist(err) {
+		t.Fatalf("stale pins of deleted namespace %s left (removed %v)", cookie, removed)
+	}
+	// The live testbed nodes were not touched.
+	if st := status(t, "node1"); st.Mode != "userwall" || len(st.Links) == 0 {
+		t.Errorf("node1 lost its pins: %+v", st)
+	}
+}
+
 // TestUninstall runs last: it removes the agents and checks nothing is left.
 func TestUninstall(t *testing.T) {
 	needTestbed(t)
