@@ -132,7 +132,7 @@ ListenAddress 0.0.0.0
 ListenAddress ::
 HostKey %[3]s/ssh_host_ed25519_key
 PidFile %[4]s/sshd-%[1]s.pid
-UsePAM no
+UsePAM %[7]s
 PermitRootLogin prohibit-password
 PubkeyAuthentication yes
 AuthenticationMethods publickey
@@ -151,7 +151,60 @@ Subsystem sftp internal-sftp
 # root logs in with the testbed's own key, never with /root/.ssh.
 Match User root
 	AuthorizedKeysFile %[6]s/ssh/root_authorized_keys
-`, n.Name, tb.Name, ssh, tb.RunDir(), tb.pathEnv(), tb.Dir)
+`, n.Name, tb.Name, ssh, tb.RunDir(), tb.pathEnv(), tb.Dir, map[bool]string{true: "yes", false: "no"}[tb.pamLines(n.Name) != nil])
+}
+
+// pamLines returns the mode's PAM session lines for sshd on node, nil if
+// the mode has none (then sshd runs without PAM, as verified in the recipe).
+func (tb *Testbed) pamLines(node string) []string {
+	m, ok := lookupMode(tb.Mode)
+	if !ok {
+		return nil
+	}
+	p, ok := m.(PAMSessioner)
+	if !ok {
+		return nil
+	}
+	return p.PAMSession(tb, node)
+}
+
+// pamSSHD is sshd's PAM stack on a node whose mode hooks sessions: minimal
+// on purpose (the host's stack runs pam_loginuid, pam_motd writing the
+// shared /run, ...). Keys are checked by sshd itself; PAM does account
+// and session only.
+func pamSSHD(tbName string, lines []string) string {
+	return "# sshd in testbed " + tbName + " (written by palisade testbed up)\n" +
+		"auth     required pam_deny.so\n" +
+		"account  required pam_unix.so\n" +
+		"password required pam_deny.so\n" +
+		"session  required pam_unix.so\n" +
+		strings.Join(lines, "\n") + "\n"
+}
+
+// writePAM gives node its own /etc/pam.d: the host's files (su, runuser,
+// ... keep working) with sshd's stack replaced.
+func (tb *Testbed) writePAM(node string, lines []string) error {
+	dir := filepath.Join(tb.NodeEtc(node), "pam.d")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	ents, err := os.ReadDir("/etc/pam.d")
+	if err != nil {
+		return err
+	}
+	for _, e := range ents {
+		if !e.Type().IsRegular() || e.Name() == "sshd" {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join("/etc/pam.d", e.Name()))
+		if err != nil {
+			return err
+		}
+		if err := writeFile(filepath.Join(dir, e.Name()), string(b), 0o644); err != nil {
+			return err
+		}
+	}
+	return writeFile(filepath.Join(dir, "sshd"), pamSSHD(tb.Name, lines), 0o644)
 }
 
 func (tb *Testbed) sshConfig() string {
@@ -272,6 +325,11 @@ func (tb *Testbed) writeConfig() error {
 			}
 			if err := os.Symlink(tb.SlurmConfDir(), filepath.Join(etc, "slurm")); err != nil {
 				return err
+			}
+			if lines := tb.pamLines(n.Name); lines != nil {
+				if err := tb.writePAM(n.Name, lines); err != nil {
+					return err
+				}
 			}
 		}
 		for p, c := range nf {

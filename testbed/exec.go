@@ -92,6 +92,16 @@ type LoginWrapper interface {
 	LoginPrefix(tb *Testbed, node, user string) []string
 }
 
+// PAMSessioner is optionally implemented by a Mode that must see ssh
+// logins, as pam_exec would on a real node (uvn: into the user's VRF). Its
+// lines (e.g. "session required pam_exec.so /path/to/helper") end sshd's
+// PAM stack on node; sshd then runs with UsePAM yes and the node gets its
+// own /etc/pam.d. Called while the configuration is written, before the
+// mode's Up.
+type PAMSessioner interface {
+	PAMSession(tb *Testbed, node string) []string
+}
+
 // Command prepares argv as user ("" = root) on node ("node1".., "outside"):
 // in the node's network namespace with its /etc overlay (ip netns exec) and
 // UTS namespace (nsenter), with the user's uid, gid and full group list

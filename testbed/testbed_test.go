@@ -114,6 +114,15 @@ func (m *recMode) Up(ctx context.Context, tb *Testbed) error {
 }
 func (m *recMode) Down(context.Context, *Testbed) error { m.downs.Add(1); return nil }
 
+// PAMSession logs every ssh session opening and closing (pam_exec runs as
+// root, with PAM_USER and PAM_TYPE set).
+func (m *recMode) PAMSession(tb *Testbed, node string) []string {
+	script := filepath.Join(tb.Dir, "tbtest-pam.sh")
+	os.WriteFile(script, []byte("#!/bin/sh\necho \"$PAM_TYPE $PAM_USER $(hostname) $(id -u)\" >> "+
+		filepath.Join(tb.LogDir(), "tbtest-pam.log")+"\n"), 0o755)
+	return []string{"session required pam_exec.so " + script}
+}
+
 // LoginPrefix marks users' commands on compute nodes through the
 // environment (env execs the rest, as a real wrapper must).
 func (m *recMode) LoginPrefix(tb *Testbed, node, user string) []string {
@@ -416,6 +425,13 @@ func TestTestbed(t *testing.T) {
 			}
 			if err != nil || out != host+"\n"+user+"\n" {
 				t.Errorf("ssh %s -> %s as %s: %q %v", c.from, c.to, user, out, err)
+			}
+		}
+		// The mode's PAM session hook saw the logins, as root, on the target node.
+		b, _ := os.ReadFile(filepath.Join(tb.LogDir(), "tbtest-pam.log"))
+		for _, want := range []string{"open_session alice node2 0", "open_session root node2 0", "open_session carol node1 0"} {
+			if !strings.Contains(string(b), want) {
+				t.Errorf("PAM session hook: no %q in\n%s", want, b)
 			}
 		}
 		if _, err := os.Stat("/root/.ssh/known_hosts"); err == nil {
