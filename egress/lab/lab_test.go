@@ -43,11 +43,14 @@ func run(m *testing.M) (int, error) {
 		return 1, err
 	}
 	defer os.RemoveAll(dir)
-	bin := filepath.Join(dir, "palisade")
-	build := exec.Command("go", "build", "-o", bin, "github.com/palisade-hpc/palisade/cmd/palisade")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		return 1, fmt.Errorf("go build: %v\n%s", err, out)
+	bin := os.Getenv("PALISADE_EGRESS_TEST_BINARY") // a prebuilt palisade, if given
+	if bin == "" {
+		bin = filepath.Join(dir, "palisade")
+		build := exec.Command("go", "build", "-o", bin, "github.com/palisade-hpc/palisade/cmd/palisade")
+		build.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := build.CombinedOutput(); err != nil {
+			return 1, fmt.Errorf("go build: %v\n%s", err, out)
+		}
 	}
 	testbed.Down(ctx, tbName)
 	tb, err = testbed.Up(ctx, testbed.Options{Name: tbName, Nodes: 2, Egress: true, Binary: bin})
