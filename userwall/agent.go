@@ -63,6 +63,7 @@ type agent struct {
 	log      *slog.Logger
 	dp       *Dataplane
 	attached map[string]int // interface → ifindex
+	cgroup   string
 	sink     *eventSink
 	ident    *ident.Server
 }
@@ -240,6 +241,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 // install fills the maps, then the nft table, then attaches: on a first
 // install the programs only start deciding once everything is in place.
 func (a *agent) install(cgroupRoot string) error {
+	a.cgroup = cgroupRoot
 	if err := a.syncAddrs(); err != nil {
 		return err
 	}
@@ -366,6 +368,11 @@ func (a *agent) reload() {
 		return
 	}
 	a.cfg = cfg
+	// Re-attaching swaps programs in place (and adds or removes the
+	// optional socket-storage hook).
+	if err := a.dp.AttachCgroup(a.cgroup, cfg.Agent.SocketStorage); err != nil {
+		a.log.Error("cgroup programs not refreshed", "err", err)
+	}
 	if a.ident != nil {
 		a.ident.SetPolicy(cfg.Policy)
 	}

@@ -655,6 +655,35 @@ func TestBroadcastUDP(t *testing.T) {
 	}
 }
 
+// The optional socket-storage hook records the creator's ids per socket;
+// the listener check reads them (same answers as the file credentials).
+func TestSocketStorage(t *testing.T) {
+	needTestbed(t)
+	p := tb.ConfigPath("node1")
+	orig, _ := os.ReadFile(p)
+	hup := func() {
+		syscall.Kill(ReadPid(AgentPidFile(tb, "node1")), syscall.SIGHUP)
+		time.Sleep(400 * time.Millisecond)
+	}
+	defer func() { os.WriteFile(p, orig, 0o644); hup() }()
+	os.WriteFile(p, []byte(strings.Replace(string(orig), "[agent]\n", "[agent]\nsocket_storage = true\n", 1)), 0o644)
+	hup()
+	has := false
+	for _, l := range status(t, "node1").Links {
+		has = has || l.Name == "sock_create"
+	}
+	if !has {
+		t.Fatal("socket_storage = true: no sock_create link after reload")
+	}
+	listen(t, "node1", "alice+proj1", "tcp", "::", 5198)
+	run(t, []tcase{
+		{"node1", "bob", "tcp", "::1", 5198, "OK", nil},
+		{"node1", "carol", "tcp", "::1", 5198, eperm, nil},
+		{"node2", "bob", "tcp", tb.Nodes[0].Eth0V4.String(), 5198, "OK", nil},
+		{"node2", "carol", "tcp", tb.Nodes[0].Eth0V4.String(), 5198, refused, nil},
+	})
+}
+
 // A node without the agent sends option-less SYNs and unstamped datagrams:
 // node1 treats them as off-cluster, even from a cluster address.
 func TestNoIdentityFromCluster(t *testing.T) {
