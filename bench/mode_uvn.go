@@ -5,6 +5,9 @@ import (
 	"encoding/json"
 	"fmt"
 	"strconv"
+
+	// The VM testbed (`testbed up --vm`) and its uvn mode live there.
+	_ "github.com/palisade-hpc/palisade/vm"
 )
 
 // uvnDriver measures per-user VRF + VXLAN overlays inside the VRF-capable

@@ -132,6 +132,16 @@ func drawChart(c chart, mode string, fs []Figure, path string) (err error) {
 	if len(xs) < 2 {
 		c.logX = false // a single x: a log axis would have no range
 	}
+	// Few x values (threads, streams, sizes): label exactly those.
+	var xticks plot.Ticker
+	if len(xs) <= 12 {
+		var ts []plot.Tick
+		for x := range xs {
+			ts = append(ts, plot.Tick{Value: x, Label: humanNum(x)})
+		}
+		sort.Slice(ts, func(i, j int) bool { return ts[i].Value < ts[j].Value })
+		xticks = plot.ConstantTicks(ts)
+	}
 	top, bot := plot.New(), plot.New()
 	top.Title.Text = c.title
 	top.Y.Label.Text = c.ylabel
@@ -145,6 +155,9 @@ func drawChart(c chart, mode string, fs []Figure, path string) (err error) {
 			p.X.Tick.Marker = logTicks{}
 		}
 	}
+	if xticks != nil {
+		top.X.Tick.Marker, bot.X.Tick.Marker = xticks, xticks
+	}
 	if c.logY {
 		top.Y.Scale = plot.LogScale{}
 		top.Y.Tick.Marker = logTicks{}
@@ -154,6 +167,9 @@ func drawChart(c chart, mode string, fs []Figure, path string) (err error) {
 		if c.logX {
 			top.X.Scale = plot.LogScale{}
 			top.X.Tick.Marker = logTicks{}
+		}
+		if xticks != nil {
+			top.X.Tick.Marker = xticks
 		}
 	}
 	ratioLo, ratioHi := 1.0, 1.0
@@ -327,9 +343,14 @@ func (logTicks) Ticks(min, max float64) []plot.Tick {
 	return ts
 }
 
-// humanNum prints 1024 as 1k, 65536 as 64k: axis labels stay short.
+// humanNum prints 1024 as 1Ki, 65536 as 64Ki, 10000 as 10k: axis labels
+// stay short.
 func humanNum(v float64) string {
 	switch {
+	case v >= 1<<20 && math.Mod(v, 1<<20) == 0:
+		return fmt.Sprintf("%gMi", v/(1<<20))
+	case v >= 1<<10 && math.Mod(v, 1<<10) == 0:
+		return fmt.Sprintf("%gKi", v/(1<<10))
 	case v >= 1e6 && math.Mod(v, 1e6) == 0:
 		return fmt.Sprintf("%gM", v/1e6)
 	case v >= 1e3 && math.Mod(v, 1e3) == 0:
