@@ -17,7 +17,7 @@ import (
 
 func init() {
 	var (
-		o      bench.Options
+		o          bench.Options
 		modes      string
 		suites     string
 		setupUsers string
