@@ -204,6 +204,25 @@ type listenerProc struct {
 	pid   int // the listener's own pid, from its ready line
 }
 
+// inVM reports a run inside the uvn VM (the guest agent sets PALISADE_VM=1):
+// software emulation makes every process start cost 0.2-0.6 s, so
+// listeners get more time and start a few at a time.
+func inVM() bool { return os.Getenv("PALISADE_VM") == "1" }
+
+func readyTimeout() time.Duration {
+	if inVM() {
+		return 3 * time.Minute
+	}
+	return 15 * time.Second
+}
+
+func listenerStarts() int {
+	if inVM() {
+		return 4
+	}
+	return 1 << 20
+}
+
 // startListeners starts every listener on every targeted host at once and
 // waits for each to report ready (all its sockets bound) with the identity
 // the matrix expects.
@@ -211,12 +230,15 @@ func (r *runner) startListeners(ctx context.Context) {
 	t0 := time.Now()
 	r.dead = map[string]string{}
 	var wg sync.WaitGroup
+	sem := make(chan struct{}, listenerStarts())
 	for _, h := range r.m.listenerHosts() {
 		for _, l := range r.m.listeners {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
+				sem <- struct{}{}
 				lp, err := r.startListener(ctx, h, l)
+				<-sem
 				r.mu.Lock()
 				defer r.mu.Unlock()
 				if lp != nil {
@@ -275,8 +297,8 @@ func (r *runner) startListener(ctx context.Context, host string, l ListenerSpec)
 			cmd.Wait()
 			return lp, fmt.Errorf("%v %s", cmd.ProcessState, summarize(stderr.String(), 3))
 		}
-	case <-time.After(15 * time.Second):
-		return lp, errors.New("not ready after 15s")
+	case <-time.After(readyTimeout()):
+		return lp, fmt.Errorf("not ready after %v", readyTimeout())
 	case <-ctx.Done():
 		return lp, ctx.Err()
 	}

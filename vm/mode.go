@@ -6,10 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
-	"syscall"
-	"time"
 
 	"github.com/palisade-hpc/palisade/slurm"
 	"github.com/palisade-hpc/palisade/testbed"
@@ -69,9 +66,6 @@ func (UVNMode) Up(ctx context.Context, tb *testbed.Testbed) error {
 	if tb.VM {
 		return nil // the guest runs this mode inside the VM
 	}
-	if _, err := os.Stat("/proc/sys/net/ipv4/tcp_l3mdev_accept"); err != nil {
-		return errors.New("uvn needs a kernel with VRF: use `testbed up --vm --mode uvn`")
-	}
 	so := os.Getenv("PALISADE_UVN_SPANK")
 	if so == "" {
 		so = filepath.Join(tb.Dir, "lib", slurm.PluginName)
@@ -102,85 +96,14 @@ func (UVNMode) Up(ctx context.Context, tb *testbed.Testbed) error {
 		if err != nil {
 			return err
 		}
-		if err := writePAM(tb, n); err != nil {
-			return err
-		}
-		if err := restartSSHD(ctx, tb, n); err != nil {
-			return err
-		}
 	}
 	return nil
 }
 
-// writePAM gives node n its own /etc/pam.d (bound over /etc/pam.d by ip
-// netns exec): the system's files plus the uvn line in sshd's stack.
-func writePAM(tb *testbed.Testbed, n testbed.Node) error {
-	dst := filepath.Join(tb.NodeEtc(n.Name), "pam.d")
-	if err := os.MkdirAll(dst, 0o755); err != nil {
-		return err
-	}
-	ents, err := os.ReadDir("/etc/pam.d")
-	if err != nil {
-		return err
-	}
-	for _, e := range ents {
-		b, err := os.ReadFile(filepath.Join("/etc/pam.d", e.Name()))
-		if err != nil {
-			continue
-		}
-		if e.Name() == "sshd" {
-			b = append(b, []byte("\n# Palisade uvn: the session moves into the user's VRF; fails closed.\n"+
-				PAMLine(tb.Binary, "/etc/palisade/palisade.toml", filepath.Join(tb.LogDir(), "uvn-pam-"+n.Name+".log"))+"\n")...)
-		}
-		if err := os.WriteFile(filepath.Join(dst, e.Name()), b, 0o644); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// restartSSHD restarts node n's sshd with UsePAM yes (and the node's new
-// pam.d, which ip netns exec binds only for processes it starts).
-func restartSSHD(ctx context.Context, tb *testbed.Testbed, n testbed.Node) error {
-	cfg := filepath.Join(tb.SSHDir(n.Name), "sshd_config")
-	b, err := os.ReadFile(cfg)
-	if err != nil {
-		return err
-	}
-	s := strings.Replace(string(b), "UsePAM no", "UsePAM yes", 1)
-	if err := os.WriteFile(cfg, []byte(s), 0o644); err != nil {
-		return err
-	}
-	pidf := filepath.Join(tb.RunDir(), "sshd-"+n.Name+".pid")
-	if b, err := os.ReadFile(pidf); err == nil {
-		if pid, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && pid > 1 {
-			syscall.Kill(pid, syscall.SIGTERM)
-			for i := 0; i < 100; i++ {
-				if _, alive := procState(pid); !alive {
-					break
-				}
-				time.Sleep(50 * time.Millisecond)
-			}
-		}
-	}
-	out, err := tb.Command(ctx, n.Name, "", "/usr/sbin/sshd", "-E", filepath.Join(tb.LogDir(), "sshd-"+n.Name+".log")).CombinedOutput()
-	if err != nil {
-		return fmt.Errorf("restart sshd on %s: %w: %s", n.Name, err, out)
-	}
-	return nil
-}
-
-func procState(pid int) (byte, bool) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return 0, false
-	}
-	i := strings.LastIndexByte(string(b), ')')
-	if i < 0 || len(b) < i+3 {
-		return 0, false
-	}
-	st := b[i+2]
-	return st, st != 'Z' && st != 'X'
+// PAMSession is the uvn line of sshd's PAM stack on node (the testbed runs
+// sshd with UsePAM yes and a per-node /etc/pam.d for it).
+func (UVNMode) PAMSession(tb *testbed.Testbed, node string) []string {
+	return []string{PAMLine(tb.Binary, "/etc/palisade/palisade.toml", filepath.Join(tb.LogDir(), "uvn-pam-"+node+".log"))}
 }
 
 // Down removes every user's network on every node.

@@ -114,38 +114,35 @@ func TestVM(t *testing.T) {
 	_ = alice
 
 	t.Run("isolation", func(t *testing.T) {
-		// Each probe prints "name: <first line received>". Negative probes run
-		// in parallel (a missing overlay shows as a connect timeout).
-		probe := func(name, addr string) string {
-			return fmt.Sprintf("(echo \"%s: $(timeout 8 socat -t6 - TCP:%s </dev/null 2>&1 | head -1)\") &\n", name, addr)
+		// Each probe prints "name: <first line received>". Positive probes
+		// run one after the other (TCG is slow to start processes); negative
+		// ones run in the background (a missing overlay shows as a connect
+		// timeout).
+		probe := func(name, addr string, bg bool) string {
+			p := fmt.Sprintf("echo \"%s: $(timeout 25 socat -t15 - TCP:%s </dev/null 2>&1 | head -1)\"", name, addr)
+			if bg {
+				return "(" + p + ") &\n"
+			}
+			return p + "\n"
 		}
-		var aliceScript, bobScript, rootScript strings.Builder
-		for _, p := range [][2]string{
-			{"eth0-v4", "198.18.0.2:29101"}, {"ib0-v4", "198.19.0.2:29101"},
-			{"eth0-v6", "[2001:2::2]:29101"}, {"ib0-v6", "[2001:2:0:1::2]:29101"},
-			{"system-node3", "198.18.0.3:590"}, {"outside", "198.18.200.1:29102"},
-			{"sshd-localhost", "127.0.0.1:22"}, {"sshd-v6-localhost", "[::1]:22"},
-		} {
-			aliceScript.WriteString(probe(p[0], p[1]))
-			bobScript.WriteString(probe(p[0], p[1]))
+		script := func(bg map[string]bool, probes ...[2]string) string {
+			var b strings.Builder
+			for _, p := range probes {
+				b.WriteString(probe(p[0], p[1], bg[p[0]]))
+			}
+			return b.String() + "wait\n"
 		}
-		rootScript.WriteString(probe("root-eth0-v4", "198.18.0.2:29101") + probe("root-ib0-v6", "[2001:2:0:1::2]:29101"))
-		aliceScript.WriteString("wait\n")
-		bobScript.WriteString("wait\n")
-		rootScript.WriteString("wait\n")
-		var aOut, bOut, rOut, lOut, oOut string
-		var wg sync.WaitGroup
-		for _, f := range []func(){
-			func() { aOut = e.run(t, "node1", "alice", aliceScript.String()) },
-			func() { bOut = e.run(t, "node1", "bob", bobScript.String()) },
-			func() { rOut = e.run(t, "node1", "", rootScript.String()) },
-			func() { lOut = e.run(t, "node2", "", probe("root-local", "127.0.0.1:29101")+"wait") },
-			func() { oOut = e.run(t, "outside", "", probe("outside-in", "198.18.0.2:29101")+"wait") },
-		} {
-			wg.Add(1)
-			go func() { defer wg.Done(); f() }()
-		}
-		wg.Wait()
+		overlay := [][2]string{{"eth0-v4", "198.18.0.2:29101"}, {"ib0-v4", "198.19.0.2:29101"},
+			{"eth0-v6", "[2001:2::2]:29101"}, {"ib0-v6", "[2001:2:0:1::2]:29101"}}
+		common := [][2]string{{"system-node3", "198.18.0.3:590"}, {"outside", "198.18.200.1:29102"},
+			{"sshd-localhost", "127.0.0.1:22"}, {"sshd-v6-localhost", "[::1]:22"}}
+		negative := map[string]bool{"eth0-v4": true, "ib0-v4": true, "eth0-v6": true, "ib0-v6": true,
+			"root-eth0-v4": true, "root-ib0-v6": true}
+		aOut := e.run(t, "node1", "alice", script(nil, append(overlay, common...)...))
+		bOut := e.run(t, "node1", "bob", script(negative, append(overlay, common...)...))
+		rOut := e.run(t, "node1", "", script(negative, [2]string{"root-eth0-v4", "198.18.0.2:29101"}, [2]string{"root-ib0-v6", "[2001:2:0:1::2]:29101"}))
+		lOut := e.run(t, "node2", "", script(nil, [2]string{"root-local", "127.0.0.1:29101"}))
+		oOut := e.run(t, "outside", "", script(nil, [2]string{"outside-in", "198.18.0.2:29101"}))
 		want := func(out, key, sub string, yes bool) {
 			t.Helper()
 			line := ""
