@@ -45,10 +45,10 @@ func (*uvnDriver) AdjustPlan(p Plan, quick bool) Plan {
 		p.SetupUsers = []int{3}
 		return p
 	}
-	p.Rounds = min(p.Rounds, 3)
+	p.Rounds = min(p.Rounds, 2)
 	p.Streams, p.LocalStreams = []int{1, 4}, []int{1}
-	p.RRSizes, p.RRIters = []int{1, 64, 1024, 16384, 65536}, 300
-	p.ConnThreads, p.ConnPerThr = []int{1, 4, 16}, 200
+	p.RRSizes, p.RRIters = []int{1, 1024, 16384, 65536}, 200
+	p.ConnThreads, p.ConnPerThr = []int{1, 4}, 200
 	return p
 }
 

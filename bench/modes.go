@@ -182,9 +182,9 @@ func (*noneDriver) Wrap(_, user string, argv []string) (string, []string) {
 }
 func (*noneDriver) BaselineText() string { return "the same testbed (A/A run: the noise floor)" }
 
-// AdjustPlan: the A/A run only shows the noise floor; three rounds do.
+// AdjustPlan: the A/A run only shows the noise floor; two rounds do.
 func (*noneDriver) AdjustPlan(p Plan, quick bool) Plan {
-	p.Rounds = min(p.Rounds, 3)
+	p.Rounds = min(p.Rounds, 2)
 	return p
 }
 
