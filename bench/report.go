@@ -343,7 +343,7 @@ func Markdown(r *Results, plots map[string][]string) string {
 		}
 		w("| #%d | %s | %s | %s | %s |\n", t.Issue, t.Mode, t.Goal, t.Measured, v)
 	}
-	w("\n")
+	w("\n## Published figures beside this run's\n\n%s\n", ReferenceComparison(r))
 	for _, ms := range r.Modes {
 		if ms.Status != "ran" {
 			continue
@@ -464,4 +464,119 @@ func LoadResults(path string) (*Results, error) {
 	}
 	r.Figures = computeFigures(r.Samples)
 	return &r, nil
+}
+
+// ratioRange summarises the ratios of figures as "a–b×" (median ratios).
+func ratioRange(fs []Figure, keep func(Figure) bool) (lo, hi float64, ok bool) {
+	lo, hi = math.Inf(1), math.Inf(-1)
+	for _, f := range fs {
+		if math.IsNaN(f.Ratio) || (keep != nil && !keep(f)) {
+			continue
+		}
+		lo, hi, ok = math.Min(lo, f.Ratio), math.Max(hi, f.Ratio), true
+	}
+	return
+}
+
+func pct(r float64) string {
+	d := (r - 1) * 100
+	if math.Abs(d) < 0.05 {
+		return "±0%"
+	}
+	return fmt.Sprintf("%+.1f%%", d)
+}
+
+func pctRange(lo, hi float64) string {
+	if lo == hi {
+		return pct(lo)
+	}
+	return pct(lo) + " … " + pct(hi)
+}
+
+// ReferenceComparison puts the references' published overheads beside the
+// same quantity measured in this run (generated, so it always matches
+// results.json).
+func ReferenceComparison(r *Results) string {
+	var b strings.Builder
+	row := func(ref, what, theirs, ours string) {
+		if ours == "" {
+			ours = "not measured in this run"
+		}
+		fmt.Fprintf(&b, "| %s | %s | %s | %s |\n", ref, what, theirs, ours)
+	}
+	b.WriteString("| reference | quantity | published | this run |\n|---|---|---|---|\n")
+	threads := func(f Figure) bool { return f.X <= 16 }
+	ours := ""
+	if lo, hi, ok := ratioRange(r.figs("userwall", SuiteConn, "conn-local", "seconds"), threads); ok {
+		ours = "userwall, localhost: " + pctRange(lo, hi)
+	}
+	if lo, hi, ok := ratioRange(r.figs("userwall", SuiteConn, "conn-cross", "seconds"), threads); ok {
+		ours += "; across nodes: " + pctRange(lo, hi)
+	}
+	row("001 (MIT user-based firewall: NFQUEUE + ident2), Figure 2", "time for N threads × 1,000 new connections, 1 byte each",
+		"+90% at 1–7 threads, worse at ≥ 8; +35% with the LD_PRELOAD pre-cache (1–5 threads)", ours)
+	ours = ""
+	if lo, hi, ok := ratioRange(r.figs("userwall", SuiteConn, "", "connect_us"), threads); ok {
+		ours = "userwall: " + pctRange(lo, hi) + " (median connect(), all thread counts and paths)"
+	}
+	row("shared/notes/ebpf-userwall.md (probes on this machine kind)", "connect() latency", "connect-time check +7%; SYN option +5–11%; NFQUEUE +63–154%", ours)
+	ours = ""
+	if lo, hi, ok := ratioRange(append(r.figs("userwall", SuiteThroughput, "tcp-cross", "gbit_s"), r.figs("userwall", SuiteThroughput, "tcp-local", "gbit_s")...), nil); ok {
+		ours = "userwall, iperf3 TCP 1–8 streams: " + pctRange(lo, hi)
+	}
+	row("001, Figure 1", "bulk throughput", "unchanged (netcat, single stream)", ours)
+	ours = ""
+	if lo, hi, ok := ratioRange(r.figs("uvn", SuiteThroughput, "tcp-cross", "gbit_s"), nil); ok {
+		ours = "uvn, iperf3 TCP across nodes in the VM (software-emulated CPU): " + pctRange(lo, hi)
+	}
+	row("000 (UVN: VRF + VXLAN), §6.2.1", "iperf3 throughput", "−1–2% (25 GbE, 1–8 instances)", ours)
+	ours = ""
+	for _, f := range r.figs("uvn", SuiteLatency, "rr-cross", "rtt_us") {
+		if f.X == 1 && f.Baseline.N > 0 && f.With.N > 0 {
+			ours = fmt.Sprintf("uvn, 1-byte round trip across nodes in the VM: %+.0f µs (%s)", f.With.Median-f.Baseline.Median, pct(f.Ratio))
+		}
+	}
+	row("000, IMB-P2P", "small-message latency", "+3–10 µs", ours)
+	ours = ""
+	var parts []string
+	for _, f := range r.figs("egress", SuiteEgress, "", "mbit_s") {
+		if f.X == 1 && strings.HasSuffix(f.Series, "@1gbit") && !math.IsNaN(f.Ratio) {
+			parts = append(parts, fmt.Sprintf("%s %.0f of %.0f Mbit/s (%.2f×)", strings.TrimSuffix(f.Series, "@1gbit"), f.With.Median, f.Baseline.Median, f.Ratio))
+		}
+	}
+	if len(parts) > 0 {
+		ours = "1 Gbit/s link: " + strings.Join(parts, "; ")
+	}
+	row("002 (user-level VPN: openconnect + ocserv), Table 1", "single transfer through the VPN vs direct", "334 of 872 Mbit/s (0.38×; TCP over TCP, 1 GbE)", ours)
+	ours = ""
+	parts = nil
+	for _, f := range r.figs("egress", SuiteEgress, "", "mbit_s") {
+		if f.X == 10 && strings.HasSuffix(f.Series, "@1gbit") && !math.IsNaN(f.Ratio) {
+			parts = append(parts, fmt.Sprintf("%s %.2f×", strings.TrimSuffix(f.Series, "@1gbit"), f.Ratio))
+		}
+	}
+	if len(parts) > 0 {
+		ours = "1 Gbit/s link: " + strings.Join(parts, "; ")
+	}
+	row("002, Table 1", "10 transfers through the VPN vs direct", "namespace client 885 vs 846 Mbit/s (≈1.0×)", ours)
+	ours = ""
+	if lo, hi, ok := ratioRange(r.figs("userwall", SuiteLatency, "", "rtt_us"), nil); ok {
+		ours = "userwall round trips 1 B–64 KiB: " + pctRange(lo, hi)
+	}
+	row("004 (NSX-T distributed firewall), Figures 5–9", "latency vs message size; bandwidth", "small latency overhead; bandwidth −5% (VLAN), −8% (GENEVE overlay)", ours)
+	ours = ""
+	if lo, hi, ok := ratioRange(append(r.figs("userwall", SuiteMPI, "", "lat_us"), r.figs("userwall", SuiteMPI, "", "allreduce_us")...), nil); ok {
+		ours = "userwall, MPI ping-pong latency and allreduce time: " + pctRange(lo, hi)
+	}
+	row("pcocc (CEA, ISC 2024 workshops)", "application overhead", "< 1% on HPL and HPCG (50 nodes, RDMA not namespaced)", ours)
+	var aa []Figure
+	for _, f := range r.Figures {
+		if f.Mode == "none" && f.Metric != "loss_pct" {
+			aa = append(aa, f)
+		}
+	}
+	if lo, hi, ok := ratioRange(aa, nil); ok {
+		fmt.Fprintf(&b, "\nNoise floor of this run (mode `none`, the testbed against itself, every figure): %s.\n", pctRange(lo, hi))
+	}
+	return b.String()
 }
