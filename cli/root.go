@@ -5,6 +5,7 @@
 package cli
 
 import (
+	"errors"
 	"fmt"
 	"os"
 
@@ -34,16 +35,21 @@ func register(cmds ...*cobra.Command) { root.AddCommand(cmds...) }
 
 // Execute runs the command line and returns the process exit code.
 func Execute() int {
-	if err := root.Execute(); err != nil {
-		var ec interface{ ExitCode() int }
-		fmt.Fprintln(os.Stderr, "palisade:", err)
-		if e, ok := err.(interface{ ExitCode() int }); ok {
-			ec = e
-			return ec.ExitCode()
-		}
-		return 1
+	err := root.Execute()
+	if err == nil {
+		return 0
 	}
-	return 0
+	code := 1
+	var ee *exitError
+	if errors.As(err, &ee) {
+		code = ee.code
+	}
+	// An exitError with no message passes on a child's status silently
+	// (e.g. testbed exec), the child having said what went wrong.
+	if msg := err.Error(); msg != "" {
+		fmt.Fprintln(os.Stderr, "palisade:", msg)
+	}
+	return code
 }
 
 // exitError carries a specific exit code (e.g. check mismatches) without

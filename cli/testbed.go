@@ -138,7 +138,7 @@ func init() {
 				if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
 					code = 128 + int(ws.Signal())
 				}
-				return &exitError{code, fmt.Sprintf("exit status %d", code)}
+				return &exitError{code, ""}
 			}
 			return err
 		},
