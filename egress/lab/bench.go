@@ -353,7 +353,9 @@ func (e *Env) GatewayRSS(ctx context.Context, tb *testbed.Testbed, n int, unpriv
 	if got := count(s.Leases, "rss"); got < want {
 		return 0, fmt.Errorf("only %d of %d clients joined", got, want)
 	}
-	time.Sleep(3 * time.Second) // every client's first packet through
+	// Every client's first packet through, and the gateway settled (it
+	// returns burst memory to the OS after a few quiet seconds).
+	time.Sleep(15 * time.Second)
 	name := "gateway-root"
 	if unpriv {
 		name = "gateway-user"
