@@ -248,10 +248,18 @@ func (c *cgroup2) removeCgroup(cg string) error {
 	return err
 }
 
+// ipprotoMPTCP is IPPROTO_MPTCP.
+const ipprotoMPTCP = 262
+
 // vrfProgram builds the cgroup sock_create program that binds every new
 // AF_INET/AF_INET6 socket to the VRF (what `ip vrf exec` does):
 // ctx->bound_dev_if = ifindex; return 1. A user cannot undo the binding:
 // changing SO_BINDTODEVICE on a bound socket needs CAP_NET_RAW.
+//
+// MPTCP sockets are refused (EPERM): their TCP subflows are kernel sockets
+// that do not inherit the binding, so an MPTCP listener would sit in the
+// default VRF, reachable by everyone (Go >= 1.24 listens with MPTCP by
+// default). Programs fall back to TCP.
 func vrfProgram(ifindex int) (*ebpf.Program, error) {
 	return ebpf.NewProgram(&ebpf.ProgramSpec{
 		Name:       "pal_uvn_vrf",
@@ -259,10 +267,14 @@ func vrfProgram(ifindex int) (*ebpf.Program, error) {
 		AttachType: ebpf.AttachCGroupInetSockCreate,
 		License:    "GPL",
 		Instructions: asm.Instructions{
+			// struct bpf_sock { __u32 bound_dev_if, family, type, protocol; ... }
+			asm.LoadMem(asm.R2, asm.R1, 12, asm.Word),
+			asm.JEq.Imm(asm.R2, ipprotoMPTCP, "deny"),
 			asm.Mov.Imm(asm.R2, int32(ifindex)),
-			// struct bpf_sock { __u32 bound_dev_if; ... }: offset 0
 			asm.StoreMem(asm.R1, 0, asm.R2, asm.Word),
 			asm.Mov.Imm(asm.R0, 1),
+			asm.Return(),
+			asm.Mov.Imm(asm.R0, 0).WithSymbol("deny"),
 			asm.Return(),
 		},
 	})

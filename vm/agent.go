@@ -27,6 +27,9 @@ type AgentArgs struct {
 	Nodes int
 	Mode  string
 	Spank string // plugin built on the host
+	// KernelArgs are extra kernel command-line words (host side only), e.g.
+	// an lsm= list.
+	KernelArgs []string
 }
 
 // ParseAgentArgs reads pal.name=, pal.nodes=, pal.mode=, pal.spank= words.
@@ -103,6 +106,11 @@ func agentUp(ctx context.Context, args AgentArgs, logf func(string, ...any)) (*t
 	// mistaken for a guest instance: remove it from the guest's view only.
 	if err := os.RemoveAll(testbed.InstanceDir(args.Name)); err != nil {
 		return nil, err
+	}
+	if args.Nodes == 0 {
+		// A bare guest: no testbed; the host runs what it needs with op "sh".
+		logf("bare guest (pal.nodes=0): no testbed")
+		return nil, nil
 	}
 	logf("testbed up: name %s, %d nodes, mode %s", args.Name, args.Nodes, args.Mode)
 	tb, err := testbed.Up(ctx, testbed.Options{Name: args.Name, Nodes: args.Nodes, Mode: args.Mode, Binary: bin})

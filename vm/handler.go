@@ -57,6 +57,7 @@ func QemuArgs(k *Kernel, dir, agentBin string, a AgentArgs, memMB int) []string 
 	if a.Spank != "" {
 		cmdline = append(cmdline, "pal.spank="+a.Spank)
 	}
+	cmdline = append(cmdline, a.KernelArgs...)
 	args := []string{"qemu-system-x86_64"}
 	args = append(args, Accel()...)
 	args = append(args, "-smp", "2", "-m", strconv.Itoa(memMB),

@@ -107,6 +107,13 @@ func TestVM(t *testing.T) {
 	aliceUDP := e.bg(t, "node2", "alice", `exec socat -u UDP-RECV:29104 -`)
 	e.bg(t, "node3", "", `exec socat TCP-LISTEN:590,reuseaddr,fork SYSTEM:'echo root-node3'`)
 	e.bg(t, "outside", "carol", `exec socat TCP-LISTEN:29102,reuseaddr,fork SYSTEM:'echo outside-saw-$SOCAT_PEERADDR'`)
+	// A Go listener (palisade probe, MPTCP by default since Go 1.24): its
+	// kernel TCP subflow would escape the VRF binding if MPTCP were allowed.
+	e.bg(t, "node2", "alice", "exec "+tb.Binary+" probe listen --ports 29103 --exit-on-stdin-eof --lifetime 1h")
+	waitFor(t, e, "node2", "29103")
+	if out := e.run(t, "node2", "", "ss -Htln | grep ':29103 '"); strings.Count(out, "%palv2001:29103") != 2 {
+		t.Errorf("Go (MPTCP-default) listener not bound to alice's VRF:\n%s", out)
+	}
 	waitFor(t, e, "node2", "29101")
 	waitFor(t, e, "node2", "29104")
 	waitFor(t, e, "node3", "590")
