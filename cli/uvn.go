@@ -221,7 +221,21 @@ func uvnStatusCmd() *cobra.Command {
 	return c
 }
 
-// pamUID resolves PAM_USER and says whether uvn applies to it.
+// systemAccount reports root and accounts below the default min_uid: the
+// PAM and SPANK entry points let them through before even reading the
+// configuration, so a broken configuration never locks out administrators
+// or system services (users fail closed).
+func systemAccount(name string) bool {
+	uid, err := identity.UID(identity.System(), name)
+	if err != nil {
+		return false
+	}
+	var d policy.UVNConfig
+	d.SetDefaults()
+	return int64(uid) < d.MinUID
+}
+
+// serveUID resolves a user and says whether uvn applies to it.
 func serveUID(m *uvn.Manager, name string) (uint32, bool, error) {
 	uid, err := identity.UID(identity.System(), name)
 	if err != nil {
@@ -250,6 +264,9 @@ PAM types, uvn disabled, and uids below min_uid: success, nothing done.`,
 			typ, user := os.Getenv("PAM_TYPE"), os.Getenv("PAM_USER")
 			if typ != "open_session" && typ != "close_session" {
 				return nil
+			}
+			if systemAccount(user) {
+				return nil // never lock out root or system accounts, whatever the config
 			}
 			m, _, err := uvnManager(cmd, true)
 			if err != nil || m == nil {
@@ -280,6 +297,9 @@ func uvnJobCmd() *cobra.Command {
 		Hidden: true,
 		Args:   cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			if systemAccount(args[1]) {
+				return nil
+			}
 			m, _, err := uvnManager(cmd, true)
 			if err != nil || m == nil {
 				return err
