@@ -221,10 +221,10 @@ func uvnStatusCmd() *cobra.Command {
 	return c
 }
 
-// systemAccount reports root and accounts below the default min_uid: the
-// PAM and SPANK entry points let them through before even reading the
-// configuration, so a broken configuration never locks out administrators
-// or system services (users fail closed).
+// systemAccount reports root and accounts below the default min_uid: when
+// the configuration cannot be read, the PAM and SPANK entry points let them
+// through, so a broken configuration never locks out administrators or
+// system services (users fail closed).
 func systemAccount(name string) bool {
 	uid, err := identity.UID(identity.System(), name)
 	if err != nil {
@@ -265,11 +265,11 @@ PAM types, uvn disabled, and uids below min_uid: success, nothing done.`,
 			if typ != "open_session" && typ != "close_session" {
 				return nil
 			}
-			if systemAccount(user) {
-				return nil // never lock out root or system accounts, whatever the config
-			}
 			m, _, err := uvnManager(cmd, true)
 			if err != nil || m == nil {
+				if systemAccount(user) {
+					return nil // a broken config never locks out root or system accounts
+				}
 				return err
 			}
 			uid, served, err := serveUID(m, user)
@@ -297,11 +297,11 @@ func uvnJobCmd() *cobra.Command {
 		Hidden: true,
 		Args:   cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if systemAccount(args[1]) {
-				return nil
-			}
 			m, _, err := uvnManager(cmd, true)
 			if err != nil || m == nil {
+				if systemAccount(args[1]) {
+					return nil
+				}
 				return err
 			}
 			uid, served, err := serveUID(m, args[1])
