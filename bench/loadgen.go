@@ -293,8 +293,13 @@ func Serve(ctx context.Context, cfg ServeConfig, stdin io.Reader, stdout io.Writ
 			c.Close()
 		}
 	}()
+	// Plain TCP, like the C programs users run: since Go 1.24 net.Listen
+	// makes MPTCP listeners, whose subflow sockets are kernel-created and
+	// would slip past per-socket hooks (and measure a different stack).
+	var lc net.ListenConfig
+	lc.SetMultipathTCP(false)
 	listen := func(port int) (net.Listener, error) {
-		l, err := net.Listen("tcp", net.JoinHostPort(cfg.Addr, strconv.Itoa(port)))
+		l, err := lc.Listen(ctx, "tcp", net.JoinHostPort(cfg.Addr, strconv.Itoa(port)))
 		if err == nil {
 			closers = append(closers, l)
 		}
@@ -433,6 +438,7 @@ func Hold(addr string, n int, stdin io.Reader, stdout io.Writer) error {
 		}
 	}()
 	d := net.Dialer{Timeout: 5 * time.Second}
+	d.SetMultipathTCP(false)
 	for i := 0; i < n; i++ {
 		c, err := d.Dial("tcp", addr)
 		if err != nil {
