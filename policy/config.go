@@ -508,10 +508,7 @@ func goTypeName(t string) string {
 func decodeError(file string, err error) error {
 	var pe toml.ParseError
 	if errors.As(err, &pe) {
-		msg := pe.Message
-		if strings.HasPrefix(msg, "toml: ") {
-			msg = strings.TrimPrefix(msg, "toml: ")
-		}
+		msg := strings.TrimPrefix(pe.Message, "toml: ")
 		return &ConfigError{File: file, Line: pe.Position.Line, Key: pe.LastKey, Msg: msg}
 	}
 	if m := decodeErrLine.FindStringSubmatch(err.Error()); m != nil {
