@@ -34,6 +34,7 @@ func TestExpectUVN(t *testing.T) {
 		{"root to user", onNode(root, "node1"), onNode(alice, "node2"), check.Eth0, policy.TCP, 4, false},
 		{"outside to user", out, onNode(alice, "node2"), check.OutsideIn, policy.TCP, 4, false},
 		{"outside to system", out, root, check.OutsideIn, policy.TCP, 6, true},
+		{"outside to system, udp6", out, root, check.OutsideIn, policy.UDP, 6, true},
 		{"user to outside v4", alice, out, check.OutsideOut, policy.TCP, 4, true},
 		{"user to outside v6", alice, out, check.OutsideOut, policy.TCP, 6, false},
 		{"root to outside v6", onNode(root, "node1"), out, check.OutsideOut, policy.UDP, 6, true},
