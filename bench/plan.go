@@ -54,7 +54,7 @@ func QuickPlan() Plan {
 // on the 2-vCPU machine with every mode (uvn under emulation included).
 func FullPlan() Plan {
 	return Plan{
-		Rounds:       4,
+		Rounds:       3,
 		IperfSeconds: 2,
 		IperfOmit:    1,
 		Streams:      []int{1, 2, 4, 8},
@@ -74,7 +74,7 @@ func FullPlan() Plan {
 		// 1,000 users take about an hour under the VM's software
 		// emulation (~2 s per setup); sites with a VRF kernel or KVM run
 		// `--setup-users 10,100,1000`.
-		SetupUsers:  []int{10, 50},
-		EgressXfers: []int{1, 2, 10},
+		SetupUsers:  []int{10, 30},
+		EgressXfers: []int{1, 10},
 	}
 }
