@@ -89,6 +89,9 @@ func (c Client) Query(ctx context.Context, node netip.Addr, target, peer netip.A
 	var conn *net.UDPConn
 	err := inNetns(c.ns, c.hasNS, func() (err error) { conn, err = bindPrivileged(node); return })
 	if err != nil {
+		if conn != nil {
+			conn.Close()
+		}
 		return Owner{}, err
 	}
 	defer conn.Close()
@@ -189,24 +192,32 @@ func QueryLocalAPI(ctx context.Context, path string, node netip.Addr, target net
 
 // inNetns runs fn with the calling thread in ns (if ns is open and not
 // already current). Sockets keep the namespace they were created in, so
-// only their creation needs to happen there.
+// only their creation needs to happen there. If the thread cannot be
+// switched back it stays locked, so the runtime discards it instead of
+// running other goroutines in the wrong namespace.
 func inNetns(ns netns.NsHandle, has bool, fn func() error) error {
 	if !has || !ns.IsOpen() {
 		return fn()
 	}
 	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
 	cur, err := netns.Get()
 	if err != nil {
+		runtime.UnlockOSThread()
 		return err
 	}
 	defer cur.Close()
 	if cur.Equal(ns) {
+		defer runtime.UnlockOSThread()
 		return fn()
 	}
 	if err := netns.Set(ns); err != nil {
+		runtime.UnlockOSThread()
 		return fmt.Errorf("ident: enter netns: %w", err)
 	}
-	defer netns.Set(cur)
-	return fn()
+	ferr := fn()
+	if err := netns.Set(cur); err != nil {
+		return fmt.Errorf("ident: return from netns: %w", err)
+	}
+	runtime.UnlockOSThread()
+	return ferr
 }
