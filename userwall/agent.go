@@ -149,6 +149,11 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	adopting := statErr == nil
 	a.dp, err = Load(pinDir, cookie, cfg.Agent.UnixSockets)
 	if err != nil {
+		if !adopting {
+			// The loader pins each map as it creates it and does not
+			// unpin them when a later program fails to load.
+			RemovePins(pinDir)
+		}
 		return err
 	}
 	defer a.dp.Close()

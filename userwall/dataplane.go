@@ -256,12 +256,16 @@ func (d *Dataplane) Links() []string {
 }
 
 // Close releases the agent's handles; the pins keep everything enforcing.
+// A second Close does nothing (a failed install closes before the deferred
+// Close runs).
 func (d *Dataplane) Close() {
-	for _, l := range d.links {
+	for n, l := range d.links {
 		l.Close()
+		delete(d.links, n)
 	}
 	if d.coll != nil {
 		d.coll.Close()
+		d.coll = nil
 	}
 }
 
