@@ -14,6 +14,7 @@ var ruleNames = map[uint8]string{
 	8:  string(policy.RuleDenied),
 	9:  "udp-reply",
 	10: "no-listener",
+	11: "unix-reply",
 }
 
 const numRules = 16

@@ -66,6 +66,13 @@ type uwbpfUwOwner struct {
 	Gid uint32
 }
 
+type uwbpfUwUnixPeers struct {
+	_    structs.HostLayout
+	Ino  [4]uint64
+	Next uint32
+	Pad  uint32
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
@@ -81,6 +88,7 @@ const (
 	uwbpfMapSettings             = "settings"
 	uwbpfMapSkOwners             = "sk_owners"
 	uwbpfMapUdpFlows             = "udp_flows"
+	uwbpfMapUnixPeers            = "unix_peers"
 	uwbpfProgUwConnect4          = "uw_connect4"
 	uwbpfProgUwConnect6          = "uw_connect6"
 	uwbpfProgUwSendmsg4          = "uw_sendmsg4"
@@ -164,6 +172,7 @@ type uwbpfMapSpecs struct {
 	Settings    *ebpf.MapSpec `ebpf:"settings"`
 	SkOwners    *ebpf.MapSpec `ebpf:"sk_owners"`
 	UdpFlows    *ebpf.MapSpec `ebpf:"udp_flows"`
+	UnixPeers   *ebpf.MapSpec `ebpf:"unix_peers"`
 }
 
 // uwbpfVariableSpecs contains global variables before they are loaded into the kernel.
@@ -205,6 +214,7 @@ type uwbpfMaps struct {
 	Settings    *ebpf.Map `ebpf:"settings"`
 	SkOwners    *ebpf.Map `ebpf:"sk_owners"`
 	UdpFlows    *ebpf.Map `ebpf:"udp_flows"`
+	UnixPeers   *ebpf.Map `ebpf:"unix_peers"`
 }
 
 func (m *uwbpfMaps) Close() error {
@@ -220,6 +230,7 @@ func (m *uwbpfMaps) Close() error {
 		m.Settings,
 		m.SkOwners,
 		m.UdpFlows,
+		m.UnixPeers,
 	)
 }
 

@@ -68,6 +68,7 @@ enum uw_rule {
 	R_DENIED = 8,
 	R_UDP_REPLY = 9,
 	R_NO_LISTENER = 10,
+	R_UNIX_REPLY = 11,
 	R_MAX = 16,
 };
 
@@ -209,6 +210,22 @@ struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
 	__uint(max_entries, 256 * 1024);
 } events SEC(".maps");
+
+/* Abstract Unix datagrams: the receivers each socket sent to (inode numbers,
+ * a few recent ones), so that their answers get through. */
+#define UNIX_PEERS 4
+struct uw_unix_peers {
+	__u64 ino[UNIX_PEERS];
+	__u32 next;
+	__u32 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct uw_unix_peers);
+} unix_peers SEC(".maps");
 
 /* Force BTF for the types Go decodes. */
 const struct uw_event *unused_event __attribute__((unused));
@@ -1021,6 +1038,39 @@ static __always_inline int abstract_unix(struct sock *other)
 	return first == 0;
 }
 
+static __always_inline __u64 sock_ino(struct sock *sk)
+{
+	return BPF_CORE_READ(sk, sk_socket, file, f_inode, i_ino);
+}
+
+/* Did dst (a datagram socket) send to the socket with inode ino lately? */
+static __always_inline int sent_to(struct sock *dst, __u64 ino)
+{
+	struct uw_unix_peers *p = bpf_sk_storage_get(&unix_peers, dst, 0, 0);
+	if (!p || !ino)
+		return 0;
+	for (int i = 0; i < UNIX_PEERS; i++)
+		if (p->ino[i] == ino)
+			return 1;
+	return 0;
+}
+
+/* Remember on the sender that it sent to the socket with inode ino. */
+static __always_inline void note_sent(struct sock *src, __u64 ino)
+{
+	if (!ino)
+		return;
+	struct uw_unix_peers *p = bpf_sk_storage_get(&unix_peers, src, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!p)
+		return;
+	for (int i = 0; i < UNIX_PEERS; i++)
+		if (p->ino[i] == ino)
+			return;
+	p->ino[p->next % UNIX_PEERS] = ino;
+	p->next = (p->next + 1) % UNIX_PEERS;
+}
+
+/* sk connects or sends to other. Returns 0 or -EPERM. */
 static __always_inline int check_unix(struct sock *sk, struct sock *other, int stream)
 {
 	if (BPF_CORE_READ(sk, __sk_common.skc_net.net, net_cookie) != netns_cookie)
@@ -1040,9 +1090,17 @@ static __always_inline int check_unix(struct sock *sk, struct sock *other, int s
 	__u32 cuid, cgid;
 	current_ids(&cuid, &cgid);
 	__u32 rule = decide_user(cuid, luid, cuid != luid && current_has_group(lgid));
+	/* The answer of a datagram server to a client that wrote to it (the
+	 * client's autobound or named socket belongs to the client, whom the
+	 * server may not otherwise reach, e.g. with a shared group). */
+	if (!stream && !allows(rule) && sent_to(other, sock_ino(sk)))
+		rule = R_UNIX_REPLY;
 	count(P_UNIX, rule);
-	if (allows(rule))
+	if (allows(rule)) {
+		if (!stream)
+			note_sent(sk, sock_ino(other));
 		return 0;
+	}
 	struct uw_event e = {};
 	e.cuid = cuid;
 	e.cgid = cgid;
@@ -1076,5 +1134,10 @@ int BPF_PROG(uw_unix_may_send, struct socket *sock, struct socket *other, int re
 {
 	if (ret)
 		return ret;
-	return check_unix(BPF_CORE_READ(sock, sk), BPF_CORE_READ(other, sk), 0);
+	/* Direct loads (not probe reads): socket-local storage needs the
+	 * verifier to know these are struct sock pointers. */
+	struct sock *sk = sock->sk, *osk = other->sk;
+	if (!sk || !osk)
+		return 0;
+	return check_unix(sk, osk, 0);
 }
