@@ -94,6 +94,9 @@ func TestMain(m *testing.M) {
 		fmt.Println("userwall: integration tests need root (and no -short)")
 		os.Exit(m.Run())
 	}
+	if r := flag.Lookup("test.run").Value.String(); strings.HasPrefix(strings.TrimPrefix(r, "^"), "TestLSM") {
+		os.Exit(m.Run()) // the VM tests alone need no testbed
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	var err error
 	_ = testbed.Down(ctx, tbName)
