@@ -73,7 +73,7 @@ func (d *egressDriver) EgressPaths() []string {
 	var out []string
 	for _, l := range links {
 		for _, p := range lab.BenchPaths {
-			if p != "direct" {
+			if !strings.HasPrefix(p, "direct") {
 				out = append(out, withLink(p, l))
 			}
 		}
@@ -88,10 +88,15 @@ func withLink(path, link string) string {
 	return path + "@" + link
 }
 
-// EgressBaseline: direct, on the same link setting.
+// EgressBaseline: direct, on the same link setting; socks (HTTP
+// downloads, iperf3 cannot speak SOCKS) against the same downloads direct.
 func (*egressDriver) EgressBaseline(path string) string {
-	_, link, _ := strings.Cut(path, "@")
-	return withLink("direct", link)
+	p, link, _ := strings.Cut(path, "@")
+	base := "direct"
+	if p == "socks" && slices.Contains(lab.BenchPaths, "direct-http") {
+		base = "direct-http"
+	}
+	return withLink(base, link)
 }
 
 func (d *egressDriver) EgressThroughput(ctx context.Context, env *Env, path string, xfers int, dur time.Duration) (float64, error) {
