@@ -5,7 +5,9 @@ BIN     := bin/palisade
 GOFLAGS := -trimpath
 export CGO_ENABLED := 0
 
-.PHONY: all build deps generate demo test unit integration lint clean
+.PHONY: all build deps generate demo test unit lint vm-kernel clean
+
+include slurm/spank/spank.mk
 
 all: build
 
@@ -16,8 +18,12 @@ deps:
 generate:
 	$(GO) generate ./...
 
-build: generate
+build: generate $(SPANK_SO)
 	$(GO) build $(GOFLAGS) -o $(BIN) ./cmd/palisade
+
+# The uvn VM's guest kernel (Debian's, downloaded once into /var/cache/palisade/vm).
+vm-kernel: build
+	./$(BIN) vm kernel
 
 lint:
 	gofmt -l . | (! grep .)
