@@ -52,7 +52,7 @@ unit: build
 	$(GO) test -short ./...
 
 # Integration tests need root: they bring up real namespaces, Slurm and BPF.
-test: deps build lint
+test: deps build lint vm-kernel
 	$(GO) test -count=1 -timeout 30m ./...
 
 clean:
