@@ -21,6 +21,7 @@ import (
 	"github.com/palisade-hpc/palisade/identity"
 	"github.com/palisade-hpc/palisade/policy"
 	"github.com/palisade-hpc/palisade/probe"
+	"github.com/palisade-hpc/palisade/procfs"
 	"github.com/palisade-hpc/palisade/testbed"
 )
 
@@ -348,19 +349,16 @@ func (r *runner) stopListeners() {
 
 // isListener reports whether pid is a live `palisade probe listen`.
 func isListener(pid int) bool {
-	if pid <= 0 {
+	if !procfs.Alive(pid) {
 		return false
 	}
-	st, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return false
+	args := procfs.Cmdline(pid)
+	for i := 1; i+1 < len(args); i++ {
+		if args[i] == "probe" && args[i+1] == "listen" {
+			return true
+		}
 	}
-	// Field 3, after the parenthesised command name, is the state.
-	if i := bytes.LastIndexByte(st, ')'); i < 0 || i+2 >= len(st) || st[i+2] == 'Z' {
-		return false
-	}
-	cl, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
-	return bytes.Contains(cl, []byte("\x00probe\x00listen\x00"))
+	return false
 }
 
 func asUser(u string) string {

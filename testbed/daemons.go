@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/palisade-hpc/palisade/procfs"
 )
 
 // onNode runs a command as root on node n (netns, /etc overlay, UTS ns)
@@ -193,48 +195,17 @@ func (tb *Testbed) processes() []int {
 		}
 	}
 	// Never ourselves or our ancestors (down run from inside a node).
-	for p := os.Getpid(); p > 1; p = ppid(p) {
+	for p := os.Getpid(); p > 1; {
 		delete(pids, p)
+		_, p, _ = procfs.Stat(p)
 	}
 	out := make([]int, 0, len(pids))
 	for p := range pids {
-		if alive(p) {
+		if procfs.Alive(p) { // zombies are dead (pitfall 8)
 			out = append(out, p)
 		}
 	}
 	return out
-}
-
-func procStat(pid int) (state byte, ppid int, ok bool) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0, 0, false
-	}
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 || i+4 >= len(b) {
-		return 0, 0, false
-	}
-	f := strings.Fields(string(b[i+2:]))
-	if len(f) < 2 {
-		return 0, 0, false
-	}
-	pp, _ := strconv.Atoi(f[1])
-	return f[0][0], pp, true
-}
-
-func ppid(pid int) int {
-	_, pp, ok := procStat(pid)
-	if !ok {
-		return 0
-	}
-	return pp
-}
-
-// alive treats zombies as dead: PID 1 on this machine kind reaps orphans
-// only every second or two (pitfall 8).
-func alive(pid int) bool {
-	s, _, ok := procStat(pid)
-	return ok && s != 'Z' && s != 'X'
 }
 
 // killAll sends TERM to every process of the instance (again each round:

@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/palisade-hpc/palisade/procfs"
 )
 
 // DaemonStatus is one daemon of the instance.
@@ -24,7 +26,7 @@ func (tb *Testbed) Daemons() []DaemonStatus {
 		d := DaemonStatus{Node: node, Name: name}
 		if b, err := os.ReadFile(pidfile); err == nil {
 			d.PID, _ = strconv.Atoi(strings.TrimSpace(string(b)))
-			d.Alive = d.PID > 1 && alive(d.PID)
+			d.Alive = d.PID > 1 && procfs.Alive(d.PID)
 		}
 		return d
 	}

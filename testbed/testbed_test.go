@@ -16,6 +16,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/palisade-hpc/palisade/procfs"
 )
 
 // Instance names of this package's tests: other packages run their own
@@ -189,7 +191,7 @@ func leftovers(dir, name string) []string {
 	ents, _ := os.ReadDir("/proc")
 	for _, e := range ents {
 		var pid int
-		if _, err := fmt.Sscanf(e.Name(), "%d", &pid); err != nil || !alive(pid) || pid == os.Getpid() {
+		if _, err := fmt.Sscanf(e.Name(), "%d", &pid); err != nil || !procfs.Alive(pid) || pid == os.Getpid() {
 			continue
 		}
 		b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
@@ -522,7 +524,7 @@ func TestTestbed(t *testing.T) {
 		if l, err := os.Readlink("/proc/" + e.Name() + "/ns/net"); err == nil && nsIDs[l] {
 			var pid int
 			fmt.Sscanf(e.Name(), "%d", &pid)
-			if alive(pid) {
+			if procfs.Alive(pid) {
 				cl, _ := os.ReadFile("/proc/" + e.Name() + "/cmdline")
 				t.Errorf("process %s (%q) still in a namespace of the testbed", e.Name(), cl)
 			}

@@ -21,6 +21,7 @@ import (
 	"github.com/palisade-hpc/palisade/ident"
 	"github.com/palisade-hpc/palisade/identity"
 	"github.com/palisade-hpc/palisade/policy"
+	"github.com/palisade-hpc/palisade/procfs"
 	"github.com/vishvananda/netlink"
 )
 
@@ -78,21 +79,12 @@ func ReadPid(path string) int {
 	if err != nil || pid <= 0 {
 		return 0
 	}
-	st, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0
-	}
-	// A zombie (state Z) is dead: PID 1 here reaps slowly.
-	if i := strings.LastIndexByte(string(st), ')'); i > 0 && i+2 < len(st) && st[i+2] == 'Z' {
+	if !procfs.Alive(pid) {
 		return 0
 	}
 	// A stale pid file may name a reused pid: only a palisade agent counts,
 	// so that --uninstall never signals an unrelated process.
-	cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
-	if err != nil {
-		return 0
-	}
-	args := strings.Split(string(cmdline), "\x00")
+	args := procfs.Cmdline(pid)
 	if len(args) < 2 || !strings.Contains(filepath.Base(args[0]), "palisade") || !slices.Contains(args[1:], "agent") {
 		return 0
 	}
