@@ -180,7 +180,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	if srv := a.startMetrics(); srv != nil {
 		defer srv.Close()
 	}
-	a.startIdent(ctx)
+	defer a.startIdent(ctx)()
 
 	if err := os.WriteFile(cfg.Agent.PidFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
 		return err
@@ -393,10 +393,13 @@ func (a *agent) startMetrics() *http.Server {
 	return srv
 }
 
-func (a *agent) startIdent(ctx context.Context) {
+// startIdent starts the ident service; the returned func stops it and waits
+// (bounded) until it has closed its sockets and removed its Unix socket,
+// which it would not get to if the agent exited right after its ctx ended.
+func (a *agent) startIdent(ctx context.Context) (stop func()) {
 	c := a.cfg.Agent
 	if c.IdentPort == 0 && c.IdentSocket == "" {
-		return
+		return func() {}
 	}
 	srv, err := ident.NewServer(ident.ServerConfig{
 		UDPPort: uint16(c.IdentPort), DisableUDP: c.IdentPort == 0,
@@ -405,8 +408,22 @@ func (a *agent) startIdent(ctx context.Context) {
 	})
 	if err != nil {
 		a.log.Warn("ident service not started", "err", err)
-		return
+		return func() {}
 	}
 	a.ident = srv
-	go srv.Run(ctx)
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := srv.Run(ctx); err != nil {
+			a.log.Error("ident service stopped", "err", err)
+		}
+	}()
+	return func() {
+		cancel()
+		select {
+		case <-done:
+		case <-time.After(2 * time.Second):
+		}
+	}
 }
