@@ -18,11 +18,15 @@ import (
 	"github.com/palisade-hpc/palisade/procfs"
 )
 
-// onNode runs a command as root on node n (netns, /etc overlay, UTS ns)
-// and returns its output.
+// enter is the `ip` argv that runs what follows on node n: in its network
+// namespace with its /etc overlay (ip netns exec) and in its UTS namespace.
+func (n Node) enter() []string {
+	return []string{"netns", "exec", n.NetNS, "nsenter", "--uts=" + n.UTS, "--"}
+}
+
+// onNode runs a command as root on node n and returns its output.
 func (tb *Testbed) onNode(ctx context.Context, n Node, argv ...string) (string, error) {
-	args := append([]string{"netns", "exec", n.NetNS, "nsenter", "--uts=" + n.UTS, "--"}, argv...)
-	return run(ctx, "", "ip", args...)
+	return run(ctx, "", "ip", append(n.enter(), argv...)...)
 }
 
 // makeUTS creates the persistent UTS namespace of every node: unshare on a

@@ -135,7 +135,7 @@ func (tb *Testbed) Command(ctx context.Context, node, user string, argv ...strin
 	if len(argv) == 0 {
 		argv = []string{a.shell, "-l"}
 	}
-	args := []string{ipPath, "netns", "exec", n.NetNS, "nsenter", "--uts=" + n.UTS, "--"}
+	args := append([]string{ipPath}, n.enter()...)
 	if a.uid != 0 && node != "outside" {
 		if m, ok := lookupMode(tb.Mode); ok {
 			if w, ok := m.(LoginWrapper); ok {
