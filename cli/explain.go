@@ -165,7 +165,7 @@ func connectorIdentity(res identity.Resolver, name, group string) (policy.Identi
 // connector node's address (the one routing towards target picks).
 func connectorSource(cfg *policy.Config, node string, target netip.AddrPort) (netip.Addr, string, error) {
 	if node == "" {
-		if isLocalAddr(target.Addr()) {
+		if ident.IsLocalAddr(target.Addr()) {
 			return netip.Addr{}, "this node (a local connection)", nil
 		}
 		// Connecting a UDP socket only routes; it sends nothing.
@@ -182,7 +182,7 @@ func connectorSource(cfg *policy.Config, node string, target netip.AddrPort) (ne
 		return netip.Addr{}, "", err
 	}
 	// The listener's node itself (any of its addresses, when we run there).
-	if a == target.Addr() || (isLocalAddr(a) && isLocalAddr(target.Addr())) {
+	if a == target.Addr() || (ident.IsLocalAddr(a) && ident.IsLocalAddr(target.Addr())) {
 		return netip.Addr{}, fmt.Sprintf("%s (%v), the listener's node: a local connection", node, a), nil
 	}
 	return a, fmt.Sprintf("%s, source %v", node, a), nil

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/netip"
 	"os"
 	"os/signal"
@@ -134,27 +133,6 @@ func withSubnets(p *policy.Policy, subnets []string) (*policy.Policy, error) {
 	return &c, nil
 }
 
-// isLocalAddr reports whether a is loopback or assigned to an interface in
-// this network namespace.
-func isLocalAddr(a netip.Addr) bool {
-	a = a.Unmap()
-	if a.IsLoopback() || a.IsUnspecified() {
-		return true
-	}
-	addrs, err := net.InterfaceAddrs()
-	if err != nil {
-		return false
-	}
-	for _, x := range addrs {
-		if n, ok := x.(*net.IPNet); ok {
-			if ip, ok := netip.AddrFromSlice(n.IP); ok && ip.Unmap() == a {
-				return true
-			}
-		}
-	}
-	return false
-}
-
 // identAccess is how operator commands reach ident: the node's Unix API
 // socket and the peers' UDP port, from the configuration.
 type identAccess struct {
@@ -176,10 +154,10 @@ func newIdentAccess(cfg *policy.Config, sockFlag string, sockChanged bool, timeo
 // privileged port when root, through the local Unix API otherwise. It
 // returns the node that answered (zero = this node).
 func (ia identAccess) ownerOf(ctx context.Context, node netip.Addr, target netip.AddrPort, proto policy.Proto) (ident.Owner, netip.Addr, error) {
-	if !node.IsValid() && !isLocalAddr(target.Addr()) {
+	if !node.IsValid() && !ident.IsLocalAddr(target.Addr()) {
 		node = target.Addr()
 	}
-	if !node.IsValid() || isLocalAddr(node) {
+	if !node.IsValid() || ident.IsLocalAddr(node) {
 		if os.Geteuid() != 0 {
 			// Other users' /proc/PID/fd are unreadable: prefer the
 			// service, which runs as root, if it is there.

@@ -427,13 +427,27 @@ func (s *Server) answerUnix(ctx context.Context, b []byte) *Answer {
 	return a
 }
 
-// isLocal reports whether a is loopback or an address of this node.
-func (s *Server) isLocal(a netip.Addr) bool {
+// isLocal reports whether a is loopback or an address of this node. The
+// server asks through its own rtnetlink handle, opened in the namespace it
+// serves, whichever thread it runs on.
+func (s *Server) isLocal(a netip.Addr) bool { return isLocalIn(s.rtnl, a) }
+
+// IsLocalAddr reports whether a is loopback, unspecified or assigned to an
+// interface in the caller's network namespace: such a target is looked up
+// here, not asked of another node.
+func IsLocalAddr(a netip.Addr) bool { return isLocalIn(nil, a) }
+
+// isLocalIn asks h, or the calling thread's namespace when h is nil.
+func isLocalIn(h *netlink.Handle, a netip.Addr) bool {
 	a = a.Unmap()
 	if a.IsLoopback() || a.IsUnspecified() {
 		return true
 	}
-	addrs, err := s.rtnl.AddrList(nil, netlink.FAMILY_ALL)
+	list := netlink.AddrList
+	if h != nil {
+		list = h.AddrList
+	}
+	addrs, err := list(nil, netlink.FAMILY_ALL)
 	if err != nil {
 		return false
 	}
