@@ -360,6 +360,10 @@ func (a *agent) reload() {
 		a.log.Error("configuration refused; the running policy stays", "err", err)
 		return
 	}
+	if err := a.dp.Fits(cfg.Policy); err != nil {
+		a.log.Error("configuration refused; the running policy stays", "err", err)
+		return
+	}
 	if err := a.dp.ApplyPolicy(cfg.Policy); err != nil {
 		a.log.Error("policy not fully applied", "err", err)
 		return

@@ -53,24 +53,51 @@ func syncSet[K comparable](m *ebpf.Map, want map[K]bool) error {
 	return errors.Join(errs...)
 }
 
-// ApplyPolicy writes the policy into the maps. The settings entry is
-// written last: on first install the programs stay idle ("enabled" 0) until
-// every other map is filled.
-func (d *Dataplane) ApplyPolicy(p *policy.Policy) error {
-	var errs []error
-	conn, lis := map[uint32]bool{}, map[uint32]bool{}
+// policySets are the keys of the exempt and cluster-subnet maps for p.
+func policySets(p *policy.Policy) (conn, lis map[uint32]bool, nets map[uwbpfUwLpmKey]bool) {
+	conn, lis, nets = map[uint32]bool{}, map[uint32]bool{}, map[uwbpfUwLpmKey]bool{}
 	for _, u := range p.ExemptConnectors {
 		conn[u] = true
 	}
 	for _, u := range p.ExemptListeners {
 		lis[u] = true
 	}
-	errs = append(errs, syncSet(d.Map("exempt_conn"), conn), syncSet(d.Map("exempt_lis"), lis))
-
-	nets := map[uwbpfUwLpmKey]bool{}
 	for _, s := range p.ClusterSubnets {
 		nets[lpmKey(s.Masked())] = true
 	}
+	return conn, lis, nets
+}
+
+// Fits refuses a policy the maps cannot hold, before anything is written:
+// the config loader does not know these bounds, and a reload that ran out
+// of room half-way would enforce a mix of the old and the new policy.
+func (d *Dataplane) Fits(p *policy.Policy) error {
+	conn, lis, nets := policySets(p)
+	for _, c := range []struct {
+		key, m string
+		n      int
+	}{
+		{"policy.exempt_connectors", "exempt_conn", len(conn)},
+		{"policy.exempt_listeners", "exempt_lis", len(lis)},
+		{"cluster.subnets", "cluster_nets", len(nets)},
+	} {
+		if max := int(d.Map(c.m).MaxEntries()); c.n > max {
+			return fmt.Errorf("%s: %d entries, the data plane holds at most %d", c.key, c.n, max)
+		}
+	}
+	return nil
+}
+
+// ApplyPolicy writes the policy into the maps. The settings entry is
+// written last: on first install the programs stay idle ("enabled" 0) until
+// every other map is filled.
+func (d *Dataplane) ApplyPolicy(p *policy.Policy) error {
+	if err := d.Fits(p); err != nil {
+		return err
+	}
+	conn, lis, nets := policySets(p)
+	var errs []error
+	errs = append(errs, syncSet(d.Map("exempt_conn"), conn), syncSet(d.Map("exempt_lis"), lis))
 	errs = append(errs, syncSet(d.Map("cluster_nets"), nets))
 
 	var words [1024]uint64
