@@ -135,15 +135,53 @@ func placement(l Launcher, i int, nodes []string) (start string, hosts []string)
 	return nodes[0], []string{nodes[0]}
 }
 
-// buildMatrix plans every case. Identities come from NSS; the testbed's
-// node list gives the addresses.
+// buildMatrix plans every case (quick: the quick identities). Identities
+// come from NSS; the testbed's node list gives the addresses.
 func buildMatrix(tb *testbed.Testbed, res identity.Resolver, launchers []Launcher, quick bool) (*matrix, error) {
+	if quick {
+		return buildMatrixFor(tb, res, launchers, quickConnectors, quickListeners)
+	}
+	return buildMatrixFor(tb, res, launchers, nil, nil)
+}
+
+// SelectIdentities resolves the connector and listener selection of a run:
+// explicit lists win, else quick's, else all (nil). Unknown names are an
+// error.
+func SelectIdentities(quick bool, connectors, listeners []string) ([]string, []string, error) {
+	for _, c := range connectors {
+		if !slices.Contains(Connectors, c) {
+			return nil, nil, fmt.Errorf("unknown connector %q (known: %v)", c, Connectors)
+		}
+	}
+	var names []string
+	for _, l := range Listeners {
+		names = append(names, l.Name)
+	}
+	for _, l := range listeners {
+		if !slices.Contains(names, l) {
+			return nil, nil, fmt.Errorf("unknown listener %q (known: %v)", l, names)
+		}
+	}
+	if quick {
+		if connectors == nil {
+			connectors = quickConnectors
+		}
+		if listeners == nil {
+			listeners = quickListeners
+		}
+	}
+	return connectors, listeners, nil
+}
+
+// buildMatrixFor plans the cases of the given connectors and listener
+// labels (nil = all of them).
+func buildMatrixFor(tb *testbed.Testbed, res identity.Resolver, launchers []Launcher, connectors, listeners []string) (*matrix, error) {
 	if len(tb.Nodes) < 2 {
 		return nil, fmt.Errorf("testbed %s has %d node(s); the matrix needs at least 2", tb.Name, len(tb.Nodes))
 	}
 	m := &matrix{tb: tb, parties: map[string]Party{}}
 	for _, l := range Listeners {
-		if quick && !slices.Contains(quickListeners, l.Name) {
+		if listeners != nil && !slices.Contains(listeners, l.Name) {
 			continue
 		}
 		p, err := party(res, l.Name, l.User, l.Group)
@@ -153,9 +191,14 @@ func buildMatrix(tb *testbed.Testbed, res identity.Resolver, launchers []Launche
 		m.listeners = append(m.listeners, l)
 		m.parties[l.Name] = p
 	}
-	users := Connectors
-	if quick {
-		users = quickConnectors
+	var users []string
+	for _, u := range Connectors { // table order
+		if connectors == nil || slices.Contains(connectors, u) {
+			users = append(users, u)
+		}
+	}
+	if len(users) == 0 || len(m.listeners) == 0 {
+		return nil, fmt.Errorf("the matrix needs at least one connector and one listener")
 	}
 	conns := map[string]Party{}
 	for _, u := range users {

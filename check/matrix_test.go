@@ -210,3 +210,35 @@ func TestShellJoin(t *testing.T) {
 		t.Errorf("got %s, want %s", got, want)
 	}
 }
+
+func TestSelectIdentities(t *testing.T) {
+	tb, res := fixture(t)
+	c, l, err := SelectIdentities(true, []string{"root", "bob"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := buildMatrixFor(tb, res, Launchers, c, l)
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]bool{}
+	for _, p := range m.procs {
+		seen[p.User] = true
+	}
+	// Explicit connectors win over quick's; listeners stay quick's.
+	if len(seen) != 2 || !seen["bob"] || !seen["root"] || len(m.listeners) != len(quickListeners) {
+		t.Errorf("connectors %v, %d listeners", seen, len(m.listeners))
+	}
+	// 2 users × (4 launchers × 100 + mpirun 200) + outside 2 × 20
+	if want := 2*(4*100+200) + 2*20; len(m.cases) != want {
+		t.Errorf("%d cases, want %d", len(m.cases), want)
+	}
+	for _, bad := range [][2][]string{{{"mallory"}, nil}, {nil, {"alice+proj2"}}} {
+		if _, _, err := SelectIdentities(false, bad[0], bad[1]); err == nil {
+			t.Errorf("%v accepted", bad)
+		}
+	}
+	if _, err := buildMatrixFor(tb, res, Launchers, []string{}, nil); err == nil {
+		t.Error("empty connector list accepted")
+	}
+}

@@ -34,6 +34,9 @@ type Options struct {
 	// Quick runs fewer identities (still every launcher, path, protocol
 	// and family).
 	Quick bool
+	// Connectors and Listeners narrow the identities to these names
+	// (Connectors; ListenerSpec.Name); nil = all, or quick's.
+	Connectors, Listeners []string
 	// Timeout bounds the whole run (default 5 minutes).
 	Timeout time.Duration
 	// Log receives progress lines; nil = quiet.
@@ -66,11 +69,18 @@ func Run(ctx context.Context, tb *testbed.Testbed, opts Options) (*Report, error
 	}
 	if opts.Timeout <= 0 {
 		opts.Timeout = 5 * time.Minute
+		if inVM() {
+			opts.Timeout = 30 * time.Minute
+		}
 	}
 	if opts.Resolver == nil {
 		opts.Resolver = identity.System()
 	}
-	m, err := buildMatrix(tb, opts.Resolver, opts.Launchers, opts.Quick)
+	conns, lis, err := SelectIdentities(opts.Quick, opts.Connectors, opts.Listeners)
+	if err != nil {
+		return nil, err
+	}
+	m, err := buildMatrixFor(tb, opts.Resolver, opts.Launchers, conns, lis)
 	if err != nil {
 		return nil, err
 	}
@@ -120,7 +130,17 @@ func Run(ctx context.Context, tb *testbed.Testbed, opts Options) (*Report, error
 		}
 	}
 	r.runAll(ctx, direct)
-	r.runAll(ctx, slurm)
+	if inVM() {
+		// Under emulation, concurrent Slurm launchers queue behind each
+		// other, and a queued srun is never told that its allocation was
+		// granted (slurmctld's callback cannot reach srun in the user's
+		// VRF, docs/uvn.md): one launcher at a time.
+		for _, p := range slurm {
+			r.runAll(ctx, []*proc{p})
+		}
+	} else {
+		r.runAll(ctx, slurm)
+	}
 	if ctx.Err() != nil {
 		r.cancelJobs()
 	}
@@ -182,6 +202,12 @@ func (r *runner) prepare() error {
 	}
 	for _, p := range r.m.procs {
 		plan := probe.Plan{Hosts: map[string][]probe.Target{}}
+		if inVM() {
+			// Every process under emulation may wait seconds for a CPU:
+			// a listener's SYN-ACK or reply can be late without anything
+			// dropping it. Refusals still return at once.
+			plan.TCPTimeoutMS, plan.ReplyTimeoutMS, plan.UDPWaitMS = 5000, 20000, 600
+		}
 		for _, c := range p.Cases {
 			h := c.Connector.Node
 			plan.Hosts[h] = append(plan.Hosts[h], probe.Target{ID: c.ID, Addr: c.Dst.String(), Proto: c.Proto.String()})
@@ -207,7 +233,9 @@ type listenerProc struct {
 
 // inVM reports a run inside the uvn VM (the guest agent sets PALISADE_VM=1):
 // software emulation makes every process start cost 0.2-0.6 s, so
-// listeners get more time and start a few at a time.
+// listeners get more time and start a few at a time, connectors wait
+// longer for answers, launchers wait longer for ssh and Slurm, and the
+// Slurm launchers run one after the other.
 func inVM() bool { return os.Getenv("PALISADE_VM") == "1" }
 
 func readyTimeout() time.Duration {
@@ -371,7 +399,24 @@ func asUser(u string) string {
 // connectArgv is the connector command line for p.
 func (r *runner) connectArgv(p *proc) []string {
 	return []string{r.tb.Binary, "probe", "connect", "--plan", r.planPath(p),
-		"--out", filepath.Join(r.outDir(), p.tag+"-{host}.jsonl"), "--deadline", "60s"}
+		"--out", filepath.Join(r.outDir(), p.tag+"-{host}.jsonl"), "--deadline", connectDeadline()}
+}
+
+func connectDeadline() string {
+	if inVM() {
+		return "180s"
+	}
+	return "60s"
+}
+
+// sshOpts: the testbed's ssh_config gives up after 5 s, banner exchange
+// included; under emulation sshd's fork, PAM stack and the uvn session
+// setup take longer than that.
+func sshOpts() []string {
+	if inVM() {
+		return []string{"-o", "ConnectTimeout=90"}
+	}
+	return nil
 }
 
 // runAll starts every process at once and returns when all are done.
@@ -423,7 +468,7 @@ func (r *runner) runProc(ctx context.Context, p *proc) {
 	case Plain:
 		cmd = r.tb.Command(ctx, p.Start, user, argv...)
 	case SSH:
-		cmd = r.tb.Command(ctx, p.Start, user, "ssh", p.Hosts[0], shellJoin(argv))
+		cmd = r.tb.Command(ctx, p.Start, user, append(append([]string{"ssh"}, sshOpts()...), p.Hosts[0], shellJoin(argv))...)
 	case Srun:
 		cmd = r.tb.Command(ctx, p.Start, user, append([]string{"srun", "--job-name=" + r.jobName(),
 			"-N1", "-n1", "-w", p.Hosts[0]}, argv...)...)
@@ -432,6 +477,11 @@ func (r *runner) runProc(ctx context.Context, p *proc) {
 			"--map-by", "node"}
 		if p.User == "root" {
 			mpi = append(mpi, "--allow-run-as-root")
+		}
+		if inVM() {
+			// orted is started over ssh: the same patience as the ssh
+			// launcher.
+			mpi = append(mpi, "--mca", "plm_rsh_args", strings.Join(sshOpts(), " "))
 		}
 		cmd = r.tb.Command(ctx, p.Start, user, append(mpi, argv...)...)
 	default:

@@ -18,6 +18,7 @@ import (
 func init() {
 	var (
 		mode, name, launchers string
+		connectors, listeners string
 		asJSON, quick, quiet  bool
 		maxMismatches         int
 		timeout               time.Duration
@@ -72,11 +73,10 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 					mode = "none"
 				}
 			}
-			opts := check.Options{Mode: mode, Quick: quick, Timeout: timeout}
-			for _, l := range strings.Split(launchers, ",") {
-				if l = strings.TrimSpace(l); l != "" {
-					opts.Launchers = append(opts.Launchers, check.Launcher(l))
-				}
+			opts := check.Options{Mode: mode, Quick: quick, Timeout: timeout,
+				Connectors: splitList(connectors), Listeners: splitList(listeners)}
+			for _, l := range splitList(launchers) {
+				opts.Launchers = append(opts.Launchers, check.Launcher(l))
 			}
 			if !quiet {
 				opts.Log = os.Stderr
@@ -109,9 +109,11 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 	f.StringVar(&name, "name", "", "testbed instance (default $PALISADE_TESTBED or pal)")
 	f.StringVar(&launchers, "launchers", "", "comma-separated subset of plain,ssh,srun,sbatch,mpirun (default all)")
 	f.BoolVar(&asJSON, "json", false, "print every case as JSON")
+	f.StringVar(&connectors, "connectors", "", "comma-separated subset of connectors alice,bob,carol,svc,root (default all, or --quick's)")
+	f.StringVar(&listeners, "listeners", "", "comma-separated subset of listeners alice,bob,carol,svc,alice+proj1,root (default all, or --quick's)")
 	f.BoolVar(&quick, "quick", false, "fewer identities (bob, carol, root → alice, bob, svc, alice+proj1, root): every launcher, path, protocol, family and policy rule")
 	f.IntVar(&maxMismatches, "max-mismatches", 0, "list at most this many mismatches in the table (0 = all)")
 	f.BoolVar(&quiet, "quiet", false, "no progress lines on stderr")
-	f.DurationVar(&timeout, "timeout", 5*time.Minute, "give up on the run after this long")
+	f.DurationVar(&timeout, "timeout", 0, "give up on the run after this long (default 5m; 30m inside the uvn VM)")
 	register(cmd)
 }
