@@ -56,21 +56,46 @@ func validate(opts *Options) error {
 	return nil
 }
 
-// lockInstance serializes up/down of one instance name.
+// lockInstance serializes up/down of one instance name. Unlocking removes
+// the lock file when the instance has no state left (after down or a failed
+// up), so per-run instance names leave nothing behind. The file is unlinked
+// only while locked, and a locker that wins the lock on a file that was
+// unlinked (or replaced) meanwhile starts over on the current one; so two
+// holders never exist at once.
 func lockInstance(name string) (func(), error) {
 	if err := os.MkdirAll(BaseDir, 0o755); err != nil {
 		return nil, err
 	}
-	f, err := os.OpenFile(filepath.Join(BaseDir, "."+name+".lock"), os.O_CREATE|os.O_RDWR, 0o600)
-	if err != nil {
-		return nil, err
+	path := lockPath(name)
+	for {
+		f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o600)
+		if err != nil {
+			return nil, err
+		}
+		if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
+			f.Close()
+			return nil, err
+		}
+		var held, cur unix.Stat_t
+		if err := unix.Fstat(int(f.Fd()), &held); err != nil {
+			f.Close()
+			return nil, err
+		}
+		if unix.Stat(path, &cur) != nil || cur.Dev != held.Dev || cur.Ino != held.Ino {
+			f.Close() // stale: its holder removed it; closing drops the lock
+			continue
+		}
+		return func() {
+			if _, err := os.Stat(statePath(name)); errors.Is(err, os.ErrNotExist) {
+				os.Remove(path)
+			}
+			unix.Flock(int(f.Fd()), unix.LOCK_UN)
+			f.Close()
+		}, nil
 	}
-	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
-		f.Close()
-		return nil, err
-	}
-	return func() { unix.Flock(int(f.Fd()), unix.LOCK_UN); f.Close() }, nil
 }
+
+func lockPath(name string) string { return filepath.Join(BaseDir, "."+name+".lock") }
 
 // Up brings an instance up (or returns the running one, with AlreadyUp set,
 // if its node count and mode match). A failure rolls everything back.

@@ -243,6 +243,9 @@ func TestRollback(t *testing.T) {
 	if _, err := os.Stat(InstanceDir(failName)); err == nil {
 		t.Errorf("%s left behind", InstanceDir(failName))
 	}
+	if _, err := os.Stat(lockPath(failName)); err == nil {
+		t.Errorf("%s left behind", lockPath(failName))
+	}
 	if l := grepLines(mustRun(t, "ip", "-o", "link"), failName); len(l) > 0 {
 		t.Errorf("links left: %v", l)
 	}
@@ -532,6 +535,9 @@ func TestTestbed(t *testing.T) {
 	}
 	if _, err := os.Stat(tb.Dir); err == nil {
 		t.Errorf("%s left behind", tb.Dir)
+	}
+	if _, err := os.Stat(lockPath(tbName)); err == nil {
+		t.Errorf("%s left behind", lockPath(tbName))
 	}
 	if got := dirListing("/root/.ssh"); got != rootSSH {
 		t.Errorf("/root/.ssh changed:\nbefore %s\nafter %s", rootSSH, got)
