@@ -3,6 +3,7 @@ package vm
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -99,6 +100,9 @@ func TestVM(t *testing.T) {
 		}
 	})
 	e := &vmEnv{tb: tb, ctx: ctx}
+
+	// First, before the test's own listeners take the matrix's ports.
+	t.Run("check-matrix", func(t *testing.T) { checkMatrix(t, ctx, tb) })
 
 	// Listeners: alice on node2 (TCP dual-stack + UDP), root on node3 (a
 	// system service on a node where the connectors have no overlay), and a
@@ -287,4 +291,73 @@ func waitFor(t *testing.T, e *vmEnv, node, port string) {
 		time.Sleep(time.Second)
 	}
 	t.Fatalf("nothing listens on %s port %s", node, port)
+}
+
+// CheckSubset is the part of the isolation matrix CI runs in the VM (the
+// full matrix: `palisade check --name NAME --mode uvn`, ≈ 10 min under TCG).
+// bob and root connect; bob's own listener, alice's under sg proj1 and
+// root's system port listen. That exercises every rule of the uvn
+// expectation — same user, another user sharing a project group, default
+// VRF to a user, a user to a system service (TCP, and UDP replies outside
+// the VRF), off-cluster to a user, SNAT and no IPv6 NAT out — under every
+// launcher, path, protocol and family.
+var CheckSubset = []string{"--connectors=bob,root", "--listeners=bob,alice+proj1,root"}
+
+// checkMatrix runs the subset through the host's relay, as `palisade check
+// --name NAME --mode uvn` does, and requires every case to match.
+func checkMatrix(t *testing.T, ctx context.Context, tb *testbed.Testbed) {
+	t0 := time.Now()
+	var stdout, stderr bytes.Buffer
+	args := append([]string{"check", "--mode=uvn", "--json"}, CheckSubset...)
+	code, err := relayCheck(ctx, tb, args, &stdout, &stderr)
+	if err != nil {
+		t.Fatalf("relay: %v\n%s", err, stderr.String())
+	}
+	var rep struct {
+		Passed, Failed int
+		Warnings       []string
+		Cases          []struct {
+			ID, Launcher, Path, Proto, Connector, Listener, Expected, Rule, Observed, Kind, Error string
+			Family                                                                                int
+			Pass                                                                                  bool
+		}
+	}
+	if err := json.Unmarshal(stdout.Bytes(), &rep); err != nil {
+		t.Fatalf("check exited %d, output is not a report: %v\n%s\n%s", code, err, stdout.String(), stderr.String())
+	}
+	t.Logf("check %v: %d passed, %d failed in %v (exit %d); warnings %v", CheckSubset, rep.Passed, rep.Failed,
+		time.Since(t0).Round(time.Second), code, rep.Warnings)
+	if rep.Failed != 0 || code != 0 || rep.Passed != len(rep.Cases) || rep.Passed < 700 {
+		t.Errorf("want all of ≥700 cases passed and exit 0: %d passed, %d failed of %d, exit %d", rep.Passed, rep.Failed, len(rep.Cases), code)
+		n := 0
+		for _, c := range rep.Cases {
+			if !c.Pass && n < 40 {
+				n++
+				t.Logf("%s %s %s→%s %s%d %s: expected %s (%s), observed %s %s %s", c.ID, c.Launcher, c.Connector, c.Listener,
+					c.Proto, c.Family, c.Path, c.Expected, c.Rule, c.Observed, c.Kind, c.Error)
+			}
+		}
+		t.Logf("stderr:\n%s", stderr.String())
+	}
+	// Every launcher ran and saw both outcomes; every rule was exercised.
+	seen := map[string]bool{}
+	for _, c := range rep.Cases {
+		if c.Pass {
+			seen[c.Launcher+"/"+c.Observed] = true
+			seen[c.Rule] = true
+		}
+	}
+	for _, l := range []string{"plain", "ssh", "srun", "sbatch", "mpirun"} {
+		for _, o := range []string{"allowed", "refused"} {
+			if !seen[l+"/"+o] {
+				t.Errorf("no passing %s case observed %s", l, o)
+			}
+		}
+	}
+	for _, r := range []string{"same-user-vrf", "other-user-vrf", "default-vrf-service", "default-vrf-to-user-vrf",
+		"udp-reply-outside-vrf", "off-cluster-to-vrf", "off-subnet-snat", "no-ipv6-nat"} {
+		if !seen[r] {
+			t.Errorf("rule %s not exercised", r)
+		}
+	}
 }
