@@ -105,17 +105,17 @@ func (*uvnDriver) Wrap(variant, user string, argv []string) (string, []string) {
 }
 
 // SetupUsers runs the scale test on node.
-func (*uvnDriver) SetupUsers(ctx context.Context, env *Env, node string, n int) ([]float64, []float64, int, error) {
+func (*uvnDriver) SetupUsers(ctx context.Context, env *Env, node string, n int) ([]float64, []float64, int, string, error) {
 	out, err := env.run(ctx, node, "", env.Binary, "bench", "uvnsetup",
 		"--first", strconv.Itoa(UVNScaleUIDBase), "-n", strconv.Itoa(n))
 	if err != nil {
-		return nil, nil, 0, err
+		return nil, nil, 0, "", err
 	}
 	var r UVNScaleResult
 	if err := json.Unmarshal([]byte(out), &r); err != nil {
-		return nil, nil, 0, fmt.Errorf("uvnsetup output: %w", err)
+		return nil, nil, 0, "", fmt.Errorf("uvnsetup output: %w", err)
 	}
-	return r.SetupMS, r.TeardownMS, len(r.Leftovers), nil
+	return r.SetupMS, r.TeardownMS, len(r.Leftovers), r.Failed, nil
 }
 
 func init() { RegisterDriver("uvn", &uvnDriver{}) }

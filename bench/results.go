@@ -36,19 +36,20 @@ type metricInfo struct {
 }
 
 var metrics = map[string]metricInfo{
-	"gbit_s":       {"Gbit/s", true, "throughput"},
-	"mbit_s":       {"Mbit/s", true, "throughput"},
-	"loss_pct":     {"%", false, "loss"},
-	"rtt_us":       {"µs", false, "round trip (median)"},
-	"seconds":      {"s", false, "time for all connections"},
-	"conn_rate":    {"conn/s", true, "connection rate"},
-	"connect_us":   {"µs", false, "connect() (median)"},
-	"lat_us":       {"µs", false, "one-way latency"},
-	"bw_mb_s":      {"MB/s", true, "bandwidth"},
-	"allreduce_us": {"µs", false, "allreduce time"},
-	"setup_ms":     {"ms", false, "per-user setup"},
-	"teardown_ms":  {"ms", false, "per-user teardown"},
-	"leftover":     {"objects", false, "objects left after teardown"},
+	"gbit_s":        {"Gbit/s", true, "throughput"},
+	"mbit_s":        {"Mbit/s", true, "throughput"},
+	"loss_pct":      {"%", false, "loss"},
+	"rtt_us":        {"µs", false, "round trip (median)"},
+	"seconds":       {"s", false, "time for all connections"},
+	"conn_rate":     {"conn/s", true, "connection rate"},
+	"connect_us":    {"µs", false, "connect() (median)"},
+	"lat_us":        {"µs", false, "one-way latency"},
+	"bw_mb_s":       {"MB/s", true, "bandwidth"},
+	"allreduce_us":  {"µs", false, "allreduce time"},
+	"setup_ms":      {"ms", false, "per-user setup"},
+	"teardown_ms":   {"ms", false, "per-user teardown"},
+	"leftover":      {"objects", false, "objects left after teardown"},
+	"users_reached": {"users", true, "users set up before a failure"},
 }
 
 func metricOf(m string) metricInfo {

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"time"
@@ -26,6 +27,9 @@ type Options struct {
 	Log    io.Writer
 	// Keep leaves testbeds the bench brought up itself running.
 	Keep bool
+	// Merge keeps the other modes of an existing results.json in Out and
+	// replaces only the modes run now (to re-run one mode).
+	Merge bool
 	// Opener opens (or brings up) the testbed a mode needs; nil = the
 	// real testbed (OpenTestbed).
 	Opener Opener
@@ -126,7 +130,11 @@ func Run(ctx context.Context, o Options) (*Results, error) {
 			}
 		}
 		st.Seconds = time.Since(t0).Seconds()
-		if reason, ok := IsSkip(err); ok {
+		var pe *partialError
+		if errors.As(err, &pe) {
+			st.Status, st.Reason = "ran", pe.Error()
+			fmt.Fprintf(o.Log, "bench: mode %s: %v\n", mode, pe)
+		} else if reason, ok := IsSkip(err); ok {
 			st.Status, st.Reason = "skipped", reason
 			fmt.Fprintf(o.Log, "bench: mode %s skipped: %s\n", mode, reason)
 		} else if err != nil {
@@ -137,8 +145,11 @@ func Run(ctx context.Context, o Options) (*Results, error) {
 		}
 		res.Modes = append(res.Modes, st)
 	}
-	res.Figures = computeFigures(res.Samples)
 	res.Finished = time.Now().UTC()
+	if o.Merge && o.Out != "" {
+		mergeInto(res, filepath.Join(o.Out, "results.json"))
+	}
+	res.Figures = computeFigures(res.Samples)
 	res.Machine.LoadEnd = loadAvg()
 	if o.Out != "" {
 		if err := WriteOutputs(res, o.Out); err != nil {
@@ -194,7 +205,14 @@ func runMode(ctx context.Context, o *Options, plan Plan, d Driver, mode string, 
 				return err
 			}
 			if err := d.Set(ctx, env, v); err != nil {
-				return fmt.Errorf("round %d: switch to %s: %w", r, v, err)
+				err = fmt.Errorf("round %d: switch to %s: %w", r, v, err)
+				if r > 1 && hasSamples(res, mode) {
+					// Keep the rounds that completed: report them, and why
+					// the run stopped.
+					res.Errors = append(res.Errors, fmt.Sprintf("%s: %v", mode, err))
+					return &partialError{err: err, rounds: r - 1}
+				}
+				return err
 			}
 			s := &session{ctx: ctx, env: env, plan: plan, drv: d, mode: mode, variant: v, round: r,
 				res: res, log: o.Log, mpiProg: mpi[env]}
@@ -232,6 +250,16 @@ func hasSamples(res *Results, mode string) bool {
 		}
 	}
 	return false
+}
+
+// partialError: a mode stopped after some complete rounds.
+type partialError struct {
+	err    error
+	rounds int
+}
+
+func (e *partialError) Error() string {
+	return fmt.Sprintf("partial: %d complete round(s), then %v", e.rounds, e.err)
 }
 
 // PlanAdjuster is implemented by modes whose runs are slower (the VM,
@@ -359,4 +387,60 @@ func (s *session) verifyEnforcement() error {
 		return fmt.Errorf("enforcement check: %s could not reach %s's listener in the baseline (%s): the data plane is still in force", OtherUser, BenchUser, rs[0].FirstErr)
 	}
 	return nil
+}
+
+// mergeInto adds to res the modes of an earlier results file that res did
+// not run, so one mode can be re-measured without re-running the others.
+func mergeInto(res *Results, path string) {
+	old, err := LoadResults(path)
+	if err != nil {
+		return
+	}
+	now := map[string]bool{}
+	for _, m := range res.Modes {
+		now[m.Name] = true
+	}
+	var modes []ModeStatus
+	for _, m := range old.Modes {
+		if !now[m.Name] {
+			modes = append(modes, m)
+		}
+	}
+	res.Modes = append(modes, res.Modes...)
+	for _, s := range old.Samples {
+		if !now[s.Mode] {
+			res.Samples = append(res.Samples, s)
+		}
+	}
+	for _, f := range old.Foot {
+		if !now[f.Mode] {
+			res.Foot = append(res.Foot, f)
+		}
+	}
+	for _, e := range old.Errors {
+		keep := true
+		for m := range now {
+			if strings.HasPrefix(e, m+" ") || strings.HasPrefix(e, m+":") {
+				keep = false
+			}
+		}
+		if keep {
+			res.Errors = append(res.Errors, e)
+		}
+	}
+	if old.Started.Before(res.Started) {
+		res.Started = old.Started
+	}
+	if res.Extra == nil {
+		res.Extra = map[string]string{}
+	}
+	res.Extra["merged"] = fmt.Sprintf("modes %v re-run at %s into %s", keys(now), time.Now().UTC().Format("15:04 MST"), path)
+}
+
+func keys(m map[string]bool) []string {
+	var out []string
+	for k := range m {
+		out = append(out, k)
+	}
+	return out
 }

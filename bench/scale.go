@@ -149,7 +149,9 @@ type SetupDriver interface {
 	// SetupUsers sets up n users on node and tears them down again,
 	// returning the per-user setup and teardown times in milliseconds
 	// and the number of objects left behind afterwards.
-	SetupUsers(ctx context.Context, env *Env, node string, n int) (setupMS, teardownMS []float64, leftover int, err error)
+	// A setup that fails part-way is reported in failed (with the
+	// times of the users set up before it), not as err.
+	SetupUsers(ctx context.Context, env *Env, node string, n int) (setupMS, teardownMS []float64, leftover int, failed string, err error)
 }
 
 // setup: per-user setup time as the number of users on a node grows.
@@ -163,18 +165,26 @@ func (s *session) setup() error {
 		return err
 	}
 	for _, users := range s.plan.SetupUsers {
-		setup, teardown, left, err := sd.SetupUsers(s.ctx, s.env, n.Name, users)
+		setup, teardown, left, failed, err := sd.SetupUsers(s.ctx, s.env, n.Name, users)
 		if err != nil {
 			return fmt.Errorf("%d users: %w", users, err)
 		}
 		// Report the median and the last tenth (the users added when the
 		// node already holds most of them): flat means no growth.
-		s.emit(SuiteSetup, "setup", float64(users), "setup_ms", medianOf(setup), "")
-		if len(setup) >= 10 {
-			s.emit(SuiteSetup, "setup-last10pct", float64(users), "setup_ms", medianOf(setup[len(setup)*9/10:]), "")
+		if len(setup) > 0 {
+			s.emit(SuiteSetup, "setup", float64(users), "setup_ms", medianOf(setup), failed)
 		}
-		s.emit(SuiteSetup, "teardown", float64(users), "teardown_ms", medianOf(teardown), "")
+		if len(setup) >= 10 {
+			s.emit(SuiteSetup, "setup-last10pct", float64(users), "setup_ms", medianOf(setup[len(setup)*9/10:]), failed)
+		}
+		if len(teardown) > 0 {
+			s.emit(SuiteSetup, "teardown", float64(users), "teardown_ms", medianOf(teardown), "")
+		}
 		s.emit(SuiteSetup, "leftover", float64(users), "leftover", float64(left), "")
+		s.emit(SuiteSetup, "reached", float64(users), "users_reached", float64(len(setup)), failed)
+		if failed != "" {
+			return fmt.Errorf("%d users: %s", users, failed)
+		}
 	}
 	return nil
 }

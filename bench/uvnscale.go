@@ -15,6 +15,9 @@ type UVNScaleResult struct {
 	SetupMS    []float64 `json:"setup_ms"`    // i-th: with i users already set up
 	TeardownMS []float64 `json:"teardown_ms"` // i-th: with users-i users left
 	Leftovers  []string  `json:"leftovers"`   // uvn objects left after the last teardown
+	// Reached is how many users were set up; Failed why the next failed.
+	Reached int    `json:"reached"`
+	Failed  string `json:"failed,omitempty"`
 }
 
 // UVNScale sets up n users (uids first..first+n-1, no passwd entry needed)
@@ -48,10 +51,13 @@ func UVNScale(configPath string, first uint32, n int) (*UVNScaleResult, error) {
 		uid := first + uint32(i)
 		t0 := time.Now()
 		if _, err := m.Setup(uid, 0, 0); err != nil {
-			return nil, fmt.Errorf("setup uid %d (%d users present): %w", uid, i, err)
+			// Where it stops is the result: tear down and report it.
+			res.Failed = fmt.Sprintf("setup of user %d (uid %d, %d users present) failed: %v", i+1, uid, i, err)
+			break
 		}
 		res.SetupMS = append(res.SetupMS, float64(time.Since(t0).Microseconds())/1e3)
 		done = append(done, uid)
+		res.Reached = len(done)
 	}
 	for len(done) > 0 {
 		uid := done[len(done)-1]

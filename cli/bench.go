@@ -86,6 +86,7 @@ A mode whose data plane is not available is reported as skipped.`,
 	f.IntVar(&o.Rounds, "rounds", 0, "rounds per mode (default: 5, or 2 with --quick)")
 	f.StringVar(&suites, "suites", "", "run only these suites: throughput,latency,conn,mpi,scale,setup,egress")
 	f.StringVar(&setupUsers, "setup-users", "", "uvn scale test: user counts (default 10,100; 5 with --quick)")
+	f.BoolVar(&o.Merge, "merge", false, "keep the other modes of --out's results.json (re-run some modes only)")
 	f.BoolVar(&o.Keep, "keep", false, "leave a testbed the bench brought up running")
 
 	report := &cobra.Command{
