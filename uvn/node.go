@@ -21,11 +21,15 @@ import (
 // system services (sshd, slurmd, DNS) serve every user's VRF — the point of
 // the design. raw_l3mdev_accept = 0: no system service needs raw sockets
 // across VRFs, and it keeps root-owned raw sockets from seeing overlay
-// traffic (kernel default is 1).
+// traffic (kernel default is 1). Every user's VXLAN on one underlay shares
+// the kernel's single UDP socket for that port, and each joins its own
+// multicast group on it: the per-socket IGMP membership limit (default 20)
+// would stop the 21st user on a node with ENOBUFS.
 var nodeSysctls = [][2]string{
 	{"net/ipv4/tcp_l3mdev_accept", "1"},
 	{"net/ipv4/udp_l3mdev_accept", "1"},
 	{"net/ipv4/raw_l3mdev_accept", "0"},
+	{"net/ipv4/igmp_max_memberships", "65536"},
 }
 
 const procSys = "/proc/sys/"
