@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 )
@@ -385,7 +386,7 @@ func Markdown(r *Results, plots map[string][]string) string {
 				if mi.Higher {
 					better = "higher is better"
 				}
-				w("| %s (%s; %s) | %s | %g | %s | %s | %s |\n", mi.Label, f.Unit, better, f.Series, f.X,
+				w("| %s (%s; %s) | %s | %s | %s | %s | %s |\n", mi.Label, f.Unit, better, f.Series, strconv.FormatFloat(f.X, 'f', -1, 64),
 					fmtSummary(f.Baseline), fmtSummary(f.With), fmtRatio(f))
 			}
 			w("\n")
