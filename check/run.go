@@ -37,7 +37,7 @@ type Options struct {
 	// Connectors and Listeners narrow the identities to these names
 	// (Connectors; ListenerSpec.Name); nil = all, or quick's.
 	Connectors, Listeners []string
-	// Timeout bounds the whole run (default 5 minutes).
+	// Timeout bounds the whole run (default 5 minutes; 30 inside the uvn VM).
 	Timeout time.Duration
 	// Log receives progress lines; nil = quiet.
 	Log io.Writer
