@@ -313,6 +313,9 @@ func logSafe(p errPts) errPts {
 
 func saveSingle(p *plot.Plot, path string) error {
 	p.Add(plotter.NewGrid())
+	if _, isLog := p.Y.Scale.(plot.LogScale); !isLog {
+		p.Y.Min = 0 // absolute values (setup times): zero-based, or flat looks steep
+	}
 	return p.Save(7*vg.Inch, 4.5*vg.Inch, path)
 }
 
