@@ -17,6 +17,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/palisade-hpc/palisade/nldump"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -447,7 +448,7 @@ func isLocalIn(h *netlink.Handle, a netip.Addr) bool {
 	if h != nil {
 		list = h.AddrList
 	}
-	addrs, err := list(nil, netlink.FAMILY_ALL)
+	addrs, err := nldump.Retry(func() ([]netlink.Addr, error) { return list(nil, netlink.FAMILY_ALL) })
 	if err != nil {
 		return false
 	}

@@ -20,6 +20,7 @@ import (
 	"github.com/cilium/ebpf/ringbuf"
 	"github.com/palisade-hpc/palisade/ident"
 	"github.com/palisade-hpc/palisade/identity"
+	"github.com/palisade-hpc/palisade/nldump"
 	"github.com/palisade-hpc/palisade/policy"
 	"github.com/palisade-hpc/palisade/procfs"
 	"github.com/vishvananda/netlink"
@@ -256,7 +257,7 @@ func (a *agent) install(cgroupRoot string) error {
 }
 
 func (a *agent) syncAddrs() error {
-	list, err := netlink.AddrList(nil, netlink.FAMILY_ALL)
+	list, err := nldump.Retry(func() ([]netlink.Addr, error) { return netlink.AddrList(nil, netlink.FAMILY_ALL) })
 	if err != nil {
 		return err
 	}
@@ -311,7 +312,7 @@ func (a *agent) syncNode() {
 // is trusted by source subnet, not by interface). lo gets only the egress
 // program, which notes local UDP flows so that replies get through.
 func (a *agent) wantInterfaces() (map[string]int, error) {
-	links, err := netlink.LinkList()
+	links, err := nldump.Retry(netlink.LinkList)
 	if err != nil {
 		return nil, err
 	}

@@ -12,6 +12,7 @@ import (
 	"strings"
 
 	"github.com/cilium/ebpf"
+	"github.com/palisade-hpc/palisade/nldump"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
@@ -202,7 +203,9 @@ func (m *Manager) uplinks() ([]string, error) {
 	seen := map[string]bool{}
 	var out []string
 	for _, fam := range []int{netlink.FAMILY_V4} {
-		rs, err := netlink.RouteListFiltered(fam, &netlink.Route{Table: unix.RT_TABLE_MAIN}, netlink.RT_FILTER_TABLE)
+		rs, err := nldump.Retry(func() ([]netlink.Route, error) {
+			return netlink.RouteListFiltered(fam, &netlink.Route{Table: unix.RT_TABLE_MAIN}, netlink.RT_FILTER_TABLE)
+		})
 		if err != nil {
 			return nil, err
 		}
@@ -229,7 +232,7 @@ const (
 // ensureL3mdevRule adds "pref 1000 l3mdev" (FRA_L3MDEV, which
 // vishvananda/netlink does not model) when the family has no rule at 1000.
 func ensureL3mdevRule(fam int) error {
-	rules, err := netlink.RuleList(fam)
+	rules, err := nldump.Retry(func() ([]netlink.Rule, error) { return netlink.RuleList(fam) })
 	if err != nil {
 		return err
 	}
@@ -255,7 +258,7 @@ func ensureL3mdevRule(fam int) error {
 }
 
 func (m *Manager) moveLocalRule(ns *NodeState, fam int) error {
-	rules, err := netlink.RuleList(fam)
+	rules, err := nldump.Retry(func() ([]netlink.Rule, error) { return netlink.RuleList(fam) })
 	if err != nil {
 		return err
 	}
@@ -619,7 +622,7 @@ func (m *Manager) Status() ([]UserStatus, *NodeState, error) {
 // after the last teardown it must be empty.
 func Leftovers() ([]string, error) {
 	var out []string
-	links, err := netlink.LinkList()
+	links, err := nldump.Retry(func() ([]netlink.Link, error) { return netlink.LinkList() })
 	if err != nil {
 		return nil, err
 	}
@@ -632,7 +635,9 @@ func Leftovers() ([]string, error) {
 		out = append(out, "nft table inet "+nftTable)
 	}
 	for _, fam := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
-		rs, err := netlink.RouteListFiltered(fam, &netlink.Route{Table: unix.RT_TABLE_UNSPEC}, netlink.RT_FILTER_TABLE)
+		rs, err := nldump.Retry(func() ([]netlink.Route, error) {
+			return netlink.RouteListFiltered(fam, &netlink.Route{Table: unix.RT_TABLE_UNSPEC}, netlink.RT_FILTER_TABLE)
+		})
 		if err != nil {
 			return nil, err
 		}

@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/palisade-hpc/palisade/nldump"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
@@ -187,7 +188,9 @@ func (m *Manager) build(st *UserState) error {
 		return err
 	}
 	for _, fam := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
-		rs, err := netlink.RouteListFiltered(fam, &netlink.Route{Table: int(st.Table)}, netlink.RT_FILTER_TABLE)
+		rs, err := nldump.Retry(func() ([]netlink.Route, error) {
+			return netlink.RouteListFiltered(fam, &netlink.Route{Table: int(st.Table)}, netlink.RT_FILTER_TABLE)
+		})
 		if err != nil {
 			return err
 		}
@@ -353,7 +356,9 @@ func (m *Manager) vrfRoutes(st *UserState, vidx int) error {
 	// VRF hits the unreachable default and fails fast.)
 	for _, fam := range []int{netlink.FAMILY_V4} {
 		src := net.ParseIP(st.NAT)
-		main, err := netlink.RouteListFiltered(fam, &netlink.Route{Table: unix.RT_TABLE_MAIN}, netlink.RT_FILTER_TABLE)
+		main, err := nldump.Retry(func() ([]netlink.Route, error) {
+			return netlink.RouteListFiltered(fam, &netlink.Route{Table: unix.RT_TABLE_MAIN}, netlink.RT_FILTER_TABLE)
+		})
 		if err != nil {
 			return err
 		}
@@ -415,7 +420,7 @@ func isUVNDev(name string) bool {
 // holding an address in u's first prefix (the tunnel endpoint), and all of
 // that NIC's addresses inside any of u's prefixes (mirrored on the VXLAN).
 func localUnderlay(u policy.UVNUnderlay) (netlink.Link, netip.Addr, []netip.Prefix, error) {
-	addrs, err := netlink.AddrList(nil, netlink.FAMILY_ALL)
+	addrs, err := nldump.Retry(func() ([]netlink.Addr, error) { return netlink.AddrList(nil, netlink.FAMILY_ALL) })
 	if err != nil {
 		return nil, netip.Addr{}, nil, err
 	}

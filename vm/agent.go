@@ -112,12 +112,47 @@ func agentUp(ctx context.Context, args AgentArgs, logf func(string, ...any)) (*t
 		logf("bare guest (pal.nodes=0): no testbed")
 		return nil, nil
 	}
+	if err := detachFromHostTestbeds(); err != nil {
+		return nil, err
+	}
 	logf("testbed up: name %s, %d nodes, mode %s", args.Name, args.Nodes, args.Mode)
 	tb, err := testbed.Up(ctx, testbed.Options{Name: args.Name, Nodes: args.Nodes, Mode: args.Mode, Binary: bin})
 	if err != nil {
 		return nil, err
 	}
 	return tb, nil
+}
+
+// detachFromHostTestbeds gives the guest testbed state of its own. The
+// guest sees the host's root through a read-only 9p lower layer, and host
+// testbeds running at the same time (other test packages in CI) create and
+// delete the shared users, homes and ssh keys there: a guest that reused a
+// host home lost its authorized_keys when the host instance went down. So
+// the account files are copied up into the guest's tmpfs layer (a stable
+// snapshot) and the testbeds' base directory is replaced by an empty tmpfs,
+// where the guest testbed makes its own homes and keys.
+func detachFromHostTestbeds() error {
+	for _, f := range []string{"/etc/passwd", "/etc/group", "/etc/shadow", "/etc/gshadow"} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			return err
+		}
+		st, err := os.Stat(f)
+		if err != nil {
+			return err
+		}
+		// Rewriting the file copies it up into the overlay's upper layer.
+		if err := os.WriteFile(f, b, st.Mode().Perm()); err != nil {
+			return fmt.Errorf("copy up %s: %w", f, err)
+		}
+	}
+	if err := os.MkdirAll(testbed.BaseDir, 0o755); err != nil {
+		return err
+	}
+	if err := syscall.Mount("paltb", testbed.BaseDir, "tmpfs", 0, "mode=755"); err != nil {
+		return fmt.Errorf("tmpfs on %s: %w", testbed.BaseDir, err)
+	}
+	return nil
 }
 
 type agent struct {
