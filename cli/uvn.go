@@ -94,8 +94,8 @@ is recorded as a live user of the network.`,
 			if err != nil {
 				return err
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "uid %d: VRF %s (table %d), VXLANs %s, NAT %s%s, holders %d\n",
-				st.UID, st.VRF, st.Table, strings.Join(st.Links, ","), st.NAT, "", len(st.Holders))
+			fmt.Fprintf(cmd.OutOrStdout(), "uid %d: VRF %s (table %d), VXLANs %s, NAT %s, holders %d\n",
+				st.UID, st.VRF, st.Table, strings.Join(st.Links, ","), st.NAT, len(st.Holders))
 			return nil
 		},
 	}
@@ -104,13 +104,6 @@ is recorded as a live user of the network.`,
 	c.Flags().IntVar(&holder, "holder", 0, "process that keeps the network alive (default --pid)")
 	c.Flags().BoolP("verbose", "v", false, "log each step")
 	return c
-}
-
-func prefixed(p, s string) string {
-	if s == "" {
-		return ""
-	}
-	return p + s
 }
 
 func uvnReleaseCmd() *cobra.Command {
