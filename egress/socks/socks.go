@@ -17,6 +17,8 @@ import (
 	"strconv"
 	"sync"
 	"time"
+
+	"github.com/palisade-hpc/palisade/egress/relay"
 )
 
 // Server relays SOCKS5 requests through Dial.
@@ -115,7 +117,7 @@ func (s *Server) handle(c net.Conn) error {
 		la, _ := netip.ParseAddrPort(out.LocalAddr().String())
 		reply(c, repOK, la)
 		c.SetDeadline(time.Time{})
-		splice(c, out)
+		relay.Splice(c, out)
 		return nil
 	case 3: // UDP ASSOCIATE
 		return s.associate(c)
@@ -214,24 +216,6 @@ func appendAddr(b []byte, ap netip.AddrPort) []byte {
 
 func reply(c net.Conn, code byte, bound netip.AddrPort) {
 	c.Write(appendAddr([]byte{5, code, 0}, bound))
-}
-
-func splice(a, b net.Conn) {
-	var wg sync.WaitGroup
-	cp := func(dst, src net.Conn) {
-		defer wg.Done()
-		io.Copy(dst, src)
-		if cw, ok := dst.(interface{ CloseWrite() error }); ok {
-			cw.CloseWrite()
-		} else {
-			dst.Close()
-		}
-	}
-	wg.Add(2)
-	go cp(a, b)
-	go cp(b, a)
-	wg.Wait()
-	b.Close()
 }
 
 // associate relays the client's UDP datagrams (each with a SOCKS header)

@@ -11,12 +11,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/netip"
 	"os"
 	"sync"
 	"time"
+
+	"github.com/palisade-hpc/palisade/egress/relay"
 
 	"golang.zx2c4.com/wireguard/tun"
 	"gvisor.dev/gvisor/pkg/buffer"
@@ -236,7 +237,7 @@ func forward(ctx context.Context, s *stack.Stack, allow func(src, dst netip.Addr
 		r.Complete(false)
 		ep.SocketOptions().SetKeepAlive(true)
 		in := gonet.NewTCPConn(&wq, ep)
-		go splice(in, out)
+		go relay.Splice(in, out)
 	})
 	s.SetTransportProtocolHandler(tcp.ProtocolNumber, tf.HandlePacket)
 	uf := udp.NewForwarder(s, func(r *udp.ForwarderRequest) {
@@ -265,27 +266,6 @@ func forward(ctx context.Context, s *stack.Stack, allow func(src, dst netip.Addr
 func addrPort(a tcpip.Address, port uint16) netip.AddrPort {
 	ip, _ := netip.AddrFromSlice(a.AsSlice())
 	return netip.AddrPortFrom(ip, port)
-}
-
-// splice copies both ways and half-closes, so request/response protocols
-// that shut down their write side keep working.
-func splice(a, b net.Conn) {
-	var wg sync.WaitGroup
-	cp := func(dst, src net.Conn) {
-		defer wg.Done()
-		io.Copy(dst, src)
-		if cw, ok := dst.(interface{ CloseWrite() error }); ok {
-			cw.CloseWrite()
-		} else {
-			dst.Close()
-		}
-	}
-	wg.Add(2)
-	go cp(a, b)
-	go cp(b, a)
-	wg.Wait()
-	a.Close()
-	b.Close()
 }
 
 // relayUDP moves datagrams of one flow until it has been idle for a minute.
