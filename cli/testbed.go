@@ -61,6 +61,7 @@ func init() {
 	up.Flags().StringVar(&opts.Mode, "mode", "", "data-plane mode brought up after the cluster (none, or a registered mode)")
 	up.Flags().BoolVar(&opts.Egress, "egress", false, "also bring up the egress extension")
 	up.Flags().BoolVar(&opts.VM, "vm", false, "run the testbed inside a VM (VRF-capable kernel)")
+	up.Flags().StringVar(&opts.Kernel, "kernel", "", "with --vm: the guest's Debian kernel series, 6.1 (default) or 6.12 (`palisade vm kernel --version`)")
 
 	down := &cobra.Command{
 		Use:   "down",

@@ -46,6 +46,9 @@ type Options struct {
 	Egress bool
 	// VM delegates the whole instance to the registered VMHandler.
 	VM bool
+	// Kernel is the VM's guest kernel series ("6.1", "6.12"; "" = the
+	// handler's default). Only with VM.
+	Kernel string
 	// Binary is the palisade binary copied to <Dir>/bin/palisade. Empty:
 	// the running executable, or, when that is a Go test binary, a fresh
 	// build of ./cmd/palisade from the module the test runs in.
@@ -72,6 +75,7 @@ type Testbed struct {
 	Mode       string
 	Extensions []string
 	VM         bool
+	Kernel     string // guest kernel series of a VM testbed
 	Nodes      []Node
 	Outside    Node
 	Router     string // router netns
@@ -206,6 +210,7 @@ type state struct {
 	Mode       string   `json:"mode"`
 	Extensions []string `json:"extensions,omitempty"`
 	VM         bool     `json:"vm,omitempty"`
+	Kernel     string   `json:"kernel,omitempty"`
 	// Phase is "starting" until bring-up (mode included) completed, then "up".
 	Phase    string `json:"phase"`
 	MPIHello string `json:"mpi_hello,omitempty"`
@@ -248,6 +253,7 @@ func build(s *state) *Testbed {
 		Mode:       s.Mode,
 		Extensions: s.Extensions,
 		VM:         s.VM,
+		Kernel:     s.Kernel,
 		Router:     s.Name + "-rtr",
 		MPIHello:   s.MPIHello,
 	}
