@@ -34,6 +34,10 @@ type AgentConfig struct {
 	// the socket's file credentials hold the same creation-time ids, and the
 	// hook costs ~1.1 µs per socket() (docs/userwall.md).
 	SocketStorage bool `toml:"socket_storage"`
+	// TCAttach is how the tc programs attach: "auto" (tcx links where the
+	// kernel has them, ≥ 6.6; else clsact + cls_bpf), "tcx" or "tc" (refuse
+	// to start without that one).
+	TCAttach string `toml:"tc_attach"`
 	// UnixSockets enforces the rules on abstract Unix sockets (BPF LSM).
 	UnixSockets bool `toml:"unix_sockets"`
 	// IdentPort is the ident service's UDP port (privileged; 0 = off).
@@ -63,6 +67,7 @@ func (a *AgentConfig) SetDefaults() {
 		PidFile:        DefaultAgentPidFile,
 		GroupRefresh:   "60s",
 		UnixSockets:    true,
+		TCAttach:       "auto",
 		IdentPort:      99,
 		IdentSocket:    DefaultIdentSocket,
 	}
@@ -103,6 +108,11 @@ func (a *AgentConfig) Validate() error {
 	}
 	if d, err := time.ParseDuration(a.GroupRefresh); err != nil || d < time.Second {
 		errs = append(errs, KeyErrorf("group_refresh", "%q: want a duration of at least 1s (e.g. \"60s\")", a.GroupRefresh))
+	}
+	switch a.TCAttach {
+	case "auto", "tcx", "tc":
+	default:
+		errs = append(errs, KeyErrorf("tc_attach", "%q: want auto, tcx or tc", a.TCAttach))
 	}
 	if a.IdentPort < 0 || a.IdentPort > 1023 {
 		errs = append(errs, KeyErrorf("ident_port", "%d: want a privileged port 1..1023, or 0 for off", a.IdentPort))
