@@ -32,6 +32,7 @@ func New() *cobra.Command {
 		uvnCommand(),
 	)
 	root.AddCommand(egressCommands()...) // gateway, egress and its namespace helper
+	AddVersion(root)
 	return root
 }
 

@@ -25,5 +25,6 @@ func New() *cobra.Command {
 		probeCommand(),
 		egressOutsideCommand(),
 	)
+	cli.AddVersion(root)
 	return root
 }
