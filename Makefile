@@ -5,6 +5,19 @@ BIN     := bin/palisade
 GOFLAGS := -trimpath
 export CGO_ENABLED := 0
 
+# The version stamped into the binary (palisade version): the release tag
+# (v1.2.3 -> 1.2.3), else 0.0.0~N.gHASH (N commits: later builds sort higher
+# for dpkg and rpm). The build date is the commit's, or SOURCE_DATE_EPOCH's,
+# so that a rebuild of one commit gives the same binary and packages.
+VERSION ?= $(shell git describe --tags --match 'v[0-9]*' --dirty 2>/dev/null | sed 's/^v//')
+ifeq ($(VERSION),)
+VERSION := $(shell git rev-list --count HEAD 2>/dev/null | sed 's/^/0.0.0~/')$(shell git rev-parse --short=12 HEAD 2>/dev/null | sed 's/^/.g/')$(shell git diff --quiet HEAD -- 2>/dev/null || echo .dirty)
+endif
+COMMIT     ?= $(shell git rev-parse HEAD 2>/dev/null)
+BUILD_DATE ?= $(shell if [ -n "$$SOURCE_DATE_EPOCH" ]; then date -u -d @$$SOURCE_DATE_EPOCH +%Y-%m-%dT%H:%M:%SZ; else TZ=UTC git log -1 --format=%cd --date=format-local:%Y-%m-%dT%H:%M:%SZ 2>/dev/null; fi)
+VPKG    := github.com/palisade-hpc/palisade/internal/version
+LDFLAGS := -X $(VPKG).version=$(VERSION) -X $(VPKG).commit=$(COMMIT) -X $(VPKG).date=$(BUILD_DATE)
+
 .PHONY: all build deps generate demo test unit lint vm-kernel clean
 
 include slurm/spank/spank.mk
@@ -19,7 +32,7 @@ generate:
 	$(GO) generate ./...
 
 build: generate $(SPANK_SO)
-	$(GO) build $(GOFLAGS) -o $(BIN) ./cmd/palisade
+	$(GO) build $(GOFLAGS) -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/palisade
 
 # The uvn VM's guest kernel (Debian's, downloaded once into /var/cache/palisade/vm).
 vm-kernel: build

@@ -22,6 +22,8 @@ func init() {
 		asJSON, quick, quiet  bool
 		maxMismatches         int
 		timeout               time.Duration
+		attacks, verbose      bool
+		only                  string
 	)
 	cmd := &cobra.Command{
 		Use:   "check",
@@ -66,6 +68,11 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 					return &exitError{code, fmt.Sprintf("check in VM testbed %s exited %d", tb.Name, code)}
 				}
 				return nil
+			}
+			if attacks {
+				ctx, stop := signal.NotifyContext(cmd.Context(), syscall.SIGINT, syscall.SIGTERM)
+				defer stop()
+				return runAttacks(ctx, tb, only, verbose, quiet)
 			}
 			if mode == "" {
 				mode = tb.Mode
@@ -115,5 +122,8 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 	f.IntVar(&maxMismatches, "max-mismatches", 0, "list at most this many mismatches in the table (0 = all)")
 	f.BoolVar(&quiet, "quiet", false, "no progress lines on stderr")
 	f.DurationVar(&timeout, "timeout", 0, "give up on the run after this long (default 5m; 30m inside the uvn VM)")
+	f.BoolVar(&attacks, "attacks", false, "run the attack suite (userwall testbed): real attacks, each with a control; see docs/check.md")
+	f.StringVar(&only, "only", "", "with --attacks: run only the cases whose name contains one of these comma-separated strings")
+	f.BoolVar(&verbose, "verbose", false, "with --attacks: print every case's rationale and steps, not only the failures'")
 	register(cmd)
 }

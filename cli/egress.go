@@ -12,6 +12,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/coreos/go-systemd/v22/daemon"
 	"github.com/spf13/cobra"
 
 	"github.com/palisade-hpc/palisade/egress/client"
@@ -72,6 +73,8 @@ func init() {
 				return err
 			}
 			defer g.Close()
+			// Listening and routing: ready for systemd (Type=notify).
+			daemon.SdNotify(false, daemon.SdNotifyReady)
 			if p := os.Getenv("PALISADE_EGRESS_CPUPROFILE"); p != "" {
 				if f, err := os.Create(p); err == nil && pprof.StartCPUProfile(f) == nil {
 					defer pprof.StopCPUProfile()

@@ -11,6 +11,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/coreos/go-systemd/v22/daemon"
 	"github.com/spf13/cobra"
 
 	"github.com/palisade-hpc/palisade/ident"
@@ -77,6 +78,8 @@ may be overridden by flags. --port 0 turns UDP off, --socket "" the Unix API.`,
 			if cfg.Default {
 				sc.Logger.Warn("no configuration file: no cluster subnets, only this node's own queries are answered", "config", cfg.Path)
 			}
+			// The sockets are bound: ready for systemd (Type=notify).
+			daemon.SdNotify(false, daemon.SdNotifyReady)
 			return srv.Run(ctx)
 		},
 	}

@@ -26,7 +26,7 @@ func init() {
 		Short:  "Real listener and connector used by check and bench",
 		Hidden: true,
 	}
-	cmd.AddCommand(probeListenCmd(), probeConnectCmd())
+	cmd.AddCommand(probeListenCmd(), probeConnectCmd(), probeSinkCmd(), probeActCmd())
 	register(cmd)
 }
 

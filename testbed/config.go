@@ -350,6 +350,9 @@ func (tb *Testbed) writeConfig() error {
 			return err
 		}
 	}
+	if tb.Directory != "" {
+		return tb.writeDirectoryConfig()
+	}
 	return nil
 }
 

@@ -42,6 +42,9 @@ func validate(opts *Options) error {
 			return errors.New("--egress: no egress extension is registered in this binary")
 		}
 	}
+	if err := validateDirectory(opts); err != nil {
+		return err
+	}
 	if opts.VM && getVM() == nil {
 		return errors.New("--vm: no VM handler is registered in this binary")
 	}
@@ -116,7 +119,8 @@ func Up(ctx context.Context, opts Options) (*Testbed, error) {
 		old := build(s)
 		if s.Phase == "up" && old.alive() {
 			if (explicitNodes && opts.Nodes != s.Nodes) || (explicitMode && opts.Mode != old.Mode) || (opts.VM && !s.VM) ||
-				(opts.Egress && !slices.Contains(s.Extensions, "egress")) {
+				(opts.Egress && !slices.Contains(s.Extensions, "egress")) ||
+				(opts.Directory != "" && (opts.Directory != s.Directory || opts.DirectoryUsers != s.DirUsers)) {
 				return nil, fmt.Errorf("testbed %s is already up with %d nodes, mode %s: run `palisade testbed down --name %s` first",
 					s.Name, s.Nodes, old.Mode, s.Name)
 			}
@@ -149,7 +153,8 @@ func Up(ctx context.Context, opts Options) (*Testbed, error) {
 		}
 	}
 
-	s := &state{Name: opts.Name, Nodes: opts.Nodes, Mode: opts.Mode, VM: opts.VM, Phase: "starting"}
+	s := &state{Name: opts.Name, Nodes: opts.Nodes, Mode: opts.Mode, VM: opts.VM, Phase: "starting",
+		Directory: opts.Directory, DirUsers: opts.DirectoryUsers}
 	if opts.Egress {
 		s.Extensions = append(s.Extensions, "egress")
 	}
@@ -233,6 +238,11 @@ func (tb *Testbed) bringUpNative(ctx context.Context, s *state) error {
 	}
 	if err := tb.makeUTS(); err != nil {
 		return err
+	}
+	if tb.Directory != "" {
+		if err := tb.startDirectory(ctx, tb.DirectoryUsers); err != nil {
+			return fmt.Errorf("directory: %w", err)
+		}
 	}
 	if err := tb.startDaemons(ctx); err != nil {
 		return err

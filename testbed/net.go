@@ -144,7 +144,13 @@ func (tb *Testbed) upNetwork(ctx context.Context) error {
 	for _, ns := range tb.netnsNames() {
 		kv := base
 		if ns == tb.Router {
-			kv = map[string]string{"net.ipv4.ip_forward": "1", "net.ipv6.conf.all.forwarding": "1"}
+			// No source filtering on the router (rp_filter 0, explicitly:
+			// a kernel may inherit another default): an off-cluster host
+			// can send with a cluster source address, as behind a real
+			// router without filters. The attack suite's spoofing cases
+			// rely on it (check --attacks).
+			kv = map[string]string{"net.ipv4.ip_forward": "1", "net.ipv6.conf.all.forwarding": "1",
+				"net.ipv4.conf.all.rp_filter": "0", "net.ipv4.conf.default.rp_filter": "0"}
 			for k, v := range base {
 				kv[k] = v
 			}

@@ -46,6 +46,12 @@ type Options struct {
 	Egress bool
 	// VM delegates the whole instance to the registered VMHandler.
 	VM bool
+	// Directory is "" (users in the host's /etc files) or "ldap": a real
+	// slapd and an SSSD per node as the nodes' NSS source (directory.go).
+	Directory string
+	// DirectoryUsers adds that many synthetic users (and groups) to the
+	// directory.
+	DirectoryUsers int
 	// Binary is the palisade binary copied to <Dir>/bin/palisade. Empty:
 	// the running executable, or, when that is a Go test binary, a fresh
 	// build of ./cmd/palisade from the module the test runs in.
@@ -62,6 +68,9 @@ type Node struct {
 	Eth0V6 netip.Addr
 	IBV4   netip.Addr // zero for the outside host
 	IBV6   netip.Addr // zero for the outside host
+	// SSS is the node's own /var/lib/sss with a directory ("" otherwise),
+	// bound inside the node's mount namespace by enter.
+	SSS string
 }
 
 // Testbed is a running instance.
@@ -72,9 +81,12 @@ type Testbed struct {
 	Mode       string
 	Extensions []string
 	VM         bool
-	Nodes      []Node
-	Outside    Node
-	Router     string // router netns
+	// Directory is "" or "ldap" (Options.Directory).
+	Directory      string
+	DirectoryUsers int
+	Nodes          []Node
+	Outside        Node
+	Router         string // router netns
 	// MPIHello is an MPI program (built at up time with mpicc) that prints
 	// "rank R of N on HOST" for every rank; empty if mpicc failed.
 	MPIHello string
@@ -206,6 +218,8 @@ type state struct {
 	Mode       string   `json:"mode"`
 	Extensions []string `json:"extensions,omitempty"`
 	VM         bool     `json:"vm,omitempty"`
+	Directory  string   `json:"directory,omitempty"`
+	DirUsers   int      `json:"directory_users,omitempty"`
 	// Phase is "starting" until bring-up (mode included) completed, then "up".
 	Phase    string `json:"phase"`
 	MPIHello string `json:"mpi_hello,omitempty"`
@@ -250,7 +264,9 @@ func build(s *state) *Testbed {
 		VM:         s.VM,
 		Router:     s.Name + "-rtr",
 		MPIHello:   s.MPIHello,
+		Directory:  s.Directory,
 	}
+	tb.DirectoryUsers = s.DirUsers
 	if tb.Mode == "" {
 		tb.Mode = "none"
 	}
@@ -265,6 +281,9 @@ func build(s *state) *Testbed {
 			IBV4:   netip.AddrFrom4([4]byte{198, 19, 0, b}),
 			IBV6:   netip.AddrFrom16([16]byte{0x20, 0x01, 0, 2, 0, 0, 0, 1, 15: b}),
 		})
+		if s.Directory != "" {
+			tb.Nodes[i-1].SSS = tb.SSSDir(tb.Nodes[i-1].Name)
+		}
 	}
 	tb.Outside = Node{
 		Name:   "outside",

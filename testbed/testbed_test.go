@@ -28,7 +28,7 @@ var (
 	failName = testName('f')
 	e2eName  = testName('e')
 	// testNameRE matches the names of any run of this package.
-	testNameRE = regexp.MustCompile(`^pal[tfe8](\d{5})$`)
+	testNameRE = regexp.MustCompile(`^pal[tfe8d](\d{5})$`)
 )
 
 func testName(kind byte) string { return fmt.Sprintf("pal%c%05d", kind, os.Getpid()%100000) }

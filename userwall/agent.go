@@ -19,8 +19,10 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf/ringbuf"
+	"github.com/coreos/go-systemd/v22/daemon"
 	"github.com/palisade-hpc/palisade/ident"
 	"github.com/palisade-hpc/palisade/identity"
+	"github.com/palisade-hpc/palisade/internal/version"
 	"github.com/palisade-hpc/palisade/nldump"
 	"github.com/palisade-hpc/palisade/policy"
 	"github.com/palisade-hpc/palisade/procfs"
@@ -108,6 +110,9 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	if log == nil {
 		log = slog.Default()
 	}
+	v := version.Get()
+	log.Info("palisade agent starting", "version", v.Version, "commit", v.Commit, "built", v.BuildDate,
+		"go", v.GoVersion, "cilium_ebpf", v.EBPF)
 	cfg, err := o.LoadConfig()
 	if err != nil {
 		return err
@@ -205,6 +210,12 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 		}
 	}()
 
+	// Readiness for systemd (Type=notify): enforcement, metrics and ident
+	// are in place, so units ordered after this one (slurmd, sshd) start
+	// only on a node that already isolates users. A no-op without systemd.
+	daemon.SdNotify(false, daemon.SdNotifyReady+"\nSTATUS=enforcing")
+	defer daemon.SdNotify(false, daemon.SdNotifyStopping)
+
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)
@@ -229,7 +240,9 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 			log.Info("agent stopping; pinned programs stay in force")
 			return nil
 		case <-hup:
+			daemon.SdNotify(false, daemon.SdNotifyReloading)
 			a.reload()
+			daemon.SdNotify(false, daemon.SdNotifyReady)
 		case <-addrCh:
 			// Drain a burst, then resync once.
 			for len(addrCh) > 0 {

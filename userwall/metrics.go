@@ -4,11 +4,15 @@ import (
 	"net/http"
 
 	"github.com/cilium/ebpf"
+	"github.com/palisade-hpc/palisade/internal/version"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
 var (
+	descBuildInfo = prometheus.NewDesc("palisade_build_info",
+		"Always 1; the labels say which build of Palisade the agent runs.",
+		[]string{"version", "commit", "build_date", "goversion", "cilium_ebpf"}, nil)
 	descDecisions = prometheus.NewDesc("palisade_userwall_decisions_total",
 		"Connection decisions taken in the kernel, by path and rule.", []string{"path", "rule", "verdict"}, nil)
 	descLinks = prometheus.NewDesc("palisade_userwall_programs_attached",
@@ -24,7 +28,7 @@ var (
 type collector struct{ a *agent }
 
 func (c collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descDecisions, descLinks, descLSM, descEntries, descEvents} {
+	for _, d := range []*prometheus.Desc{descBuildInfo, descDecisions, descLinks, descLSM, descEntries, descEvents} {
 		ch <- d
 	}
 }
@@ -40,6 +44,8 @@ func countEntries(m *ebpf.Map) float64 {
 }
 
 func (c collector) Collect(ch chan<- prometheus.Metric) {
+	v := version.Get()
+	ch <- prometheus.MustNewConstMetric(descBuildInfo, prometheus.GaugeValue, 1, v.Version, v.Commit, v.BuildDate, v.GoVersion, v.EBPF)
 	d := c.a.dp
 	if cs, err := d.ReadCounters(); err == nil {
 		for _, x := range cs {

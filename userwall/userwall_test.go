@@ -398,6 +398,7 @@ func TestEventsAndMetrics(t *testing.T) {
 		`palisade_userwall_decisions_total{path="local-tcp",rule="default-deny",verdict="deny"}`,
 		`palisade_userwall_programs_attached 1`,
 		`palisade_userwall_map_entries{map="members"}`,
+		`palisade_build_info{build_date="`,
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("metrics lack %s", want)
