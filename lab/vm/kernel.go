@@ -74,6 +74,39 @@ const DefaultKernel = "6.1"
 var Kernels = map[string]string{
 	"6.1":  "linux-image-amd64",
 	"6.12": "linux-image-6.12-amd64",
+	// Below userwall's floor: proves the agent refuses cleanly there.
+	// Debian 11's kernel, from bullseye-security (foreignSuites).
+	"5.10": "linux-image-amd64",
+}
+
+// foreignSuites are series from another Debian release: apt reads them
+// from a private sources list and package lists under the cache, never
+// from (or into) the host's apt configuration.
+var foreignSuites = map[string]string{
+	"5.10": "deb http://deb.debian.org/debian-security bullseye-security main",
+}
+
+// aptOpts are the apt options for series (none for the host's own suites).
+func aptOpts(ctx context.Context, series string) ([]string, error) {
+	line, ok := foreignSuites[series]
+	if !ok {
+		return nil, nil
+	}
+	dir := filepath.Join(CacheDir(), "apt-"+series)
+	if err := os.MkdirAll(filepath.Join(dir, "lists", "partial"), 0o755); err != nil {
+		return nil, err
+	}
+	if err := os.WriteFile(filepath.Join(dir, "sources.list"), []byte(line+"\n"), 0o644); err != nil {
+		return nil, err
+	}
+	opts := []string{"-o", "Dir::Etc::SourceList=" + filepath.Join(dir, "sources.list"), "-o", "Dir::Etc::SourceParts=/dev/null",
+		"-o", "Dir::State::Lists=" + filepath.Join(dir, "lists")}
+	if m, _ := filepath.Glob(filepath.Join(dir, "lists", "*_Packages*")); len(m) == 0 {
+		if err := run(ctx, "/", "apt-get", append(append([]string{}, opts...), "update", "-qq")...); err != nil {
+			return nil, err
+		}
+	}
+	return opts, nil
 }
 
 // readyStamp marks a prepared kernel directory (v3: the init script mounts
@@ -109,8 +142,12 @@ func kernelPackage(ctx context.Context, series string) (string, error) {
 	if !ok {
 		return "", fmt.Errorf("unknown guest kernel %q: want one of %s", series, strings.Join(KernelSeries(), ", "))
 	}
+	opts, err := aptOpts(ctx, series)
+	if err != nil {
+		return "", err
+	}
 	depends := func() string {
-		out, err := exec.CommandContext(ctx, "apt-cache", "depends", meta).Output()
+		out, err := exec.CommandContext(ctx, "apt-cache", append(append([]string{}, opts...), "depends", meta)...).Output()
 		if err != nil {
 			return ""
 		}
@@ -189,9 +226,14 @@ func PrepareKernel(ctx context.Context, series string) (*Kernel, error) {
 	}
 	debs, _ := filepath.Glob(filepath.Join(cache, pkg+"_*.deb"))
 	if len(debs) == 0 {
-		if err := run(ctx, cache, "apt-get", "download", "-q", pkg); err != nil {
-			if err2 := run(ctx, "/", "apt-get", "update", "-qq"); err2 == nil {
-				err = run(ctx, cache, "apt-get", "download", "-q", pkg)
+		opts, err := aptOpts(ctx, series)
+		if err != nil {
+			return nil, err
+		}
+		download := append(append([]string{}, opts...), "download", "-q", pkg)
+		if err := run(ctx, cache, "apt-get", download...); err != nil {
+			if err2 := run(ctx, "/", "apt-get", append(append([]string{}, opts...), "update", "-qq")...); err2 == nil {
+				err = run(ctx, cache, "apt-get", download...)
 			}
 			if err != nil {
 				return nil, fmt.Errorf("download %s: %w", pkg, err)

@@ -99,7 +99,7 @@ const (
 // Linux (the program type can matter too; the probe asks the kernel).
 var helperSince = map[string]string{
 	"bpf_map_lookup_elem": "3.19", "bpf_map_update_elem": "3.19", "bpf_map_delete_elem": "3.19",
-	"bpf_ktime_get_ns": "4.1", "bpf_skb_store_bytes": "4.1", "bpf_l3_csum_replace": "4.1", "bpf_l4_csum_replace": "4.1",
+	"bpf_ktime_get_ns": "4.1", "bpf_ktime_get_boot_ns": "5.8", "bpf_skb_store_bytes": "4.1", "bpf_l3_csum_replace": "4.1", "bpf_l4_csum_replace": "4.1",
 	"bpf_get_current_pid_tgid": "4.2", "bpf_get_current_uid_gid": "4.2", "bpf_get_current_comm": "4.2",
 	"bpf_skb_load_bytes": "4.5", "bpf_csum_diff": "4.6", "bpf_get_socket_uid": "4.12",
 	"bpf_skb_adjust_room": "4.13", "bpf_sk_lookup_tcp": "4.20", "bpf_sk_lookup_udp": "4.20", "bpf_sk_release": "4.20",
@@ -126,7 +126,7 @@ var mapSince = map[ebpf.MapType]string{
 
 var progTypeSince = map[ebpf.ProgramType]string{
 	ebpf.SchedCLS: "4.1", ebpf.CGroupSKB: "4.10", ebpf.CGroupSock: "4.10", ebpf.SockOps: "4.13",
-	ebpf.CGroupSockAddr: "4.17", ebpf.LSM: "5.7",
+	ebpf.CGroupSockAddr: "4.17", ebpf.LSM: "5.7", ebpf.Tracing: "5.5",
 }
 
 // optionalProgs are programs the agent can run without (their feature then
@@ -134,7 +134,6 @@ var progTypeSince = map[ebpf.ProgramType]string{
 var optionalProgs = map[string]string{
 	progUnixStream: "abstract Unix sockets are not isolated (status warns)",
 	progUnixDgram:  "abstract Unix sockets are not isolated (status warns)",
-	progSockCreate: "socket_storage = true is refused; the listener's gid comes from the socket's file credentials",
 }
 
 // ProbeKernel checks every kernel feature the compiled data plane uses:
@@ -243,13 +242,11 @@ func ProbeKernel() (*Probe, error) {
 	for _, t := range types {
 		u := progTypes[t]
 		err := features.HaveProgramType(t)
-		f := Feature{Name: "program type " + t.String(), Since: u.since, Present: err == nil, Required: !u.optional, Needs: u.progs}
+		f := Feature{Name: "program type " + t.String(), Since: u.since, Present: true, Required: !u.optional, Needs: u.progs}
 		if !f.Required {
 			f.Fallback = optional(u.progs)
 		}
-		if err != nil {
-			f.Detail = err.Error()
-		}
+		f.Present, f.Detail = conclusive(err)
 		add(f)
 	}
 	mapTypes := map[ebpf.MapType][]string{}
@@ -266,11 +263,8 @@ func ProbeKernel() (*Probe, error) {
 	sort.Slice(mts, func(i, j int) bool { return mts[i] < mts[j] })
 	for _, t := range mts {
 		sort.Strings(mapTypes[t])
-		err := features.HaveMapType(t)
-		f := Feature{Name: "map type " + t.String(), Since: mapSince[t], Present: err == nil, Required: true, Needs: mapTypes[t]}
-		if err != nil {
-			f.Detail = err.Error()
-		}
+		f := Feature{Name: "map type " + t.String(), Since: mapSince[t], Required: true, Needs: mapTypes[t]}
+		f.Present, f.Detail = conclusive(features.HaveMapType(t))
 		add(f)
 	}
 	// One row per program type: every helper its programs call.
@@ -505,4 +499,18 @@ func newer(a, b string) bool {
 		}
 	}
 	return len(pa) > len(pb)
+}
+
+// conclusive reads a features probe: only ErrNotSupported means absent.
+// Anything else (e.g. EPERM loading a tracing probe program on a kernel
+// without trampolines, where iterator programs still load) leaves the
+// decision to the program's own load, which names its error.
+func conclusive(err error) (present bool, detail string) {
+	switch {
+	case err == nil:
+		return true, ""
+	case errors.Is(err, ebpf.ErrNotSupported):
+		return false, err.Error()
+	}
+	return true, "not probed: " + err.Error()
 }

@@ -33,7 +33,7 @@ import (
 // Filters cannot be pinned; they live as long as the interface. The program
 // ID of lo's egress filter is kept in the pinned map tc_lo, so that the pins
 // of a namespace deleted without --uninstall can be recognised (see
-// namespaceGone).
+// NamespaceGone).
 const (
 	tcPref       = 1
 	tcHandle     = 0x5542
