@@ -20,7 +20,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/cobra/doc"
 
-	"github.com/palisade-hpc/palisade/cli"
+	"github.com/palisade-hpc/palisade/internal/cli"
 )
 
 // Paths on the installed system. The binary has ONE path, used by the
@@ -109,7 +109,7 @@ func Build(o Options) ([]string, error) {
 // Generate writes the man pages (man/) and shell completions (completions/)
 // of the command tree into dir.
 func Generate(dir, version string, date time.Time) error {
-	root := cli.Root()
+	root := cli.New()
 	man := filepath.Join(dir, "man")
 	if err := os.MkdirAll(man, 0o755); err != nil {
 		return err
@@ -150,7 +150,7 @@ func (o Options) info(format, gen string) (*nfpm.Info, error) {
 		{Destination: "/etc/palisade", Type: files.TypeDir, FileInfo: mode(0o755)},
 		{Destination: "/var/log/palisade", Type: files.TypeDir, FileInfo: mode(0o750)},
 		{Source: src("packaging/logrotate/palisade"), Destination: "/etc/logrotate.d/palisade", Type: files.TypeConfig, FileInfo: mode(0o644)},
-		{Source: src("slurm/spank/pal_uvn_spank.c"), Destination: "/usr/share/palisade/spank/pal_uvn_spank.c", FileInfo: mode(0o644)},
+		{Source: src("internal/dataplane/uvn/spank/c/pal_uvn_spank.c"), Destination: "/usr/share/palisade/spank/pal_uvn_spank.c", FileInfo: mode(0o644)},
 		{Source: src("packaging/spank/Makefile"), Destination: "/usr/share/palisade/spank/Makefile", FileInfo: mode(0o644)},
 		{Source: filepath.Join(gen, "completions/palisade.bash"), Destination: "/usr/share/bash-completion/completions/palisade", FileInfo: mode(0o644)},
 		{Source: filepath.Join(gen, "completions/_palisade"), Destination: "/usr/share/zsh/vendor-completions/_palisade", FileInfo: mode(0o644)},

@@ -81,7 +81,7 @@ func buildPackages(t *testing.T) (deb, rpm string) {
 	}
 	so := filepath.Join(dir, "pal_uvn_spank.so")
 	if out, err := exec.Command("make", "-s", "-C", filepath.Join(root, "packaging/spank"),
-		"SRC="+filepath.Join(root, "slurm/spank/pal_uvn_spank.c"), "OUT="+so).CombinedOutput(); err != nil {
+		"SRC="+filepath.Join(root, "internal/dataplane/uvn/spank/c/pal_uvn_spank.c"), "OUT="+so).CombinedOutput(); err != nil {
 		t.Fatalf("SPANK plugin (packaging/spank/Makefile): %v\n%s", err, out)
 	}
 	date := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
@@ -331,7 +331,7 @@ func must[T any](v T, err error) T {
 func TestOneBinaryPath(t *testing.T) {
 	re := regexp.MustCompile(`/usr/(local/)?s?bin/palisade\b`)
 	var files []string
-	for _, g := range []string{"../README.md", "../docs/*.md", "../packaging/*/*", "../packaging/*.toml", "../slurm/spank/*.c", "../cli/*.go"} {
+	for _, g := range []string{"../README.md", "../docs/*.md", "../packaging/*/*", "../packaging/*.toml", "../internal/dataplane/uvn/spank/c/*.c", "../internal/cli/*.go"} {
 		m, _ := filepath.Glob(g)
 		files = append(files, m...)
 	}
