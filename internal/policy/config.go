@@ -63,7 +63,18 @@ type ClusterConfig struct {
 	Subnets []string `toml:"subnets"`
 	// Nodes is an optional static node list, "name=address".
 	Nodes []string `toml:"nodes"`
+	// KeyFile holds the cluster key that seals every identity stamp (root
+	// only, like munge.key; `palisade key generate`). Without it, identity
+	// from other nodes is never trusted.
+	KeyFile string `toml:"key_file"`
+	// UnenforcedNodes are cluster nodes (CIDR) not yet running the agent
+	// during a staged rollout: their traffic, which carries no identity, is
+	// admitted as "unverified" and reported instead of refused.
+	UnenforcedNodes []string `toml:"unenforced_nodes"`
 }
+
+// DefaultKeyFile is where the cluster key is read from.
+const DefaultKeyFile = "/etc/palisade/cluster.key"
 
 // OffClusterConfig is the [offcluster] table as written.
 type OffClusterConfig struct {
@@ -405,6 +416,18 @@ func (c *Config) buildPolicy(res identity.Resolver, bad func(key, value string, 
 		}
 		names[n.Name], addrs[n.Addr] = true, n.Name
 		c.Nodes = append(c.Nodes, n)
+	}
+
+	for _, s := range c.Cluster.UnenforcedNodes {
+		pfx, err := parseSubnet(s)
+		if err == nil && len(p.ClusterSubnets) > 0 && !p.InCluster(pfx.Addr()) {
+			err = fmt.Errorf("%s is outside cluster.subnets", pfx)
+		}
+		if err != nil {
+			bad("cluster.unenforced_nodes", s, err)
+			continue
+		}
+		p.UnenforcedNodes = append(p.UnenforcedNodes, pfx)
 	}
 
 	for _, s := range c.OffCluster.AllowPorts {
