@@ -77,10 +77,10 @@ type Status struct {
 	Audit bool `json:"audit"`
 	// Keys are the ids of the cluster keys in force (the first seals);
 	// KeyError says why the configured key file is not usable.
-	Keys     []uint8 `json:"key_ids,omitempty"`
-	KeyError string  `json:"key_error,omitempty"`
-	Warnings    []string     `json:"warnings,omitempty"`
-	Counters    []Counter    `json:"counters"`
+	Keys     []uint8   `json:"key_ids,omitempty"`
+	KeyError string    `json:"key_error,omitempty"`
+	Warnings []string  `json:"warnings,omitempty"`
+	Counters []Counter `json:"counters"`
 }
 
 // GetStatus inspects the pins of the caller's namespace.
