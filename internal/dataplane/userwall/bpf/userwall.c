@@ -1004,7 +1004,10 @@ static __always_inline __u32 decide(struct uw_config *c, struct pkt *p, __u8 st,
 	}
 	if (!allows(rule) && dgram_proto(p->proto) && sent_to_peer(sk, p)) {
 		/* Reverse: the socket's owner reaching the sender's socket. */
-		int rev = st != S_VALID || allows(decide_ids(l->uid, l->gid, p->uid, p->gid));
+		/* (anyone may reach a system port: a stamped answer from one is
+		 * a reply like an identity-less one) */
+		int rev = st != S_VALID || p->sport <= c->system_port_max ||
+			  allows(decide_ids(l->uid, l->gid, p->uid, p->gid));
 		if (rev)
 			rule = R_UDP_REPLY;
 	}
