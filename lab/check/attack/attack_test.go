@@ -19,44 +19,19 @@ const instance = "palatkt"
 
 var tb *testbed.Testbed
 
-// knownHoles are the cases that fail on userwall v1 (issue 9): each is
-// logged, not failed, until the data plane v2 lands; remove a name once it
-// passes (the test says so). PALISADE_ATTACKS_STRICT=1 fails them too.
+// knownHoles are the cases that fail on main for a known, reported reason
+// (issue 9): each is logged, not failed; remove a name once it passes (the
+// test says so). PALISADE_ATTACKS_STRICT=1 fails them too.
 var knownHoles = map[string]string{
-	"udp-reply-stolen-port-local-v4":   "reply state keyed by port",
-	"udp-reply-stolen-port-local-v6":   "reply state keyed by port",
-	"udp-reply-stolen-port-cross-v4":   "reply state keyed by port",
-	"udp-reply-stolen-port-cross-v6":   "reply state keyed by port",
-	"udp-reply-self-made-local-v4":     "reply state without the local address",
-	"udp-reply-self-made-local-v6":     "reply state without the local address",
-	"udp-reply-self-made-cross-v4":     "reply state without the local address",
-	"udp-reply-self-made-cross-v6":     "reply state without the local address",
-	"mcast-allhosts-local-v4":          "multicast not checked",
-	"mcast-allhosts-cross-v4":          "multicast not checked",
-	"mcast-allnodes-local-v6":          "multicast not checked",
-	"mcast-allnodes-cross-v6":          "multicast not checked",
-	"mcast-joined-group-local-v4":      "multicast not checked",
-	"mcast-joined-group-cross-v4":      "multicast not checked",
-	"mcast-joined-group-cross-v6":      "multicast not checked",
-	"bcast-subnet-local-v4":            "own broadcast refused (unstamped loopback copy)",
-	"bcast-limited-local-v4":           "own broadcast refused (unstamped loopback copy)",
-	"bcast-subnet-cross-v4":            "own broadcast refused (not stamped)",
-	"bcast-reuseaddr-cobound-local-v4": "decision on a looked-up socket, not the receiving one",
-	"bindtodevice-lo-tcp-local":        "lookup without the device misses",
-	"linklocal-tcp-local-v6":           "link-local addresses not local",
-	"linklocal-udp-local-v6":           "link-local addresses not local",
-	"linklocal-tcp-cross-v6":           "link-local across nodes refused",
-	"linklocal-udp-cross-v6":           "link-local across nodes refused",
-	"proto-udplite-local-v4":           "UDP-Lite not checked",
-	"proto-udplite-cross-v4":           "UDP-Lite not checked",
-	"proto-udplite-cross-v6":           "UDP-Lite not checked",
-	"spoof-outside-udp-v4":             "unauthenticated stamp",
-	"spoof-outside-udp-v6":             "unauthenticated stamp",
-	"spoof-outside-syn-v4":             "unauthenticated stamp",
-	"spoof-outside-syn-v6":             "unauthenticated stamp",
-	"nft-flush-tcp-cross":              "refusal depends on nft",
-	"nft-flush-udp-cross":              "refusal depends on nft",
-	"tcp-fastopen-cross":               "no room for the TCP stamp",
+	// Data plane v2 (0b0fa2d): every attack is refused; the rightful
+	// user's own multicast and broadcast within one node is refused too
+	// (the looped-back copy carries no stamp).
+	"mcast-allhosts-local-v4":          "own local multicast refused",
+	"mcast-allnodes-local-v6":          "own local multicast refused",
+	"mcast-joined-group-local-v4":      "own local multicast refused",
+	"bcast-subnet-local-v4":            "own local broadcast refused",
+	"bcast-limited-local-v4":           "own local broadcast refused",
+	"bcast-reuseaddr-cobound-local-v4": "own local broadcast refused",
 }
 
 func strict() bool { return os.Getenv("PALISADE_ATTACKS_STRICT") == "1" }
@@ -131,12 +106,6 @@ func TestChurn(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	opts := ChurnOptions{Duration: 30 * time.Second, Every: 2 * time.Second}
-	if _, known := knownHoles["nft-flush-tcp-cross"]; known && !strict() {
-		// Fail-open on `nft flush` is a known hole of v1: churn without it
-		// (the attack suite still shows it).
-		opts.Kinds = []string{"sigterm", "reload", "sigkill", "addr-add"}
-		t.Log("known hole: nft-flush left out of the churn until data plane v2")
-	}
 	rep, err := Churn(ctx, tb, opts)
 	if err != nil {
 		t.Fatal(err)
