@@ -201,7 +201,7 @@ func testSeesRefusal(ctx context.Context, t *testing.T, tb *testbed.Testbed) {
 // node2: exactly that run reports mismatches, and the total is theirs.
 func testRepeat(ctx context.Context, t *testing.T, tb *testbed.Testbed) {
 	node := tb.Nodes[1]
-	rules := fmt.Sprintf("table inet palchk { chain in { type filter hook input priority 0; tcp dport %d reject with tcp reset; udp dport %d reject with icmpx admin-prohibited; } }", bobPort(), bobPort())
+	rules := fmt.Sprintf("table inet palchk {\n chain in {\n  type filter hook input priority 0;\n  tcp dport %d reject with tcp reset\n  udp dport %d reject with icmpx admin-prohibited\n }\n}\n", bobPort(), bobPort())
 	defer exec.Command("ip", "netns", "exec", node.NetNS, "nft", "delete", "table", "inet", "palchk").Run()
 	var out bytes.Buffer
 	opts := Options{Mode: "none", Quick: true, Launchers: []Launcher{Plain, SSH}}

@@ -276,13 +276,13 @@ func Churn(ctx context.Context, tb *testbed.Testbed, opts ChurnOptions) (*ChurnR
 			}
 		case "nft-flush":
 			_, err = e.Root(n.Name, "nft", "flush", "ruleset")
-		default:
-			err = fmt.Errorf("unknown disruption %q", kind)
 		case "addr-add":
 			a := fmt.Sprintf("198.18.0.%d/24", 200+len(added)%50)
 			if _, err = e.Root(n.Name, "ip", "addr", "add", a, "dev", "eth0"); err == nil {
 				added = append(added, n.Name+" "+a)
 			}
+		default:
+			err = fmt.Errorf("unknown disruption %q", kind)
 		}
 		what := kind + "@" + n.Name
 		events = append(events, event{time.Now(), what})
