@@ -292,7 +292,7 @@ func xLabel(bench string) string {
 	switch bench {
 	case SuiteThroughput:
 		return "streams"
-	case SuiteLatency:
+	case SuiteLatency, SuiteUDP:
 		return "bytes"
 	case SuiteConn:
 		return "threads"
@@ -312,6 +312,7 @@ var benchTitles = map[string]string{
 	SuiteThroughput: "Bulk throughput (iperf3)",
 	SuiteLatency:    "Request/response latency",
 	SuiteConn:       "Connection setup (N threads × new connections, one byte each)",
+	SuiteUDP:        "UDP datagrams: rate of one sender, and round trips",
 	SuiteMPI:        "MPI (OpenMPI, TCP BTL, one rank per node)",
 	SuiteScale:      "Verdict cost vs concurrent users and live connections",
 	SuiteSetup:      "Per-user setup time vs users on a node",
