@@ -80,7 +80,11 @@ type Figure struct {
 	Ratio    float64 `json:"ratio"`
 	RatioMin float64 `json:"ratio_min"`
 	RatioMax float64 `json:"ratio_max"`
-	Notes    string  `json:"notes,omitempty"`
+	// CILo–CIHi is the 95 % confidence interval of the ratio from the
+	// paired rounds (NaN with fewer than two pairs).
+	CILo  float64 `json:"ci95_lo"`
+	CIHi  float64 `json:"ci95_hi"`
+	Notes string  `json:"notes,omitempty"`
 }
 
 // Key identifies a figure.
@@ -191,11 +195,13 @@ func computeFigures(samples []Sample) []Figure {
 		mi := metricOf(k.metric)
 		f := Figure{Mode: k.mode, Bench: k.bench, Series: k.series, X: k.x, Metric: k.metric,
 			Unit: mi.Unit, Higher: mi.Higher, Baseline: Summarize(bv), With: Summarize(mv),
-			Ratio: math.NaN(), RatioMin: math.NaN(), RatioMax: math.NaN()}
+			Ratio: math.NaN(), RatioMin: math.NaN(), RatioMax: math.NaN(), CILo: math.NaN(), CIHi: math.NaN()}
 		if f.Baseline.N > 0 && f.With.N > 0 && f.Baseline.Median > 0 {
 			f.Ratio = f.With.Median / f.Baseline.Median
-			pr := Summarize(pairedRatios(pb, pm))
+			prs := pairedRatios(pb, pm)
+			pr := Summarize(prs)
 			f.RatioMin, f.RatioMax = pr.Min, pr.Max
+			f.CILo, f.CIHi = ratioCI(prs)
 		}
 		if len(a.notes) > 0 {
 			f.Notes = fmt.Sprint(a.notes)
@@ -232,5 +238,7 @@ func (f Figure) MarshalJSON() ([]byte, error) {
 		Ratio    *float64 `json:"ratio"`
 		RatioMin *float64 `json:"ratio_min"`
 		RatioMax *float64 `json:"ratio_max"`
-	}{plain(f), fp(f.Ratio), fp(f.RatioMin), fp(f.RatioMax)})
+		CILo     *float64 `json:"ci95_lo"`
+		CIHi     *float64 `json:"ci95_hi"`
+	}{plain(f), fp(f.Ratio), fp(f.RatioMin), fp(f.RatioMax), fp(f.CILo), fp(f.CIHi)})
 }
