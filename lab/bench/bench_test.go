@@ -191,8 +191,43 @@ func TestQuickOnTestbed(t *testing.T) {
 			}
 		}
 	}
+	// The exact accounting: userwall's units carry its programs' run time,
+	// attributed to nodes, and every unit the processes' CPU time.
+	if slices.ContainsFunc(res.Modes, func(m ModeStatus) bool { return m.Name == "userwall" && m.Status == "ran" }) {
+		progs, cpu := 0, 0
+		for _, c := range res.Costs {
+			if c.Mode != "userwall" || c.Variant != Enforced {
+				continue
+			}
+			if c.WorkNS(false) > 0 {
+				progs++
+			}
+			if c.CPUNS() > 0 {
+				cpu++
+			}
+			for _, p := range c.Progs {
+				if p.Node == "" || p.Name == "" || p.Type == "" {
+					t.Errorf("program without node, name or type: %+v", p)
+				}
+			}
+		}
+		if progs == 0 || cpu == 0 {
+			t.Errorf("userwall: %d units with eBPF run time, %d with CPU time (extra %v)", progs, cpu, res.Extra)
+		}
+		md, _ := os.ReadFile(filepath.Join(out, "results.md"))
+		for _, want := range []string{"In-kernel cost per operation", "Per program: conn conn-cross", "95 % CI", "in-kernel time ≤ 1.5 µs per TCP connection"} {
+			if !strings.Contains(string(md), want) {
+				t.Errorf("results.md lacks %q", want)
+			}
+		}
+		for _, f := range res.Figures {
+			if f.Mode == "userwall" && f.Metric == "seconds" && f.Baseline.N >= 2 && f.With.N >= 2 && math.IsNaN(f.CILo) {
+				t.Errorf("%s: no confidence interval from %d rounds", f.Key(), f.With.N)
+			}
+		}
+	}
 	// Every suite of "none" must have produced its figures.
-	for _, b := range []string{SuiteThroughput, SuiteLatency, SuiteConn, SuiteMPI} {
+	for _, b := range []string{SuiteThroughput, SuiteLatency, SuiteConn, SuiteUDP, SuiteMPI} {
 		n := 0
 		for _, f := range res.Figures {
 			if f.Mode == "none" && f.Bench == b {

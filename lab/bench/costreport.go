@@ -246,8 +246,29 @@ func costTables(r *Results, mode string) string {
 	if len(order) == 0 {
 		return ""
 	}
+	progs := false
+	for _, cs := range by {
+		for _, c := range cs {
+			progs = progs || len(c.Progs) > 0
+		}
+	}
 	var b strings.Builder
 	w := func(f string, a ...any) { fmt.Fprintf(&b, f, a...) }
+	if !progs {
+		// No data-plane programs (the A/A run): CPU per operation only,
+		// whose ratios show the noise of that measurement.
+		w("### CPU time per operation\n\nUser + system time of the load generator and the server per operation, median over rounds [min–max], ratio with its 95 %% CI (no data-plane programs in this mode).\n\n")
+		w("| suite | series | x | per | CPU baseline (µs) | CPU mode (µs) | CPU ratio [95 %% CI] |\n|---|---|---|---|---|---|---|\n")
+		for _, k := range order {
+			u := summarizeCosts(by[k])
+			if f, ok := r.cpuFigure(k); ok && !math.IsNaN(f.Ratio) {
+				w("| %s | %s | %s | %s | %s | %s | %.3f [%s] |\n", k.bench, k.series, strconv.FormatFloat(k.x, 'f', -1, 64), u.opUnit,
+					fmtSummary(f.Baseline), fmtSummary(f.With), f.Ratio, fmtCI(f))
+			}
+		}
+		w("\n")
+		return b.String()
+	}
 	w("### In-kernel cost per operation (exact accounting)\n\n")
 	w("eBPF run time per operation from the kernel's run-time statistics (run_time_ns, run_cnt of every program the data plane's agents hold, read around each unit; %s), "+
 		"median over rounds [min–max]. *one copy per host*: the nodes doing the work (client, and server across nodes), with the early exits of the other nodes' copies on shared hooks removed "+

@@ -431,6 +431,11 @@ func mergeInto(res *Results, path string) {
 			res.Foot = append(res.Foot, f)
 		}
 	}
+	for _, c := range old.Costs {
+		if !now[c.Mode] {
+			res.Costs = append(res.Costs, c)
+		}
+	}
 	for _, e := range old.Errors {
 		keep := true
 		for m := range now {
