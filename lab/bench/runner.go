@@ -231,7 +231,9 @@ func runMode(ctx context.Context, o *Options, plan Plan, d Driver, mode string, 
 				procs := d.Processes(ctx, env)
 				fp = startFootprint(procs)
 				if !env.VM && res.Extra["bpf_stats"] != "" && !strings.HasPrefix(res.Extra["bpf_stats"], "unavailable") {
-					s.progs = openProgs(procs)
+					if ps := openProgs(procs); len(ps.refs) > 0 {
+						s.progs = ps
+					}
 				}
 			}
 			t0 := time.Now()
