@@ -17,6 +17,8 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf/ringbuf"
+	"golang.org/x/time/rate"
+
 	"github.com/palisade-hpc/palisade/internal/identity"
 )
 
@@ -47,22 +49,20 @@ type Event struct {
 // eventSink turns ring-buffer records into rate-limited JSON lines and
 // syslog messages.
 type eventSink struct {
-	node   string
-	res    identity.Resolver
-	log    *slog.Logger
-	mu     sync.Mutex
-	file   io.WriteCloser
-	sys    *syslog.Writer
-	rate   float64
-	tokens float64
-	last   time.Time
-	names  map[[2]uint32]string
+	node  string
+	res   identity.Resolver
+	log   *slog.Logger
+	mu    sync.Mutex
+	file  io.WriteCloser
+	sys   *syslog.Writer
+	limit *rate.Limiter // nil: log nothing (event_rate 0)
+	names map[[2]uint32]string
 
 	Logged, Suppressed atomic.Uint64
 }
 
-func newEventSink(path string, useSyslog bool, rate int, log *slog.Logger) (*eventSink, error) {
-	s := &eventSink{res: identity.System(), log: log, rate: float64(rate), tokens: float64(rate), names: map[[2]uint32]string{}}
+func newEventSink(path string, useSyslog bool, perSec int, log *slog.Logger) (*eventSink, error) {
+	s := &eventSink{res: identity.System(), log: log, limit: newEventLimit(perSec), names: map[[2]uint32]string{}}
 	s.node, _ = os.Hostname()
 	if path != "" {
 		if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
@@ -97,23 +97,17 @@ func (s *eventSink) close() {
 	}
 }
 
-// allow is a token bucket: rate per second, burst of 5 s worth.
+// newEventLimit allows perSec events a second with a burst of 5 s worth;
+// nil (nothing logged) for perSec <= 0.
+func newEventLimit(perSec int) *rate.Limiter {
+	if perSec <= 0 {
+		return nil
+	}
+	return rate.NewLimiter(rate.Limit(perSec), 5*perSec)
+}
+
 func (s *eventSink) allow(now time.Time) bool {
-	if s.rate <= 0 {
-		return false
-	}
-	if !s.last.IsZero() {
-		s.tokens += now.Sub(s.last).Seconds() * s.rate
-	}
-	if max := s.rate * 5; s.tokens > max {
-		s.tokens = max
-	}
-	s.last = now
-	if s.tokens < 1 {
-		return false
-	}
-	s.tokens--
-	return true
+	return s.limit != nil && s.limit.AllowN(now, 1)
 }
 
 func (s *eventSink) name(kind uint32, id uint32) string {
