@@ -50,19 +50,18 @@ type Event struct {
 // syslog messages.
 type eventSink struct {
 	node  string
-	res   identity.Resolver
 	log   *slog.Logger
 	mu    sync.Mutex
 	file  io.WriteCloser
 	sys   *syslog.Writer
 	limit *rate.Limiter // nil: log nothing (event_rate 0)
-	names map[[2]uint32]string
+	names *identity.NameCache
 
 	Logged, Suppressed atomic.Uint64
 }
 
 func newEventSink(path string, useSyslog bool, perSec int, log *slog.Logger) (*eventSink, error) {
-	s := &eventSink{res: identity.System(), log: log, limit: newEventLimit(perSec), names: map[[2]uint32]string{}}
+	s := &eventSink{log: log, limit: newEventLimit(perSec), names: identity.NewNameCache(nil, time.Minute)}
 	s.node, _ = os.Hostname()
 	if path != "" {
 		if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
@@ -110,24 +109,6 @@ func (s *eventSink) allow(now time.Time) bool {
 	return s.limit != nil && s.limit.AllowN(now, 1)
 }
 
-func (s *eventSink) name(kind uint32, id uint32) string {
-	k := [2]uint32{kind, id}
-	if n, ok := s.names[k]; ok {
-		return n
-	}
-	var n string
-	if kind == 0 {
-		n, _ = s.res.LookupUID(id)
-	} else {
-		n, _ = s.res.LookupGID(id)
-	}
-	if len(s.names) > 4096 {
-		clear(s.names)
-	}
-	s.names[k] = n
-	return n
-}
-
 func addrPort(fam uint8, a [16]uint8, port uint16) string {
 	ip := netip.AddrFrom16(a)
 	if fam == 4 {
@@ -150,9 +131,9 @@ func (s *eventSink) decode(raw []byte) (Event, error) {
 	default:
 		e.Proto = "unix"
 	}
-	e.Listener = Party{UID: r.Luid, User: s.name(0, r.Luid), GID: r.Lgid, Group: s.name(1, r.Lgid)}
+	e.Listener = Party{UID: r.Luid, User: s.names.User(r.Luid), GID: r.Lgid, Group: s.names.Group(r.Lgid)}
 	if r.HasConnector != 0 {
-		e.Connector = &Party{UID: r.Cuid, User: s.name(0, r.Cuid), GID: r.Cgid, Group: s.name(1, r.Cgid)}
+		e.Connector = &Party{UID: r.Cuid, User: s.names.User(r.Cuid), GID: r.Cgid, Group: s.names.Group(r.Cgid)}
 	}
 	if r.Family == 1 {
 		name := bytes.TrimRight(r.Daddr[:], "\x00")

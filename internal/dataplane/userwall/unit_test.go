@@ -68,7 +68,7 @@ func TestDecodeEvent(t *testing.T) {
 	if err != nil {
 		t.Skip("identity.ParseTables:", err)
 	}
-	s := &eventSink{res: tab, node: "node1", names: map[[2]uint32]string{}}
+	s := &eventSink{node: "node1", names: identity.NewNameCache(tab, time.Minute)}
 	r := uwbpfUwEvent{Cuid: 2002, Cgid: 2002, Luid: 2001, Lgid: 2100, Sport: 40000, Dport: 5000,
 		Proto: 6, Family: 4, Rule: 8, Path: 2, HasConnector: 1}
 	src, dst := netip.MustParseAddr("::ffff:198.18.0.2").As16(), netip.MustParseAddr("::ffff:198.18.0.1").As16()
