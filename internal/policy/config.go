@@ -1,6 +1,8 @@
 package policy
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -25,6 +27,12 @@ type Config struct {
 	// Default is true when the file did not exist and LoadOrDefault used
 	// the built-in defaults.
 	Default bool
+	// SHA256 is the hex SHA-256 of the file's bytes (what sha256sum prints;
+	// of the empty input for the defaults): the configuration's identity in
+	// status and metrics, equal on nodes that run the same file.
+	SHA256 string
+	// data is the file's text (for the lines of Findings).
+	data []byte
 
 	// Policy is the validated rule set built from Rules, Cluster and OffCluster.
 	Policy *Policy
@@ -55,7 +63,18 @@ type ClusterConfig struct {
 	Subnets []string `toml:"subnets"`
 	// Nodes is an optional static node list, "name=address".
 	Nodes []string `toml:"nodes"`
+	// KeyFile holds the cluster key that seals every identity stamp (root
+	// only, like munge.key; `palisade key generate`). Without it, identity
+	// from other nodes is never trusted.
+	KeyFile string `toml:"key_file"`
+	// UnenforcedNodes are cluster nodes (CIDR) not yet running the agent
+	// during a staged rollout: their traffic, which carries no identity, is
+	// admitted as "unverified" and reported instead of refused.
+	UnenforcedNodes []string `toml:"unenforced_nodes"`
 }
+
+// DefaultKeyFile is where the cluster key is read from.
+const DefaultKeyFile = "/etc/palisade/cluster.key"
 
 // OffClusterConfig is the [offcluster] table as written.
 type OffClusterConfig struct {
@@ -236,7 +255,8 @@ func Parse(name string, data []byte, res identity.Resolver) (cfg *Config, err er
 	if res == nil {
 		res = identity.System()
 	}
-	c := &Config{Path: name}
+	sum := sha256.Sum256(data)
+	c := &Config{Path: name, SHA256: hex.EncodeToString(sum[:]), data: data}
 	loc := newLocator(data)
 	var errs []error
 	fail := func(line int, key, format string, args ...any) {
@@ -396,6 +416,18 @@ func (c *Config) buildPolicy(res identity.Resolver, bad func(key, value string, 
 		}
 		names[n.Name], addrs[n.Addr] = true, n.Name
 		c.Nodes = append(c.Nodes, n)
+	}
+
+	for _, s := range c.Cluster.UnenforcedNodes {
+		pfx, err := parseSubnet(s)
+		if err == nil && len(p.ClusterSubnets) > 0 && !p.InCluster(pfx.Addr()) {
+			err = fmt.Errorf("%s is outside cluster.subnets", pfx)
+		}
+		if err != nil {
+			bad("cluster.unenforced_nodes", s, err)
+			continue
+		}
+		p.UnenforcedNodes = append(p.UnenforcedNodes, pfx)
 	}
 
 	for _, s := range c.OffCluster.AllowPorts {

@@ -29,11 +29,13 @@ type AgentConfig struct {
 	PidFile string `toml:"pid_file"`
 	// GroupRefresh is how often group membership is reloaded from NSS.
 	GroupRefresh string `toml:"group_refresh"`
-	// SocketStorage also records each socket's creator (euid, egid) in
-	// socket-local storage from a cgroup sock_create hook. Off by default:
-	// the socket's file credentials hold the same creation-time ids, and the
-	// hook costs ~1.1 µs per socket() (docs/userwall.md).
+	// SocketStorage is accepted for compatibility and ignored: since data
+	// plane v2 every socket's owner is always recorded (the check at delivery
+	// needs it).
 	SocketStorage bool `toml:"socket_storage"`
+	// Audit decides and reports every connection but refuses none (a site
+	// measuring what enforcement would refuse). Switched by reload.
+	Audit bool `toml:"audit"`
 	// UnixSockets enforces the rules on abstract Unix sockets (BPF LSM).
 	UnixSockets bool `toml:"unix_sockets"`
 	// IdentPort is the ident service's UDP port (privileged; 0 = off).

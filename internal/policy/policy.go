@@ -105,6 +105,9 @@ type Policy struct {
 	ClusterSubnets []netip.Prefix
 	// OffClusterPorts are the non-system ports off-cluster sources may reach.
 	OffClusterPorts []PortRange
+	// UnenforcedNodes are cluster nodes without the agent yet (staged
+	// rollout): identity-less traffic from them is admitted, and reported.
+	UnenforcedNodes []netip.Prefix
 }
 
 // Default returns the policy used when the configuration says nothing:

@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -70,6 +71,12 @@ type agent struct {
 	cgroup   string
 	sink     *eventSink
 	ident    *ident.Server
+	// keyErr says why the cluster key is not in use (nil: it is);
+	// noKeyWarned keeps the log from repeating it.
+	keyErr      error
+	noKeyWarned string
+	// nftRepairs counts restorations of the nft table (metrics).
+	nftRepairs atomic.Int64
 }
 
 // ReadPid returns the pid in a pid file if that process is alive.
@@ -183,6 +190,12 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 
 	ctx, stop := signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
+	nftDone := make(chan struct{})
+	go func() {
+		defer close(nftDone)
+		WatchNft(ctx, a.repairNft)
+	}()
+	defer func() { <-nftDone }()
 	if srv := a.startMetrics(); srv != nil {
 		defer srv.Close()
 	}
@@ -243,6 +256,9 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 			a.syncNode()
 		case <-tick.C:
 			a.syncNode()
+			if err := a.dp.RefreshClock(); err != nil {
+				a.log.Warn("clock offset not refreshed", "err", err)
+			}
 		case <-groups.C:
 			a.syncMembers()
 		}
@@ -257,16 +273,50 @@ func (a *agent) install(cgroupRoot string) error {
 		return err
 	}
 	a.syncMembers()
-	if err := a.dp.ApplyPolicy(a.cfg.Policy); err != nil {
+	if err := a.loadKeys(); err != nil {
+		return err
+	}
+	if err := a.dp.ApplyPolicy(a.cfg.Policy, a.cfg.Agent.Audit); err != nil {
 		return err
 	}
 	if err := InstallNft(); err != nil {
 		return err
 	}
-	if err := a.dp.AttachCgroup(cgroupRoot, a.cfg.Agent.SocketStorage); err != nil {
+	// Stamping first: the check at delivery refuses identity-less user
+	// traffic, so the stamps must flow before it is attached.
+	if err := a.syncInterfaces(); err != nil {
 		return err
 	}
-	return a.syncInterfaces()
+	return a.dp.AttachCgroup(cgroupRoot)
+}
+
+// keyFile is the configured cluster key file.
+func (a *agent) keyFile() string {
+	if f := a.cfg.Cluster.KeyFile; f != "" {
+		return f
+	}
+	return policy.DefaultKeyFile
+}
+
+// loadKeys loads the cluster keys into the data plane. Without a readable
+// key file the node seals with a random key of its own: its users keep
+// their local traffic, and no identity from another node is trusted (fail
+// closed for users, loudly).
+func (a *agent) loadKeys() error {
+	keys, err := LoadKeys(a.keyFile())
+	if err != nil {
+		if a.noKeyWarned == "" || a.noKeyWarned != err.Error() {
+			a.log.Error("no cluster key: identity from other nodes is NOT trusted (cross-node user traffic is refused)", "err", err)
+			a.noKeyWarned = err.Error()
+		}
+		var k Key
+		copy(k[:], GenerateKeyBytes())
+		keys = []Key{k}
+		a.keyErr = err
+	} else {
+		a.noKeyWarned, a.keyErr = "", nil
+	}
+	return a.dp.SetKeys(keys)
 }
 
 func (a *agent) syncAddrs() error {
@@ -274,30 +324,28 @@ func (a *agent) syncAddrs() error {
 	if err != nil {
 		return err
 	}
+	// Unicast addresses only: broadcast and multicast datagrams go to many
+	// sockets and are decided at each of them, never early.
 	var addrs []netip.Addr
 	for _, x := range list {
 		if ip, ok := netip.AddrFromSlice(x.IP); ok {
 			addrs = append(addrs, ip)
 		}
-		// Broadcasts are delivered to this node's sockets too: a datagram
-		// to a subnet broadcast is checked like one to the node's address.
-		if b, ok := netip.AddrFromSlice(x.Broadcast); ok && b.Unmap().Is4() && !b.IsUnspecified() {
-			addrs = append(addrs, b)
-		}
-		if x.IPNet != nil {
-			if ip4 := x.IPNet.IP.To4(); ip4 != nil {
-				if ones, _ := x.IPNet.Mask.Size(); ones <= 30 {
-					var b [4]byte
-					for i := range b {
-						b[i] = ip4[i] | ^x.IPNet.Mask[len(x.IPNet.Mask)-4+i]
-					}
-					addrs = append(addrs, netip.AddrFrom4(b))
-				}
-			}
-		}
 	}
-	addrs = append(addrs, netip.AddrFrom4([4]byte{255, 255, 255, 255}))
 	return a.dp.SetLocalAddrs(addrs)
+}
+
+// repairNft restores the reject table if anything of it is gone.
+func (a *agent) repairNft() {
+	if NftComplete() {
+		return
+	}
+	if err := InstallNft(); err != nil {
+		a.log.Error("nft reject table not restored (refusals are silent drops until it is)", "err", err)
+		return
+	}
+	a.nftRepairs.Add(1)
+	a.log.Warn("nft reject table was removed or changed; restored")
 }
 
 func (a *agent) syncMembers() {
@@ -320,36 +368,61 @@ func (a *agent) syncNode() {
 	}
 }
 
-// wantInterfaces: the configured list, or every interface but lo, so that
-// off-cluster traffic is checked whichever interface it arrives on (identity
-// is trusted by source subnet, not by interface). lo gets only the egress
-// program, which notes local UDP flows so that replies get through.
-func (a *agent) wantInterfaces() (map[string]int, error) {
+// wantInterfaces: lo and the configured list, or every interface. Each gets
+// the stamping (egress) and early-refusal (ingress) programs; l2 is the L2
+// header length by which they find the IP header.
+func (a *agent) wantInterfaces() (want map[string]int, l2 map[int]int, err error) {
 	links, err := nldump.Retry(netlink.LinkList)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	want := map[string]int{}
+	want, l2 = map[string]int{}, map[int]int{}
 	for _, l := range links {
 		at := l.Attrs()
 		if at.Name == "lo" || len(a.cfg.Agent.Interfaces) == 0 || slices.Contains(a.cfg.Agent.Interfaces, at.Name) {
+			n, ok := l2HeaderLen(at.EncapType)
+			if !ok {
+				if a.cfg.Agent.Interfaces != nil {
+					a.log.Warn("interface type not supported; its traffic carries no identity", "interface", at.Name, "type", at.EncapType)
+				}
+				continue
+			}
 			want[at.Name] = at.Index
+			l2[at.Index] = n
 		}
 	}
-	return want, nil
+	return want, l2, nil
+}
+
+// l2HeaderLen is the length of the link-layer header the tc programs see.
+func l2HeaderLen(encap string) (int, bool) {
+	switch encap {
+	case "ether", "loopback":
+		return 14, true
+	case "none": // tun, wireguard: the IP header comes first
+		return 0, true
+	case "infiniband": // IPoIB: a 4-byte header (protocol, reserved)
+		return 4, true
+	}
+	return 0, false
 }
 
 func (a *agent) syncInterfaces() error {
-	want, err := a.wantInterfaces()
+	want, l2, err := a.wantInterfaces()
 	if err != nil {
 		return err
 	}
 	var errs []error
+	// The header lengths first: a program attached before would not find
+	// the IP header and stamp nothing.
+	if err := a.dp.SetInterfaces(l2); err != nil {
+		errs = append(errs, err)
+	}
 	for name, idx := range want {
 		if a.attached[name] == idx {
 			continue
 		}
-		if err := a.dp.AttachInterface(name, idx, name != "lo"); err != nil {
+		if err := a.dp.AttachInterface(name, idx); err != nil {
 			errs = append(errs, err)
 			continue
 		}
@@ -378,15 +451,13 @@ func (a *agent) reload() {
 		a.log.Error("configuration refused; the running policy stays", "err", err)
 		return
 	}
-	if err := a.dp.ApplyPolicy(cfg.Policy); err != nil {
+	if err := a.dp.ApplyPolicy(cfg.Policy, cfg.Agent.Audit); err != nil {
 		a.log.Error("policy not fully applied", "err", err)
 		return
 	}
 	a.cfg = cfg
-	// Re-attaching swaps programs in place (and adds or removes the
-	// optional socket-storage hook).
-	if err := a.dp.AttachCgroup(a.cgroup, cfg.Agent.SocketStorage); err != nil {
-		a.log.Error("cgroup programs not refreshed", "err", err)
+	if err := a.loadKeys(); err != nil {
+		a.log.Error("cluster keys not loaded", "err", err)
 	}
 	if a.ident != nil {
 		a.ident.SetPolicy(cfg.Policy)

@@ -1,16 +1,20 @@
 package userwall
 
-import "github.com/cilium/ebpf"
+import (
+	"sort"
+
+	"github.com/cilium/ebpf"
+)
 
 func readCounters(m *ebpf.Map) ([]Counter, error) {
 	var out []Counter
-	for p := range pathNames {
+	for p, pname := range pathNames {
 		for r := 1; r < numRules; r++ {
-			if _, ok := ruleNames[uint8(r)]; !ok {
+			if _, ok := ruleNames[uwbpfUwRule(r)]; !ok {
 				continue
 			}
 			var per []uint64
-			if err := m.Lookup(uint32(p*numRules+r), &per); err != nil {
+			if err := m.Lookup(uint32(int(p)*numRules+r), &per); err != nil {
 				return nil, err
 			}
 			var sum uint64
@@ -18,9 +22,15 @@ func readCounters(m *ebpf.Map) ([]Counter, error) {
 				sum += v
 			}
 			if sum > 0 {
-				out = append(out, Counter{Path: pathNames[p], Rule: ruleName(uint8(r)), Allowed: ruleAllows(uint8(r)), Count: sum})
+				out = append(out, Counter{Path: pname, Rule: ruleName(uint8(r)), Allowed: ruleAllows(uint8(r)), Count: sum})
 			}
 		}
 	}
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].Path != out[j].Path {
+			return out[i].Path < out[j].Path
+		}
+		return out[i].Rule < out[j].Rule
+	})
 	return out, nil
 }

@@ -3,6 +3,7 @@ package userwall
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"sort"
@@ -14,30 +15,36 @@ import (
 
 // Program names in the object (C function names).
 const (
-	progConnect4   = "uw_connect4"
-	progConnect6   = "uw_connect6"
-	progSendmsg4   = "uw_sendmsg4"
-	progSendmsg6   = "uw_sendmsg6"
-	progSockCreate = "uw_sock_create"
-	progSockops    = "uw_sockops"
+	progIngressSkb = "uw_skb_ingress"
 	progIngress    = "uw_tc_ingress"
 	progEgress     = "uw_tc_egress"
 	progUnixStream = "uw_unix_stream_connect"
 	progUnixDgram  = "uw_unix_may_send"
+	progIterTCP    = "uw_iter_tcp"
+	progIterUDP    = "uw_iter_udp"
 )
 
-// cgroupHooks are attached to the root of the cgroup v2 hierarchy.
+// cgroupHooks are attached to the root of the cgroup v2 hierarchy, in this
+// order: the owner recorders first (so that every socket created from then
+// on has an owner), the check at delivery last.
 var cgroupHooks = []struct {
 	link, prog string
 	attach     ebpf.AttachType
 }{
-	{"connect4", progConnect4, ebpf.AttachCGroupInet4Connect},
-	{"connect6", progConnect6, ebpf.AttachCGroupInet6Connect},
-	{"sendmsg4", progSendmsg4, ebpf.AttachCGroupUDP4Sendmsg},
-	{"sendmsg6", progSendmsg6, ebpf.AttachCGroupUDP6Sendmsg},
-	{"sock_create", progSockCreate, ebpf.AttachCGroupInetSockCreate},
-	{"sockops", progSockops, ebpf.AttachCGroupSockOps},
+	{"sock_create", "uw_sock_create", ebpf.AttachCGroupInetSockCreate},
+	{"post_bind4", "uw_post_bind4", ebpf.AttachCGroupInet4PostBind},
+	{"post_bind6", "uw_post_bind6", ebpf.AttachCGroupInet6PostBind},
+	{"bind4", "uw_bind4", ebpf.AttachCGroupInet4Bind},
+	{"bind6", "uw_bind6", ebpf.AttachCGroupInet6Bind},
+	{"connect4", "uw_connect4", ebpf.AttachCGroupInet4Connect},
+	{"connect6", "uw_connect6", ebpf.AttachCGroupInet6Connect},
+	{"sendmsg4", "uw_sendmsg4", ebpf.AttachCGroupUDP4Sendmsg},
+	{"sendmsg6", "uw_sendmsg6", ebpf.AttachCGroupUDP6Sendmsg},
+	{"skb_ingress", progIngressSkb, ebpf.AttachCGroupInetIngress},
 }
+
+// staleLinks are pins of earlier versions that this one no longer uses.
+var staleLinks = []string{"sockops"}
 
 var lsmHooks = []struct{ link, prog string }{
 	{"lsm_unix_stream_connect", progUnixStream},
@@ -101,9 +108,12 @@ func Load(pinDir string, cookie uint64, wantLSM bool) (*Dataplane, error) {
 			for _, h := range lsmHooks {
 				delete(spec.Programs, h.prog)
 			}
-			if c2, err2 := ebpf.NewCollectionWithOptions(spec, opts); err2 == nil {
+			c2, err2 := ebpf.NewCollectionWithOptions(spec, opts)
+			if err2 == nil {
 				d.LSMErr = fmt.Errorf("LSM programs not loaded: %w", err)
 				coll, err = c2, nil
+			} else {
+				err = err2 // the failure that matters: not the LSM's
 			}
 		}
 	}
@@ -150,15 +160,20 @@ func (d *Dataplane) attach(name string, prog *ebpf.Program, attach func() (link.
 }
 
 // AttachCgroup attaches the socket hooks (and the LSM hooks) to the root of
-// the cgroup v2 hierarchy at cgroupRoot.
-func (d *Dataplane) AttachCgroup(cgroupRoot string, socketStorage bool) error {
-	for _, h := range cgroupHooks {
-		if h.prog == progSockCreate && !socketStorage {
-			d.detach(h.link)
-			continue
+// the cgroup v2 hierarchy at cgroupRoot. Sockets that predate the owner
+// recorders get their owner from the socket iterators, run between the two.
+func (d *Dataplane) AttachCgroup(cgroupRoot string) error {
+	for _, n := range staleLinks {
+		d.detach(n)
+	}
+	for i, h := range cgroupHooks {
+		if h.prog == progIngressSkb {
+			if err := d.adoptSockets(); err != nil {
+				return err
+			}
 		}
 		p := d.coll.Programs[h.prog]
-		attachType := h.attach
+		attachType := cgroupHooks[i].attach
 		err := d.attach(h.link, p, func() (link.Link, error) {
 			return link.AttachCgroup(link.CgroupOptions{Path: cgroupRoot, Attach: attachType, Program: p})
 		})
@@ -182,19 +197,38 @@ func (d *Dataplane) AttachCgroup(cgroupRoot string, socketStorage bool) error {
 	return nil
 }
 
+// adoptSockets runs the TCP and UDP socket iterators once in this
+// namespace: every socket that exists now gets an owner record (a socket
+// created since already has one and keeps it).
+func (d *Dataplane) adoptSockets() error {
+	for _, name := range []string{progIterTCP, progIterUDP} {
+		it, err := link.AttachIter(link.IterOptions{Program: d.coll.Programs[name]})
+		if err != nil {
+			return fmt.Errorf("socket iterator %s: %w", name, err)
+		}
+		rd, err := it.Open()
+		if err == nil {
+			_, err = io.Copy(io.Discard, rd)
+			rd.Close()
+		}
+		it.Close()
+		if err != nil {
+			return fmt.Errorf("socket iterator %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
 func tcxLinkName(dir, ifname string) string { return "tcx_" + dir + "_" + ifname }
 
 // AttachInterface attaches the tc programs to one interface with tcx links
-// (ingress checks, egress stamps and notes UDP flows). On lo only egress.
-func (d *Dataplane) AttachInterface(ifname string, ifindex int, ingress bool) error {
+// (egress stamps, ingress refuses early). Every managed interface, lo too.
+func (d *Dataplane) AttachInterface(ifname string, ifindex int) error {
 	type dir struct {
 		name, prog string
 		at         ebpf.AttachType
 	}
-	dirs := []dir{{"eg", progEgress, ebpf.AttachTCXEgress}}
-	if ingress {
-		dirs = append(dirs, dir{"in", progIngress, ebpf.AttachTCXIngress})
-	}
+	dirs := []dir{{"eg", progEgress, ebpf.AttachTCXEgress}, {"in", progIngress, ebpf.AttachTCXIngress}}
 	for _, x := range dirs {
 		p := d.coll.Programs[x.prog]
 		at := x.at

@@ -12,6 +12,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -44,6 +45,13 @@ type Event struct {
 	Dst       string    `json:"dst"`
 	PID       uint32    `json:"pid,omitempty"`
 	Comm      string    `json:"comm,omitempty"`
+	// Stamp says what the packet's identity stamp was worth ("valid",
+	// "none", "bad-mac", "stale", ...); empty for local socket calls.
+	Stamp string `json:"stamp,omitempty"`
+	// Stage is where the refusal happened: "socket" (the packet was dropped
+	// at the socket it was queued to), "early" (refused before the stack by
+	// a reset / ICMP), "bind" or "unix".
+	Stage string `json:"stage,omitempty"`
 }
 
 // eventSink turns ring-buffer records into rate-limited JSON lines and
@@ -123,13 +131,44 @@ func (s *eventSink) decode(raw []byte) (Event, error) {
 		return Event{}, err
 	}
 	e := Event{Time: time.Now().UTC(), Node: s.node, Verdict: "deny", Rule: ruleName(r.Rule), Path: pathName(r.Path), PID: r.Pid}
+	switch {
+	case r.Audit != 0:
+		e.Verdict = "audit" // refused by the rules, let through (audit mode)
+	case ruleAllows(r.Rule):
+		e.Verdict = "allow" // admitted and reported (unverified)
+	}
 	switch r.Proto {
 	case 6:
 		e.Proto = "tcp"
 	case 17:
 		e.Proto = "udp"
+	case 136:
+		e.Proto = "udplite"
+	case 132:
+		e.Proto = "sctp"
+	case 33:
+		e.Proto = "dccp"
+	case 1:
+		if r.Family == 1 {
+			e.Proto = "unix"
+		} else {
+			e.Proto = "icmp"
+		}
 	default:
-		e.Proto = "unix"
+		e.Proto = strconv.Itoa(int(r.Proto))
+	}
+	switch {
+	case r.Family == 1:
+		e.Stage = "unix"
+	case uwbpfUwPath(r.Path) == uwbpfUwPathP_BIND:
+		e.Stage = "bind"
+	case r.Polite != 0:
+		e.Stage = "early"
+	default:
+		e.Stage = "socket"
+	}
+	if r.Family != 1 && uwbpfUwPath(r.Path) != uwbpfUwPathP_BIND {
+		e.Stamp = stampName(r.Stamp)
 	}
 	e.Listener = Party{UID: r.Luid, User: s.names.User(r.Luid), GID: r.Lgid, Group: s.names.Group(r.Lgid)}
 	if r.HasConnector != 0 {
@@ -140,7 +179,7 @@ func (s *eventSink) decode(raw []byte) (Event, error) {
 		e.Dst = "@" + string(name)
 	} else {
 		e.Dst = addrPort(r.Family, r.Daddr, r.Dport)
-		if r.Path >= 2 { // remote: the packet's source
+		if uwbpfUwPath(r.Path) != uwbpfUwPathP_BIND { // the packet's source
 			e.Src = addrPort(r.Family, r.Saddr, r.Sport)
 		}
 	}

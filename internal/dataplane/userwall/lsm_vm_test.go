@@ -229,7 +229,7 @@ func TestLSMGuest(t *testing.T) {
 	defer coll.Close()
 	d := &Dataplane{coll: coll, links: map[string]link.Link{}}
 	pol := &policy.Policy{SystemPortMax: 1023, ExemptConnectors: []uint32{0, 2004}, ExemptListeners: []uint32{0, 2004}}
-	if err := d.ApplyPolicy(pol); err != nil {
+	if err := d.ApplyPolicy(pol, false); err != nil {
 		t.Fatal(err)
 	}
 	for _, h := range lsmHooks {

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"net/netip"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/cilium/ebpf"
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
@@ -53,9 +55,10 @@ func syncSet[K comparable](m *ebpf.Map, want map[K]bool) error {
 	return errors.Join(errs...)
 }
 
-// policySets are the keys of the exempt and cluster-subnet maps for p.
-func policySets(p *policy.Policy) (conn, lis map[uint32]bool, nets map[uwbpfUwLpmKey]bool) {
-	conn, lis, nets = map[uint32]bool{}, map[uint32]bool{}, map[uwbpfUwLpmKey]bool{}
+// policySets are the keys of the exempt, cluster-subnet and unenforced-node
+// maps for p.
+func policySets(p *policy.Policy) (conn, lis map[uint32]bool, nets, unenf map[uwbpfUwLpmKey]bool) {
+	conn, lis, nets, unenf = map[uint32]bool{}, map[uint32]bool{}, map[uwbpfUwLpmKey]bool{}, map[uwbpfUwLpmKey]bool{}
 	for _, u := range p.ExemptConnectors {
 		conn[u] = true
 	}
@@ -65,14 +68,17 @@ func policySets(p *policy.Policy) (conn, lis map[uint32]bool, nets map[uwbpfUwLp
 	for _, s := range p.ClusterSubnets {
 		nets[lpmKey(s.Masked())] = true
 	}
-	return conn, lis, nets
+	for _, s := range p.UnenforcedNodes {
+		unenf[lpmKey(s.Masked())] = true
+	}
+	return conn, lis, nets, unenf
 }
 
 // Fits refuses a policy the maps cannot hold, before anything is written:
 // the config loader does not know these bounds, and a reload that ran out
 // of room half-way would enforce a mix of the old and the new policy.
 func (d *Dataplane) Fits(p *policy.Policy) error {
-	conn, lis, nets := policySets(p)
+	conn, lis, nets, unenf := policySets(p)
 	for _, c := range []struct {
 		key, m string
 		n      int
@@ -80,6 +86,7 @@ func (d *Dataplane) Fits(p *policy.Policy) error {
 		{"policy.exempt_connectors", "exempt_conn", len(conn)},
 		{"policy.exempt_listeners", "exempt_lis", len(lis)},
 		{"cluster.subnets", "cluster_nets", len(nets)},
+		{"cluster.unenforced_nodes", "unenforced_nets", len(unenf)},
 	} {
 		if max := int(d.Map(c.m).MaxEntries()); c.n > max {
 			return fmt.Errorf("%s: %d entries, the data plane holds at most %d", c.key, c.n, max)
@@ -90,15 +97,16 @@ func (d *Dataplane) Fits(p *policy.Policy) error {
 
 // ApplyPolicy writes the policy into the maps. The settings entry is
 // written last: on first install the programs stay idle ("enabled" 0) until
-// every other map is filled.
-func (d *Dataplane) ApplyPolicy(p *policy.Policy) error {
+// every other map is filled. audit makes the programs report refusals
+// without refusing.
+func (d *Dataplane) ApplyPolicy(p *policy.Policy, audit bool) error {
 	if err := d.Fits(p); err != nil {
 		return err
 	}
-	conn, lis, nets := policySets(p)
+	conn, lis, nets, unenf := policySets(p)
 	var errs []error
 	errs = append(errs, syncSet(d.Map("exempt_conn"), conn), syncSet(d.Map("exempt_lis"), lis))
-	errs = append(errs, syncSet(d.Map("cluster_nets"), nets))
+	errs = append(errs, syncSet(d.Map("cluster_nets"), nets), syncSet(d.Map("unenforced_nets"), unenf))
 
 	var words [1024]uint64
 	for _, r := range p.OffClusterPorts {
@@ -119,8 +127,87 @@ func (d *Dataplane) ApplyPolicy(p *policy.Policy) error {
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
-	cfg := uwbpfUwConfig{SystemPortMax: uint32(p.SystemPortMax), Enabled: 1}
+	cfg := uwbpfUwConfig{SystemPortMax: uint32(p.SystemPortMax), Enabled: 1, ClockOffsetNs: ClockOffset()}
+	if audit {
+		cfg.Audit = 1
+	}
 	return d.Map("settings").Update(uint32(0), cfg, ebpf.UpdateAny)
+}
+
+// ClockOffset is the wall clock minus the boot clock (what the programs add
+// to bpf_ktime_get_boot_ns to get the time a stamp is sealed for).
+func ClockOffset() int64 {
+	var boot, wall unix.Timespec
+	unix.ClockGettime(unix.CLOCK_BOOTTIME, &boot)
+	unix.ClockGettime(unix.CLOCK_REALTIME, &wall)
+	return wall.Nano() - boot.Nano()
+}
+
+// RefreshClock keeps the clock offset current (NTP steps the wall clock).
+func (d *Dataplane) RefreshClock() error {
+	m := d.Map("settings")
+	var cfg uwbpfUwConfig
+	if err := m.Lookup(uint32(0), &cfg); err != nil {
+		return err
+	}
+	cfg.ClockOffsetNs = ClockOffset()
+	return m.Update(uint32(0), cfg, ebpf.UpdateAny)
+}
+
+// SetKeys loads the cluster keys: keys[0] seals stamps, every key verifies.
+// The new sealing key is written last, so a stamp sealed during the change
+// is always verifiable by this node.
+func (d *Dataplane) SetKeys(keys []Key) error {
+	m := d.Map("keys")
+	slot := func(k Key) uwbpfUwKey {
+		k0, k1 := k.halves()
+		return uwbpfUwKey{K0: k0, K1: k1, Id: uint32(k.ID()), Valid: 1}
+	}
+	second := uwbpfUwKey{}
+	if len(keys) > 1 {
+		second = slot(keys[1])
+	}
+	if err := m.Update(uint32(1), second, ebpf.UpdateAny); err != nil {
+		return err
+	}
+	first := uwbpfUwKey{}
+	if len(keys) > 0 {
+		first = slot(keys[0])
+	}
+	return m.Update(uint32(0), first, ebpf.UpdateAny)
+}
+
+// SetInterfaces records the L2 header length of each managed interface (the
+// tc programs find the IP header with it); others are zeroed.
+func (d *Dataplane) SetInterfaces(l2 map[int]int) error {
+	m := d.Map("ifaces")
+	var errs []error
+	var k uint32
+	var v uint8
+	var stale []uint32
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		if v != 0 {
+			if _, ok := l2[int(k)]; !ok {
+				stale = append(stale, k)
+			}
+		}
+	}
+	for idx, n := range l2 {
+		if idx <= 0 || idx >= int(m.MaxEntries()) || n < 0 || n > 64 {
+			errs = append(errs, fmt.Errorf("interface index %d (L2 header %d) cannot be managed", idx, n))
+			continue
+		}
+		if err := m.Update(uint32(idx), uint8(n+1), ebpf.UpdateAny); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	for _, k := range stale {
+		if err := m.Update(k, uint8(0), ebpf.UpdateAny); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // SetLocalAddrs makes the local-address trie exactly addrs plus the

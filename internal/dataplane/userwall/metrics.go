@@ -62,7 +62,7 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 		lsm = 1
 	}
 	ch <- prometheus.MustNewConstMetric(descLSM, prometheus.GaugeValue, lsm)
-	for _, m := range []string{"exempt_conn", "exempt_lis", "local_addrs", "cluster_nets", "members", "udp_flows"} {
+	for _, m := range []string{"exempt_conn", "exempt_lis", "local_addrs", "cluster_nets", "unenforced_nets", "members"} {
 		ch <- prometheus.MustNewConstMetric(descEntries, prometheus.GaugeValue, countEntries(d.Map(m)), m)
 	}
 	if s := c.a.sink; s != nil {

@@ -1,7 +1,9 @@
 package userwall
 
 import (
+	"context"
 	"fmt"
+	"time"
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/binaryutil"
@@ -101,4 +103,62 @@ func RemoveNft() error {
 	}
 	cc.DelTable(&nftables.Table{Name: NftTable, Family: nftables.TableFamilyINet})
 	return cc.Flush()
+}
+
+// NftComplete reports whether the reject table holds its chain and both
+// rules (an administrator may flush a chain or delete a rule).
+func NftComplete() bool {
+	cc, err := nftables.New()
+	if err != nil {
+		return false
+	}
+	t := &nftables.Table{Name: NftTable, Family: nftables.TableFamilyINet}
+	rules, err := cc.GetRules(t, &nftables.Chain{Name: "input", Table: t})
+	return err == nil && len(rules) == 2
+}
+
+// WatchNft calls repair at once whenever a table, chain or rule is deleted
+// in this namespace (an `nft flush ruleset`, a firewall service restart), and
+// once after each (re)subscription; it returns when ctx ends. Safety does not
+// depend on the table (the packets it would reject are dropped at the
+// socket), only the manners of a refusal do.
+func WatchNft(ctx context.Context, repair func()) {
+	for ctx.Err() == nil {
+		cc, err := nftables.New()
+		var ch chan *nftables.MonitorEvent
+		var mon *nftables.Monitor
+		if err == nil {
+			mon = nftables.NewMonitor(nftables.WithMonitorAction(nftables.MonitorActionDel),
+				nftables.WithMonitorEventBuffer(64))
+			ch, err = cc.AddMonitor(mon)
+		}
+		if err != nil {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(time.Second):
+				continue
+			}
+		}
+		repair() // anything lost while not subscribed
+	events:
+		for {
+			select {
+			case <-ctx.Done():
+				mon.Close()
+				for range ch {
+				}
+				return
+			case _, ok := <-ch:
+				if !ok {
+					break events // the subscription broke: subscribe again
+				}
+				for len(ch) > 0 {
+					<-ch
+				}
+				repair()
+			}
+		}
+		mon.Close()
+	}
 }

@@ -17,6 +17,9 @@ type uwbpfUwConfig struct {
 	_             structs.HostLayout
 	SystemPortMax uint32
 	Enabled       uint32
+	Audit         uint32
+	Pad           uint32
+	ClockOffsetNs int64
 }
 
 type uwbpfUwEvent struct {
@@ -36,16 +39,18 @@ type uwbpfUwEvent struct {
 	Rule         uint8
 	Path         uint8
 	HasConnector uint8
-	Pad          [3]uint8
+	Audit        uint8
+	Stamp        uint8
+	Polite       uint8
 	Comm         [16]int8
 }
 
-type uwbpfUwFlowKey struct {
-	_         structs.HostLayout
-	Peer      [16]uint8
-	PeerPort  uint16
-	LocalPort uint16
-	Pad       uint32
+type uwbpfUwKey struct {
+	_     structs.HostLayout
+	K0    uint64
+	K1    uint64
+	Id    uint32
+	Valid uint32
 }
 
 type uwbpfUwLpmKey struct {
@@ -64,6 +69,81 @@ type uwbpfUwOwner struct {
 	_   structs.HostLayout
 	Uid uint32
 	Gid uint32
+	Set uint32
+	Pad uint32
+}
+
+type uwbpfUwPath uint32
+
+const (
+	uwbpfUwPathP_LOCAL_TCP    uwbpfUwPath = 0
+	uwbpfUwPathP_LOCAL_UDP    uwbpfUwPath = 1
+	uwbpfUwPathP_REMOTE_TCP   uwbpfUwPath = 2
+	uwbpfUwPathP_REMOTE_UDP   uwbpfUwPath = 3
+	uwbpfUwPathP_UNIX         uwbpfUwPath = 4
+	uwbpfUwPathP_LOCAL_OTHER  uwbpfUwPath = 5
+	uwbpfUwPathP_REMOTE_OTHER uwbpfUwPath = 6
+	uwbpfUwPathP_BIND         uwbpfUwPath = 7
+	uwbpfUwPathP_MAX          uwbpfUwPath = 8
+)
+
+type uwbpfUwPeers struct {
+	_ structs.HostLayout
+	P [8]struct {
+		_    structs.HostLayout
+		Addr [16]uint8
+		Port uint16
+		Pad  uint16
+		T    uint32
+	}
+	Next uint32
+	Pad  uint32
+}
+
+type uwbpfUwRule uint32
+
+const (
+	uwbpfUwRuleR_NONE              uwbpfUwRule = 0
+	uwbpfUwRuleR_SAME_USER         uwbpfUwRule = 1
+	uwbpfUwRuleR_SHARED_GROUP      uwbpfUwRule = 2
+	uwbpfUwRuleR_SYSTEM_PORT       uwbpfUwRule = 3
+	uwbpfUwRuleR_EXEMPT_CONNECTOR  uwbpfUwRule = 4
+	uwbpfUwRuleR_EXEMPT_LISTENER   uwbpfUwRule = 5
+	uwbpfUwRuleR_OFFCLUSTER_PORT   uwbpfUwRule = 6
+	uwbpfUwRuleR_OFFCLUSTER_DENIED uwbpfUwRule = 7
+	uwbpfUwRuleR_DENIED            uwbpfUwRule = 8
+	uwbpfUwRuleR_UDP_REPLY         uwbpfUwRule = 9
+	uwbpfUwRuleR_NO_LISTENER       uwbpfUwRule = 10
+	uwbpfUwRuleR_UNIX_REPLY        uwbpfUwRule = 11
+	uwbpfUwRuleR_UNVERIFIED        uwbpfUwRule = 12
+	uwbpfUwRuleR_UNCLASSIFIED      uwbpfUwRule = 13
+	uwbpfUwRuleR_COBIND            uwbpfUwRule = 14
+	uwbpfUwRuleR_MAX               uwbpfUwRule = 16
+)
+
+type uwbpfUwStamp uint32
+
+const (
+	uwbpfUwStampS_NONE             uwbpfUwStamp = 0
+	uwbpfUwStampS_VALID            uwbpfUwStamp = 1
+	uwbpfUwStampS_BAD_MAC          uwbpfUwStamp = 2
+	uwbpfUwStampS_STALE            uwbpfUwStamp = 3
+	uwbpfUwStampS_UNKNOWN_KEY      uwbpfUwStamp = 4
+	uwbpfUwStampS_OLD_VERSION      uwbpfUwStamp = 5
+	uwbpfUwStampS_UNTRUSTED_SOURCE uwbpfUwStamp = 6
+)
+
+type uwbpfUwTestSock struct {
+	_           structs.HostLayout
+	Uid         uint32
+	Gid         uint32
+	TcpListener uint32
+	HasPeer     uint32
+	Peer        [16]uint8
+	PeerPort    uint16
+	Pad         uint16
+	Pad2        uint32
+	NowNs       int64
 }
 
 type uwbpfUwUnixPeers struct {
@@ -82,25 +162,40 @@ const (
 	uwbpfMapEvents               = "events"
 	uwbpfMapExemptConn           = "exempt_conn"
 	uwbpfMapExemptLis            = "exempt_lis"
+	uwbpfMapIfaces               = "ifaces"
+	uwbpfMapKeys                 = "keys"
 	uwbpfMapLocalAddrs           = "local_addrs"
 	uwbpfMapMembers              = "members"
 	uwbpfMapOffcPorts            = "offc_ports"
 	uwbpfMapSettings             = "settings"
 	uwbpfMapSkOwners             = "sk_owners"
-	uwbpfMapUdpFlows             = "udp_flows"
+	uwbpfMapTestSock             = "test_sock"
+	uwbpfMapUdpPeers             = "udp_peers"
+	uwbpfMapUnenforcedNets       = "unenforced_nets"
 	uwbpfMapUnixPeers            = "unix_peers"
+	uwbpfProgUwBind4             = "uw_bind4"
+	uwbpfProgUwBind6             = "uw_bind6"
 	uwbpfProgUwConnect4          = "uw_connect4"
 	uwbpfProgUwConnect6          = "uw_connect6"
+	uwbpfProgUwIterTcp           = "uw_iter_tcp"
+	uwbpfProgUwIterUdp           = "uw_iter_udp"
+	uwbpfProgUwPostBind4         = "uw_post_bind4"
+	uwbpfProgUwPostBind6         = "uw_post_bind6"
 	uwbpfProgUwSendmsg4          = "uw_sendmsg4"
 	uwbpfProgUwSendmsg6          = "uw_sendmsg6"
+	uwbpfProgUwSkbIngress        = "uw_skb_ingress"
 	uwbpfProgUwSockCreate        = "uw_sock_create"
-	uwbpfProgUwSockops           = "uw_sockops"
 	uwbpfProgUwTcEgress          = "uw_tc_egress"
 	uwbpfProgUwTcIngress         = "uw_tc_ingress"
 	uwbpfProgUwUnixMaySend       = "uw_unix_may_send"
 	uwbpfProgUwUnixStreamConnect = "uw_unix_stream_connect"
 	uwbpfVarNetnsCookie          = "netns_cookie"
+	uwbpfVarTestMode             = "test_mode"
 	uwbpfVarUnusedEvent          = "unused_event"
+	uwbpfVarUnusedPath           = "unused_path"
+	uwbpfVarUnusedRule           = "unused_rule"
+	uwbpfVarUnusedStamp          = "unused_stamp"
+	uwbpfVarUnusedTestSock       = "unused_test_sock"
 )
 
 // loadUwbpf returns the embedded CollectionSpec for uwbpf.
@@ -145,12 +240,18 @@ type uwbpfSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type uwbpfProgramSpecs struct {
+	UwBind4             *ebpf.ProgramSpec `ebpf:"uw_bind4"`
+	UwBind6             *ebpf.ProgramSpec `ebpf:"uw_bind6"`
 	UwConnect4          *ebpf.ProgramSpec `ebpf:"uw_connect4"`
 	UwConnect6          *ebpf.ProgramSpec `ebpf:"uw_connect6"`
+	UwIterTcp           *ebpf.ProgramSpec `ebpf:"uw_iter_tcp"`
+	UwIterUdp           *ebpf.ProgramSpec `ebpf:"uw_iter_udp"`
+	UwPostBind4         *ebpf.ProgramSpec `ebpf:"uw_post_bind4"`
+	UwPostBind6         *ebpf.ProgramSpec `ebpf:"uw_post_bind6"`
 	UwSendmsg4          *ebpf.ProgramSpec `ebpf:"uw_sendmsg4"`
 	UwSendmsg6          *ebpf.ProgramSpec `ebpf:"uw_sendmsg6"`
+	UwSkbIngress        *ebpf.ProgramSpec `ebpf:"uw_skb_ingress"`
 	UwSockCreate        *ebpf.ProgramSpec `ebpf:"uw_sock_create"`
-	UwSockops           *ebpf.ProgramSpec `ebpf:"uw_sockops"`
 	UwTcEgress          *ebpf.ProgramSpec `ebpf:"uw_tc_egress"`
 	UwTcIngress         *ebpf.ProgramSpec `ebpf:"uw_tc_ingress"`
 	UwUnixMaySend       *ebpf.ProgramSpec `ebpf:"uw_unix_may_send"`
@@ -161,26 +262,35 @@ type uwbpfProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type uwbpfMapSpecs struct {
-	ClusterNets *ebpf.MapSpec `ebpf:"cluster_nets"`
-	Counters    *ebpf.MapSpec `ebpf:"counters"`
-	Events      *ebpf.MapSpec `ebpf:"events"`
-	ExemptConn  *ebpf.MapSpec `ebpf:"exempt_conn"`
-	ExemptLis   *ebpf.MapSpec `ebpf:"exempt_lis"`
-	LocalAddrs  *ebpf.MapSpec `ebpf:"local_addrs"`
-	Members     *ebpf.MapSpec `ebpf:"members"`
-	OffcPorts   *ebpf.MapSpec `ebpf:"offc_ports"`
-	Settings    *ebpf.MapSpec `ebpf:"settings"`
-	SkOwners    *ebpf.MapSpec `ebpf:"sk_owners"`
-	UdpFlows    *ebpf.MapSpec `ebpf:"udp_flows"`
-	UnixPeers   *ebpf.MapSpec `ebpf:"unix_peers"`
+	ClusterNets    *ebpf.MapSpec `ebpf:"cluster_nets"`
+	Counters       *ebpf.MapSpec `ebpf:"counters"`
+	Events         *ebpf.MapSpec `ebpf:"events"`
+	ExemptConn     *ebpf.MapSpec `ebpf:"exempt_conn"`
+	ExemptLis      *ebpf.MapSpec `ebpf:"exempt_lis"`
+	Ifaces         *ebpf.MapSpec `ebpf:"ifaces"`
+	Keys           *ebpf.MapSpec `ebpf:"keys"`
+	LocalAddrs     *ebpf.MapSpec `ebpf:"local_addrs"`
+	Members        *ebpf.MapSpec `ebpf:"members"`
+	OffcPorts      *ebpf.MapSpec `ebpf:"offc_ports"`
+	Settings       *ebpf.MapSpec `ebpf:"settings"`
+	SkOwners       *ebpf.MapSpec `ebpf:"sk_owners"`
+	TestSock       *ebpf.MapSpec `ebpf:"test_sock"`
+	UdpPeers       *ebpf.MapSpec `ebpf:"udp_peers"`
+	UnenforcedNets *ebpf.MapSpec `ebpf:"unenforced_nets"`
+	UnixPeers      *ebpf.MapSpec `ebpf:"unix_peers"`
 }
 
 // uwbpfVariableSpecs contains global variables before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type uwbpfVariableSpecs struct {
-	NetnsCookie *ebpf.VariableSpec `ebpf:"netns_cookie"`
-	UnusedEvent *ebpf.VariableSpec `ebpf:"unused_event"`
+	NetnsCookie    *ebpf.VariableSpec `ebpf:"netns_cookie"`
+	TestMode       *ebpf.VariableSpec `ebpf:"test_mode"`
+	UnusedEvent    *ebpf.VariableSpec `ebpf:"unused_event"`
+	UnusedPath     *ebpf.VariableSpec `ebpf:"unused_path"`
+	UnusedRule     *ebpf.VariableSpec `ebpf:"unused_rule"`
+	UnusedStamp    *ebpf.VariableSpec `ebpf:"unused_stamp"`
+	UnusedTestSock *ebpf.VariableSpec `ebpf:"unused_test_sock"`
 }
 
 // uwbpfObjects contains all objects after they have been loaded into the kernel.
@@ -203,18 +313,22 @@ func (o *uwbpfObjects) Close() error {
 //
 // It can be passed to loadUwbpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type uwbpfMaps struct {
-	ClusterNets *ebpf.Map `ebpf:"cluster_nets"`
-	Counters    *ebpf.Map `ebpf:"counters"`
-	Events      *ebpf.Map `ebpf:"events"`
-	ExemptConn  *ebpf.Map `ebpf:"exempt_conn"`
-	ExemptLis   *ebpf.Map `ebpf:"exempt_lis"`
-	LocalAddrs  *ebpf.Map `ebpf:"local_addrs"`
-	Members     *ebpf.Map `ebpf:"members"`
-	OffcPorts   *ebpf.Map `ebpf:"offc_ports"`
-	Settings    *ebpf.Map `ebpf:"settings"`
-	SkOwners    *ebpf.Map `ebpf:"sk_owners"`
-	UdpFlows    *ebpf.Map `ebpf:"udp_flows"`
-	UnixPeers   *ebpf.Map `ebpf:"unix_peers"`
+	ClusterNets    *ebpf.Map `ebpf:"cluster_nets"`
+	Counters       *ebpf.Map `ebpf:"counters"`
+	Events         *ebpf.Map `ebpf:"events"`
+	ExemptConn     *ebpf.Map `ebpf:"exempt_conn"`
+	ExemptLis      *ebpf.Map `ebpf:"exempt_lis"`
+	Ifaces         *ebpf.Map `ebpf:"ifaces"`
+	Keys           *ebpf.Map `ebpf:"keys"`
+	LocalAddrs     *ebpf.Map `ebpf:"local_addrs"`
+	Members        *ebpf.Map `ebpf:"members"`
+	OffcPorts      *ebpf.Map `ebpf:"offc_ports"`
+	Settings       *ebpf.Map `ebpf:"settings"`
+	SkOwners       *ebpf.Map `ebpf:"sk_owners"`
+	TestSock       *ebpf.Map `ebpf:"test_sock"`
+	UdpPeers       *ebpf.Map `ebpf:"udp_peers"`
+	UnenforcedNets *ebpf.Map `ebpf:"unenforced_nets"`
+	UnixPeers      *ebpf.Map `ebpf:"unix_peers"`
 }
 
 func (m *uwbpfMaps) Close() error {
@@ -224,12 +338,16 @@ func (m *uwbpfMaps) Close() error {
 		m.Events,
 		m.ExemptConn,
 		m.ExemptLis,
+		m.Ifaces,
+		m.Keys,
 		m.LocalAddrs,
 		m.Members,
 		m.OffcPorts,
 		m.Settings,
 		m.SkOwners,
-		m.UdpFlows,
+		m.TestSock,
+		m.UdpPeers,
+		m.UnenforcedNets,
 		m.UnixPeers,
 	)
 }
@@ -238,20 +356,31 @@ func (m *uwbpfMaps) Close() error {
 //
 // It can be passed to loadUwbpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type uwbpfVariables struct {
-	NetnsCookie *ebpf.Variable `ebpf:"netns_cookie"`
-	UnusedEvent *ebpf.Variable `ebpf:"unused_event"`
+	NetnsCookie    *ebpf.Variable `ebpf:"netns_cookie"`
+	TestMode       *ebpf.Variable `ebpf:"test_mode"`
+	UnusedEvent    *ebpf.Variable `ebpf:"unused_event"`
+	UnusedPath     *ebpf.Variable `ebpf:"unused_path"`
+	UnusedRule     *ebpf.Variable `ebpf:"unused_rule"`
+	UnusedStamp    *ebpf.Variable `ebpf:"unused_stamp"`
+	UnusedTestSock *ebpf.Variable `ebpf:"unused_test_sock"`
 }
 
 // uwbpfPrograms contains all programs after they have been loaded into the kernel.
 //
 // It can be passed to loadUwbpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type uwbpfPrograms struct {
+	UwBind4             *ebpf.Program `ebpf:"uw_bind4"`
+	UwBind6             *ebpf.Program `ebpf:"uw_bind6"`
 	UwConnect4          *ebpf.Program `ebpf:"uw_connect4"`
 	UwConnect6          *ebpf.Program `ebpf:"uw_connect6"`
+	UwIterTcp           *ebpf.Program `ebpf:"uw_iter_tcp"`
+	UwIterUdp           *ebpf.Program `ebpf:"uw_iter_udp"`
+	UwPostBind4         *ebpf.Program `ebpf:"uw_post_bind4"`
+	UwPostBind6         *ebpf.Program `ebpf:"uw_post_bind6"`
 	UwSendmsg4          *ebpf.Program `ebpf:"uw_sendmsg4"`
 	UwSendmsg6          *ebpf.Program `ebpf:"uw_sendmsg6"`
+	UwSkbIngress        *ebpf.Program `ebpf:"uw_skb_ingress"`
 	UwSockCreate        *ebpf.Program `ebpf:"uw_sock_create"`
-	UwSockops           *ebpf.Program `ebpf:"uw_sockops"`
 	UwTcEgress          *ebpf.Program `ebpf:"uw_tc_egress"`
 	UwTcIngress         *ebpf.Program `ebpf:"uw_tc_ingress"`
 	UwUnixMaySend       *ebpf.Program `ebpf:"uw_unix_may_send"`
@@ -260,12 +389,18 @@ type uwbpfPrograms struct {
 
 func (p *uwbpfPrograms) Close() error {
 	return _UwbpfClose(
+		p.UwBind4,
+		p.UwBind6,
 		p.UwConnect4,
 		p.UwConnect6,
+		p.UwIterTcp,
+		p.UwIterUdp,
+		p.UwPostBind4,
+		p.UwPostBind6,
 		p.UwSendmsg4,
 		p.UwSendmsg6,
+		p.UwSkbIngress,
 		p.UwSockCreate,
-		p.UwSockops,
 		p.UwTcEgress,
 		p.UwTcIngress,
 		p.UwUnixMaySend,

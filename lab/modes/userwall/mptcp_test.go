@@ -65,12 +65,12 @@ func TestMPTCP(t *testing.T) {
 		// local: the connect hook, MPTCP or plain TCP connector
 		{"node1", "alice", "mptcp", "127.0.0.1", 5141, "OK echo:hi"},
 		{"node1", "alice", "tcp", "::1", 5141, "OK echo:hi"},
-		{"node1", "bob", "mptcp", "127.0.0.1", 5141, eperm},
-		{"node1", "bob", "mptcp", "::1", 5141, eperm},
-		{"node1", "bob", "tcp", "127.0.0.1", 5141, eperm},
-		{"node1", "bob", "mptcp", n1.Eth0V4.String(), 5141, eperm},
+		{"node1", "bob", "mptcp", "127.0.0.1", 5141, refused},
+		{"node1", "bob", "mptcp", "::1", 5141, refused},
+		{"node1", "bob", "tcp", "127.0.0.1", 5141, refused},
+		{"node1", "bob", "mptcp", n1.Eth0V4.String(), 5141, refused},
 		{"node1", "bob", "mptcp", "::1", 5142, "OK echo:hi"},
-		{"node1", "carol", "mptcp", "::1", 5142, eperm},
+		{"node1", "carol", "mptcp", "::1", 5142, refused},
 	}
 	// cross-node: tc ingress on node1 finds the subflow listener
 	for _, a := range []string{n1.Eth0V4.String(), n1.Eth0V6.String(), n1.IBV4.String(), n1.IBV6.String()} {
