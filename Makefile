@@ -12,7 +12,7 @@ export CGO_ENABLED := 0
 # (v1.2.3 -> 1.2.3), else 0.0.0~N.gHASH (N commits: later builds sort higher
 # for dpkg and rpm). The build date is the commit's, or SOURCE_DATE_EPOCH's,
 # so that a rebuild of one commit gives the same binary and packages.
-VERSION ?= $(shell git describe --tags --match 'v[0-9]*' --dirty 2>/dev/null | sed 's/^v//')
+VERSION ?= $(shell git describe --tags --match 'v[0-9]*' --dirty 2>/dev/null | sed 's/^v//; s/-\([0-9]*\)-g/+\1.g/; s/-dirty$$/.dirty/')
 ifeq ($(VERSION),)
 VERSION := $(shell git rev-list --count HEAD 2>/dev/null | sed 's/^/0.0.0~/')$(shell git rev-parse --short=12 HEAD 2>/dev/null | sed 's/^/.g/')$(shell git diff --quiet HEAD -- 2>/dev/null || echo .dirty)
 endif
@@ -21,7 +21,7 @@ BUILD_DATE ?= $(shell if [ -n "$$SOURCE_DATE_EPOCH" ]; then date -u -d @$$SOURCE
 VPKG    := github.com/palisade-hpc/palisade/internal/version
 LDFLAGS := -X $(VPKG).version=$(VERSION) -X $(VPKG).commit=$(COMMIT) -X $(VPKG).date=$(BUILD_DATE)
 
-.PHONY: all build deps generate demo test unit lint lint-imports vm-kernel clean
+.PHONY: all build deps generate demo test unit lint lint-imports vm-kernel package clean
 
 include internal/dataplane/uvn/spank/spank.mk
 
@@ -37,6 +37,10 @@ generate:
 build: generate $(SPANK_SO)
 	$(GO) build $(GOFLAGS) -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/palisade
 	$(GO) build $(GOFLAGS) -ldflags "$(LDFLAGS)" -o $(LAB) ./cmd/palisade-lab
+
+# .deb and .rpm in dist/ (nfpm as a Go library; docs/deploy.md).
+package: build
+	$(GO) run ./packaging/mkpkg -version '$(VERSION)' -date '$(BUILD_DATE)' -bin $(BIN) -spank-so $(SPANK_SO) -out dist
 
 # The uvn VM's guest kernel (Debian's, downloaded once into /var/cache/palisade/vm).
 vm-kernel: build
@@ -88,4 +92,4 @@ test: deps build lint vm-kernel
 	$(GO) test -count=1 -timeout 30m ./...
 
 clean:
-	rm -rf bin
+	rm -rf bin dist

@@ -30,6 +30,7 @@ func New() *cobra.Command {
 		configCommand(),
 		identCommand(),
 		uvnCommand(),
+		keyCommand(),
 	)
 	root.AddCommand(egressCommands()...) // gateway, egress and its namespace helper
 	AddVersion(root)

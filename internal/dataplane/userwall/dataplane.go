@@ -108,9 +108,12 @@ func Load(pinDir string, cookie uint64, wantLSM bool) (*Dataplane, error) {
 			for _, h := range lsmHooks {
 				delete(spec.Programs, h.prog)
 			}
-			if c2, err2 := ebpf.NewCollectionWithOptions(spec, opts); err2 == nil {
+			c2, err2 := ebpf.NewCollectionWithOptions(spec, opts)
+			if err2 == nil {
 				d.LSMErr = fmt.Errorf("LSM programs not loaded: %w", err)
 				coll, err = c2, nil
+			} else {
+				err = err2 // the failure that matters: not the LSM's
 			}
 		}
 	}

@@ -73,8 +73,14 @@ type Status struct {
 	Nft         bool         `json:"nft_table"`
 	Enabled     bool         `json:"enabled"`
 	UnixLSM     bool         `json:"unix_enforced"`
-	Warnings    []string     `json:"warnings,omitempty"`
-	Counters    []Counter    `json:"counters"`
+	// Audit: decisions are reported, nothing is refused.
+	Audit bool `json:"audit"`
+	// Keys are the ids of the cluster keys in force (the first seals);
+	// KeyError says why the configured key file is not usable.
+	Keys     []uint8   `json:"key_ids,omitempty"`
+	KeyError string    `json:"key_error,omitempty"`
+	Warnings []string  `json:"warnings,omitempty"`
+	Counters []Counter `json:"counters"`
 }
 
 // GetStatus inspects the pins of the caller's namespace.
@@ -128,8 +134,25 @@ func GetStatus(o AgentOptions) (*Status, error) {
 		var c uwbpfUwConfig
 		if m.Lookup(uint32(0), &c) == nil {
 			s.Enabled = c.Enabled != 0
+			s.Audit = c.Audit != 0
 		}
 		m.Close()
+	}
+	if m, err := ebpf.LoadPinnedMap(filepath.Join(s.PinDir, "keys"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
+		for i := uint32(0); i < 2; i++ {
+			var k uwbpfUwKey
+			if m.Lookup(i, &k) == nil && k.Valid != 0 {
+				s.Keys = append(s.Keys, uint8(k.Id))
+			}
+		}
+		m.Close()
+	}
+	keyFile := cfg.Cluster.KeyFile
+	if keyFile == "" {
+		keyFile = policy.DefaultKeyFile
+	}
+	if _, err := LoadKeys(keyFile); err != nil {
+		s.KeyError = err.Error()
 	}
 	if m, err := ebpf.LoadPinnedMap(filepath.Join(s.PinDir, "counters"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
 		s.Counters, _ = readCounters(m)
@@ -141,7 +164,13 @@ func GetStatus(o AgentOptions) (*Status, error) {
 			s.Warnings = append(s.Warnings, "agent not running: pinned programs enforce the last policy, but addresses, groups and events are not kept up to date")
 		}
 		if !s.Nft {
-			s.Warnings = append(s.Warnings, "nft table "+NftTable+" missing: refused cross-node connections are dropped instead of reset")
+			s.Warnings = append(s.Warnings, "nft table "+NftTable+" missing: refusals are silent drops instead of resets (the agent restores it)")
+		}
+		if s.Audit {
+			s.Warnings = append(s.Warnings, "audit mode: refusals are reported, NOT enforced")
+		}
+		if s.KeyError != "" {
+			s.Warnings = append(s.Warnings, "no usable cluster key ("+s.KeyError+"): identity from other nodes is not trusted, cross-node user traffic is refused")
 		}
 		if !s.UnixLSM {
 			why := "BPF LSM programs could not be loaded or attached"

@@ -1004,7 +1004,10 @@ static __always_inline __u32 decide(struct uw_config *c, struct pkt *p, __u8 st,
 	}
 	if (!allows(rule) && dgram_proto(p->proto) && sent_to_peer(sk, p)) {
 		/* Reverse: the socket's owner reaching the sender's socket. */
-		int rev = st != S_VALID || allows(decide_ids(l->uid, l->gid, p->uid, p->gid));
+		/* (anyone may reach a system port: a stamped answer from one is
+		 * a reply like an identity-less one) */
+		int rev = st != S_VALID || p->sport <= c->system_port_max ||
+			  allows(decide_ids(l->uid, l->gid, p->uid, p->gid));
 		if (rev)
 			rule = R_UDP_REPLY;
 	}
@@ -1059,15 +1062,23 @@ int uw_skb_ingress(struct __sk_buff *skb)
 	if (!sk)
 		return 1;
 
-	/* Fast path: a TCP packet to a socket that is not listening belongs
-	 * to a connection whose SYN was checked (direct packet access, no
-	 * helper call). */
+	/* Fast path (direct packet access, no helper call): a TCP segment that
+	 * is not a pure SYN belongs to a handshake or connection whose SYN was
+	 * checked. A pure SYN is checked whatever the socket's state (a listener,
+	 * or a connecting socket in a simultaneous open). */
 	void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
 	if (!test_mode && data + 40 <= end) {
 		__u8 *h = data;
-		__u8 proto = (h[0] >> 4) == 4 ? h[9] : h[6];
-		if (proto == IPPROTO_TCP && sk->state != TCP_LISTEN)
-			return 1;
+		int v4 = (h[0] >> 4) == 4;
+		__u8 proto = v4 ? h[9] : h[6];
+		if (proto == IPPROTO_TCP) {
+			__u32 hl = v4 ? (h[0] & 0xf) * 4 : 40;
+			if (hl > 60)
+				hl = 60;
+			__u8 *th = h + hl;
+			if ((void *)(th + 14) <= end && !TCP_SYN_ONLY(th[13]))
+				return 1;
+		}
 	}
 
 	struct uw_owner tl, *l;
@@ -1101,9 +1112,8 @@ int uw_skb_ingress(struct __sk_buff *skb)
 		return c->audit ? 1 : 0;
 	}
 	if (p.proto == IPPROTO_TCP) {
-		int listener = test_mode ? 1 : sk->state == TCP_LISTEN;
-		if (!listener || !TCP_SYN_ONLY(p.flags))
-			return 1; /* the handshake's ACK, a cookie ACK, a RST */
+		if (!TCP_SYN_ONLY(p.flags))
+			return 1; /* the handshake's ACK, a cookie ACK, data, a RST */
 	} else if (p.proto == IPPROTO_ICMP || p.proto == IPPROTO_ICMPV6) {
 		/* Allow-list: ping sockets get only echo replies of their id. */
 		return 1;
