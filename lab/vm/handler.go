@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/palisade-hpc/palisade/internal/dataplane/uvn/spank"
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
 
@@ -177,11 +178,8 @@ func waitGone(pid int, timeout time.Duration, isQemu bool) {
 	}
 	deadline := time.Now().Add(timeout)
 	for {
-		b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-		if err != nil || !strings.Contains(string(b), "("+want[:min(len(want), 15)]) {
-			return
-		}
-		if i := strings.LastIndexByte(string(b), ')'); i > 0 && len(b) > i+2 && b[i+2] == 'Z' {
+		s, ok := procfs.Read(pid)
+		if !ok || s.Zombie() || !strings.HasPrefix(s.Comm, want[:min(len(want), 15)]) {
 			return
 		}
 		if time.Now().After(deadline) {
