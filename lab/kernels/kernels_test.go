@@ -107,6 +107,9 @@ func userwallOn(t *testing.T, series string) {
 	if series == "6.1" {
 		wantAttach = "tc"
 	}
+	if st.Kernel != nil && st.Kernel.Err() != nil {
+		t.Errorf("probe on %s: %v", series, st.Kernel.Err())
+	}
 	if st.Mode != "userwall" || !st.Enabled || st.Attach != wantAttach || !st.UnixLSM || st.Kernel == nil || st.Kernel.Err() != nil {
 		t.Errorf("status on %s: mode %s enabled %v attach %q (want %s) unix %v probe %v; warnings %v",
 			series, st.Mode, st.Enabled, st.Attach, wantAttach, st.UnixLSM, st.Kernel != nil && st.Kernel.Err() == nil, st.Warnings)

@@ -166,6 +166,13 @@ func ProbeKernel() (*Probe, error) {
 	add(f)
 
 	cg, cgErr := CgroupRoot()
+	if cgErr != nil {
+		// A command run with a fresh sysfs (`ip netns exec`, a testbed
+		// login) sees no cgroup mount; the kernel's hierarchy is init's.
+		if p := mountPoint("/proc/1/mounts", "cgroup2", "/sys/fs/cgroup"); p != "" {
+			cg, cgErr = p+" (init's mount namespace)", nil
+		}
+	}
 	f = Feature{Name: "cgroup v2 hierarchy", Since: "4.5", Required: true, Present: cgErr == nil,
 		Needs: []string{"socket hooks (connect, sendmsg, sock_create)"}, Detail: cg}
 	if cgErr != nil {
