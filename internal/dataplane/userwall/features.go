@@ -365,14 +365,17 @@ func ProbeKernel() (*Probe, error) {
 	add(f)
 
 	active, how := LSMActive()
-	f = Feature{Name: FeatLSMActive, Since: "5.7", Present: active, Fallback: optionalProgs[progUnixStream],
-		Needs: []string{progUnixStream, progUnixDgram}, Detail: how}
-	add(f)
 	lsmErr := errors.New("bpf LSM not active")
 	if active || !strings.HasPrefix(how, "/") {
 		// Unknown (no securityfs): attaching tells.
 		lsmErr = probeLSMAttach()
 	}
+	if !active && lsmErr == nil {
+		active, how = true, "an LSM program attached ("+how+")"
+	}
+	f = Feature{Name: FeatLSMActive, Since: "5.7", Present: active, Fallback: optionalProgs[progUnixStream],
+		Needs: []string{progUnixStream, progUnixDgram}, Detail: how}
+	add(f)
 	f = Feature{Name: FeatLSMAttach, Since: "5.7", Present: lsmErr == nil, Fallback: optionalProgs[progUnixStream],
 		Needs: []string{progUnixStream, progUnixDgram}}
 	if lsmErr != nil {
