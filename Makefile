@@ -89,9 +89,9 @@ unit: build
 
 # Integration tests need root: they bring up real namespaces, Slurm and BPF.
 # (lab/kernels runs the userwall matrix subset and the attack suite in the
-# 6.1 VM: PALISADE_TEST_KERNELS defaults to 6.1.)
+# 6.1 VM.)
 test: deps build lint vm-kernel
-	$(GO) test -count=1 -timeout 30m ./...
+	PALISADE_TEST_KERNELS=6.1 $(GO) test -count=1 -timeout 30m ./...
 
 # On demand: userwall in the VM on every guest kernel (Debian 12's 6.1 and
 # 6.12) and the agent's refusal below the floor (Debian 11's 5.10).
