@@ -24,7 +24,15 @@ import (
 // The integration tests share one testbed (own instance name: tests of other
 // packages run concurrently) with the agent on every node, and exercise each
 // mechanism with real traffic between real users.
-const tbName = "paluwt"
+// tbName is the test testbed; PALISADE_TEST_TESTBED overrides it so that
+// developers running these tests side by side on one machine do not tear
+// down each other's instance.
+var tbName = func() string {
+	if n := os.Getenv("PALISADE_TEST_TESTBED"); n != "" {
+		return n
+	}
+	return "paluwt"
+}()
 
 var tb *testbed.Testbed
 
