@@ -20,7 +20,7 @@ func (*userwallDriver) BaselineText() string {
 	return "the same testbed with the agent uninstalled (no programs, pins or nft table)"
 }
 func (*userwallDriver) Suites() []string {
-	return []string{SuiteThroughput, SuiteLatency, SuiteConn, SuiteMPI, SuiteScale}
+	return []string{SuiteThroughput, SuiteLatency, SuiteConn, SuiteUDP, SuiteMPI, SuiteScale}
 }
 
 // DeniesCrossUser: bob → alice across nodes is refused with the agent on.
