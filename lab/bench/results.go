@@ -50,6 +50,7 @@ var metrics = map[string]metricInfo{
 	"teardown_ms":     {"ms", false, "per-user teardown"},
 	"leftover":        {"objects", false, "objects left after teardown"},
 	"users_reached":   {"users", true, "users set up before a failure"},
+	"map_mb":          {"MiB", false, "kernel memory of the membership map (per node)"},
 	"dgram_rate":      {"kdgram/s", true, "datagrams received per second"},
 	"cpu_us_op":       {"µs/op", false, "CPU time per operation (load generator + server)"},
 	"bpf_ns_op":       {"ns/op", false, "eBPF run time per operation (the nodes doing the work)"},

@@ -563,8 +563,10 @@ static __always_inline __s64 wall_ns(const struct uw_config *c)
 	return (__s64)bpf_ktime_get_boot_ns() + c->clock_offset_ns;
 }
 
-/* verify: S_VALID and p->uid/gid trusted, or why not. */
-static __always_inline __u8 verify(const struct uw_config *c, struct pkt *p)
+/* stamp_key: the key a stamp names and the window it was sealed in, or why
+ * not (S_NONE when they are usable). Cheap: no MAC. */
+static __always_inline __u8 stamp_key(const struct uw_config *c, struct pkt *p, struct uw_key **kp,
+				      __u64 *wp)
 {
 	if (!p->has_stamp)
 		return p->old_stamp ? S_OLD_VERSION : S_NONE;
@@ -577,17 +579,28 @@ static __always_inline __u8 verify(const struct uw_config *c, struct pkt *p)
 			return S_UNKNOWN_KEY;
 	}
 	__u64 now = (__u64)wall_ns(c) >> UW_WINDOW_SHIFT;
-	__u64 w = 0;
 	int found = 0;
 	for (int d = -1; d <= 1; d++) {
 		__u64 cand = now + d;
 		if ((cand & 0xf) == (p->meta & 0xf)) {
-			w = cand;
+			*wp = cand;
 			found = 1;
 		}
 	}
 	if (!found)
 		return S_STALE;
+	*kp = k;
+	return S_NONE;
+}
+
+/* verify: S_VALID and p->uid/gid trusted, or why not. */
+static __always_inline __u8 verify(const struct uw_config *c, struct pkt *p)
+{
+	struct uw_key *k = 0;
+	__u64 w = 0;
+	__u8 st = stamp_key(c, p, &k, &w);
+	if (st != S_NONE || !k)
+		return p->has_stamp ? st : (p->old_stamp ? S_OLD_VERSION : S_NONE);
 	__u64 m[MAC_WORDS];
 	mac_msg(p, w, m);
 	if (siphash(k, m) != p->tag)
@@ -1254,8 +1267,14 @@ int uw_tc_ingress(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	}
 	lo = *l;
-	/* The claimed identity stands in for a verified one here. */
-	__u8 st = p.has_stamp ? S_VALID : S_NONE;
+	/* The claimed identity stands in for a verified one here when its key
+	 * and window are good (no MAC: a forged stamp can only turn this early
+	 * refusal into a drop at the socket); a stamp of an unknown key or a
+	 * stale one is refused early, as it will be at the socket. */
+	struct uw_key *k = 0;
+	__u64 w = 0;
+	__u8 st = stamp_key(c, &p, &k, &w);
+	st = (p.has_stamp && st == S_NONE) ? S_VALID : (st == S_NONE ? S_NONE : st);
 	__u32 rule = decide(c, &p, st, &lo, sk);
 	bpf_sk_release(sk);
 	if (allows(rule))
