@@ -248,7 +248,7 @@ nodes = %s
 pid_file = "%[5]s/%[1]s/agent.pid"
 ident_socket = "%[5]s/%[1]s/ident.sock"
 event_log = "%[6]s/%[1]s-userwall.jsonl"
-`, n.Name, tb.Name, q(subnets), q(nodes), tb.RunDir(), tb.LogDir())
+`, n.Name, tb.Name, q(subnets), q(nodes), tb.RunDir(), tb.LogDir()) + tb.directoryPolicy()
 }
 
 // writeConfig writes every file of the instance except keys (see genKeys).

@@ -193,6 +193,19 @@ entry_cache_timeout = %[6]d
 `, node, tb.Name, LDAPURL(), LDAPBase, int(SSSDMemcacheTimeout.Seconds()), t)
 }
 
+// GroupRefresh is the agent's group_refresh with a directory: with SSSD's
+// cache time, the bound on a membership change (docs/policy.md).
+const GroupRefresh = 5 * time.Second
+
+// directoryPolicy ends the node's [agent] table with a directory.
+func (tb *Testbed) directoryPolicy() string {
+	if tb.Directory == "" {
+		return ""
+	}
+	return fmt.Sprintf("# Membership bound: group_refresh + SSSD entry_cache_timeout (%v).\ngroup_refresh = %q\n",
+		SSSDCacheTimeout, GroupRefresh.String())
+}
+
 // writeDirectoryConfig writes each node's files view, nsswitch.conf,
 // sssd.conf and SSSD state directory, and slapd's configuration.
 func (tb *Testbed) writeDirectoryConfig() error {

@@ -20,8 +20,8 @@ import (
 	"github.com/cilium/ebpf/ringbuf"
 	"github.com/coreos/go-systemd/v22/daemon"
 	"github.com/palisade-hpc/palisade/ident"
-	"github.com/palisade-hpc/palisade/identity"
 	"github.com/palisade-hpc/palisade/internal/version"
+	"github.com/palisade-hpc/palisade/membership"
 	"github.com/palisade-hpc/palisade/nldump"
 	"github.com/palisade-hpc/palisade/policy"
 	"github.com/palisade-hpc/palisade/procfs"
@@ -70,6 +70,7 @@ type agent struct {
 	cgroup   string
 	sink     *eventSink
 	ident    *ident.Server
+	members  *membership.Tracker
 }
 
 // ReadPid returns the pid in a pid file if that process is alive.
@@ -155,6 +156,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 		return err
 	}
 	defer a.dp.Close()
+	a.members = a.newMembers()
 	if err := a.install(cg); err != nil {
 		if !adopting {
 			// A first install that failed half-way leaves nothing behind.
@@ -179,6 +181,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 		return err
 	}
 	defer a.sink.close()
+	a.sink.seen = a.members.Seen
 	go a.sink.run(rd)
 
 	ctx, stop := signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
@@ -187,6 +190,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 		defer srv.Close()
 	}
 	defer a.startIdent(ctx)()
+	defer a.runMembers(ctx)()
 
 	if err := os.WriteFile(cfg.Agent.PidFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
 		return err
@@ -219,8 +223,6 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	}
 	tick := time.NewTicker(5 * time.Second)
 	defer tick.Stop()
-	groups := time.NewTicker(a.cfg.Agent.GroupRefreshInterval())
-	defer groups.Stop()
 	for {
 		select {
 		case <-ctx.Done():
@@ -243,8 +245,6 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 			a.syncNode()
 		case <-tick.C:
 			a.syncNode()
-		case <-groups.C:
-			a.syncMembers()
 		}
 	}
 }
@@ -256,7 +256,7 @@ func (a *agent) install(cgroupRoot string) error {
 	if err := a.syncAddrs(); err != nil {
 		return err
 	}
-	a.syncMembers()
+	a.members.Load(context.Background())
 	if err := a.dp.ApplyPolicy(a.cfg.Policy); err != nil {
 		return err
 	}
@@ -298,17 +298,6 @@ func (a *agent) syncAddrs() error {
 	}
 	addrs = append(addrs, netip.AddrFrom4([4]byte{255, 255, 255, 255}))
 	return a.dp.SetLocalAddrs(addrs)
-}
-
-func (a *agent) syncMembers() {
-	m, err := identity.Snapshot()
-	if err != nil {
-		a.log.Warn("group membership not refreshed", "err", err)
-		return
-	}
-	if err := a.dp.SetMembers(m); err != nil {
-		a.log.Warn("group membership not loaded", "err", err)
-	}
 }
 
 func (a *agent) syncNode() {
@@ -391,7 +380,7 @@ func (a *agent) reload() {
 	if a.ident != nil {
 		a.ident.SetPolicy(cfg.Policy)
 	}
-	a.syncMembers()
+	a.members.Refresh()
 	a.syncNode()
 	a.log.Info("configuration reloaded", "path", cfg.Path)
 }

@@ -57,6 +57,8 @@ type eventSink struct {
 	tokens float64
 	last   time.Time
 	names  map[[2]uint32]string
+	// seen learns the groups of refused connectors (membership.Tracker).
+	seen func(uid uint32)
 
 	Logged, Suppressed atomic.Uint64
 }
@@ -181,6 +183,11 @@ func (s *eventSink) decode(raw []byte) (Event, error) {
 }
 
 func (s *eventSink) handle(raw []byte) {
+	if s.seen != nil {
+		if uid, ok := refusedConnector(raw); ok {
+			s.seen(uid)
+		}
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if !s.allow(time.Now()) {
