@@ -1,7 +1,10 @@
-# Palisade: one static binary. `make demo` and `make test` are the README's
-# first two commands and must work on a fresh machine of this kind.
+# Palisade: two static binaries. bin/palisade is the product (agent, CLI);
+# bin/palisade-lab is the lab (testbed, check, bench, vm, probe) and runs the
+# product on its nodes. `make demo` and `make test` are the README's first two
+# commands and must work on a fresh machine of this kind.
 GO      ?= go
 BIN     := bin/palisade
+LAB     := bin/palisade-lab
 GOFLAGS := -trimpath
 export CGO_ENABLED := 0
 
@@ -18,9 +21,9 @@ BUILD_DATE ?= $(shell if [ -n "$$SOURCE_DATE_EPOCH" ]; then date -u -d @$$SOURCE
 VPKG    := github.com/palisade-hpc/palisade/internal/version
 LDFLAGS := -X $(VPKG).version=$(VERSION) -X $(VPKG).commit=$(COMMIT) -X $(VPKG).date=$(BUILD_DATE)
 
-.PHONY: all build deps generate demo test unit lint vm-kernel clean
+.PHONY: all build deps generate demo test unit lint lint-imports vm-kernel clean
 
-include slurm/spank/spank.mk
+include internal/dataplane/uvn/spank/spank.mk
 
 all: build
 
@@ -33,18 +36,34 @@ generate:
 
 build: generate $(SPANK_SO)
 	$(GO) build $(GOFLAGS) -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/palisade
+	$(GO) build $(GOFLAGS) -ldflags "$(LDFLAGS)" -o $(LAB) ./cmd/palisade-lab
 
 # The uvn VM's guest kernel (Debian's, downloaded once into /var/cache/palisade/vm).
 vm-kernel: build
-	./$(BIN) vm kernel
+	./$(LAB) vm kernel
 
-lint:
+# staticcheck is a tool dependency pinned in go.mod (`go tool staticcheck`).
+lint: lint-imports
 	gofmt -l . | (! grep .)
 	$(GO) vet ./...
+	$(GO) tool staticcheck ./...
+
+# The product never imports the lab: no package of cmd/palisade or internal/
+# may depend on lab/... (and the product binary carries no plotting library).
+MODULE := $(shell $(GO) list -m)
+lint-imports:
+	@bad=$$($(GO) list -f '{{.ImportPath}}: {{join .Deps " "}}' ./cmd/palisade ./internal/... \
+		| tr ' ' '\n' | grep -E '^$(MODULE)/lab(/|$$)|^gonum.org/' | sort -u); \
+	if [ -n "$$bad" ]; then \
+		echo "product packages depend on the lab or a plotting library:"; \
+		$(GO) list -f '{{.ImportPath}}: {{join .Deps " "}}' ./cmd/palisade ./internal/... \
+			| grep -E ' $(MODULE)/lab(/| |$$)| gonum.org/' | cut -d: -f1 | sed 's/^/  /'; \
+		echo "  depends on: $$bad"; exit 1; \
+	fi
 
 # The demo: the same simulated cluster first as today's shared cluster (every
 # listener open to every user), then with the userwall agent on every node.
-PAL := ./$(BIN)
+PAL := ./$(LAB)
 demo: deps build
 	@$(PAL) testbed down >/dev/null 2>&1 || true
 	@echo "== 1. A 3-node cluster (Slurm, munge, sshd, OpenMPI; users alice, bob, carol, svc) without Palisade"
