@@ -9,12 +9,15 @@ import (
 )
 
 // runConfigCheck runs `palisade config check --config path` in-process.
-func runConfigCheck(t *testing.T, path string) (string, error) {
+func runConfigCheck(t *testing.T, path string, args ...string) (string, error) {
 	t.Helper()
 	var out bytes.Buffer
 	root := New()
 	root.SetOut(&out)
-	root.SetArgs([]string{"config", "check", "--config", path})
+	if len(args) == 0 {
+		args = []string{"--slurm-conf", ""}
+	}
+	root.SetArgs(append([]string{"config", "check", "--config", path}, args...))
 	err := root.Execute()
 	return out.String(), err
 }
@@ -42,6 +45,34 @@ func TestConfigCheck(t *testing.T) {
 	}
 	if _, err := runConfigCheck(t, filepath.Join(dir, "missing.toml")); err == nil || !strings.Contains(err.Error(), "does not exist") {
 		t.Errorf("missing config: %v", err)
+	}
+}
+
+// TestConfigCheckFindings: warnings keep exit 0 (1 with --strict); Slurm's
+// accounts missing from the exemptions are an error (exit 1).
+func TestConfigCheckFindings(t *testing.T) {
+	dir := t.TempDir()
+	risky := filepath.Join(dir, "risky.toml")
+	writeConfigFile(t, risky, "[policy]\nsystem_port_max = 65535\n[cluster]\nsubnets = [\"198.18.0.0/24\"]\n")
+	out, err := runConfigCheck(t, risky)
+	if err != nil || !strings.Contains(out, "# WARNING: "+risky+":2: policy.system_port_max: 65535 makes every port a system port") ||
+		!strings.Contains(out, risky+": OK, 1 warning(s)") || !strings.Contains(out, "# config sha256 ") {
+		t.Errorf("risky config: %v\n%s", err, out)
+	}
+	if _, err := runConfigCheck(t, risky, "--slurm-conf", "", "--strict"); err == nil || !strings.Contains(err.Error(), "1 warning(s) (--strict)") {
+		t.Errorf("--strict: %v", err)
+	}
+	slurm := filepath.Join(dir, "slurm.conf")
+	writeConfigFile(t, slurm, "SlurmUser=root\nSlurmdUser=root\n")
+	good := filepath.Join(dir, "good.toml")
+	writeConfigFile(t, good, "[cluster]\nsubnets = [\"198.18.0.0/24\"]\n")
+	if out, err := runConfigCheck(t, good, "--slurm-conf", slurm); err != nil || !strings.Contains(out, good+": OK\n") {
+		t.Errorf("root as SlurmUser: %v\n%s", err, out)
+	}
+	writeConfigFile(t, good, "[policy]\nexempt_connectors = []\n[cluster]\nsubnets = [\"198.18.0.0/24\"]\n")
+	out, err = runConfigCheck(t, good, "--slurm-conf", slurm)
+	if ee, ok := err.(*ExitError); !ok || ee.Code != 1 || !strings.Contains(out, `# ERROR: `+good+`:2: policy.exempt_connectors: SlurmUser "root"`) {
+		t.Errorf("Slurm account not exempt: %v\n%s", err, out)
 	}
 }
 

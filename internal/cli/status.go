@@ -33,14 +33,18 @@ func statusCommand() *cobra.Command {
 			fmt.Fprintf(out, "mode:        %s\n", s.Mode)
 			if s.Mode == "none" {
 				fmt.Fprintf(out, "no userwall programs pinned in %s (netns cookie %d)\n", s.PinDir, s.NetnsCookie)
+				if s.Kernel != nil {
+					fmt.Fprintln(out)
+					writeProbe(out, s.Kernel)
+				}
 				return nil
 			}
 			agent := "not running"
 			if s.AgentPID != 0 {
 				agent = fmt.Sprintf("running (pid %d)", s.AgentPID)
 			}
-			fmt.Fprintf(out, "agent:       %s\nenforcing:   %v\npins:        %s\nnft table:   %v\nunix (LSM):  %v\n",
-				agent, s.Enabled, s.PinDir, s.Nft, s.UnixLSM)
+			fmt.Fprintf(out, "agent:       %s\nenforcing:   %v\npins:        %s\nnft table:   %v\nunix (LSM):  %v\ntc attach:   %s\n",
+				agent, s.Enabled, s.PinDir, s.Nft, s.UnixLSM, s.Attach)
 			fmt.Fprintf(out, "\nprograms attached (%d):\n", len(s.Links))
 			tw := tabwriter.NewWriter(out, 2, 8, 2, ' ', 0)
 			for _, l := range s.Links {
@@ -57,6 +61,10 @@ func statusCommand() *cobra.Command {
 				fmt.Fprintf(tw, "  %s\t%s\t%s\t%d\n", c.Path, c.Rule, v, c.Count)
 			}
 			tw.Flush()
+			if s.Kernel != nil {
+				fmt.Fprintln(out)
+				writeProbe(out, s.Kernel)
+			}
 			for _, w := range s.Warnings {
 				fmt.Fprintf(out, "\nWARNING: %s\n", w)
 			}

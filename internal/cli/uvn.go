@@ -246,7 +246,7 @@ func uvnPAMCmd() *cobra.Command {
 		Short: "pam_exec entry point: open_session sets up and moves the session, close_session releases it",
 		Long: `Run from pam_exec (session, required — fail closed):
 
-  session required pam_exec.so /usr/sbin/palisade --config /etc/palisade/palisade.toml uvn pam
+  session required pam_exec.so /usr/bin/palisade --config /etc/palisade/palisade.toml uvn pam
 
 Reads PAM_TYPE and PAM_USER. open_session: set up the user's network and move
 the calling process (pam_exec's parent, e.g. sshd's session process) into the

@@ -1,6 +1,8 @@
 package policy
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -25,6 +27,12 @@ type Config struct {
 	// Default is true when the file did not exist and LoadOrDefault used
 	// the built-in defaults.
 	Default bool
+	// SHA256 is the hex SHA-256 of the file's bytes (what sha256sum prints;
+	// of the empty input for the defaults): the configuration's identity in
+	// status and metrics, equal on nodes that run the same file.
+	SHA256 string
+	// data is the file's text (for the lines of Findings).
+	data []byte
 
 	// Policy is the validated rule set built from Rules, Cluster and OffCluster.
 	Policy *Policy
@@ -247,7 +255,8 @@ func Parse(name string, data []byte, res identity.Resolver) (cfg *Config, err er
 	if res == nil {
 		res = identity.System()
 	}
-	c := &Config{Path: name}
+	sum := sha256.Sum256(data)
+	c := &Config{Path: name, SHA256: hex.EncodeToString(sum[:]), data: data}
 	loc := newLocator(data)
 	var errs []error
 	fail := func(line int, key, format string, args ...any) {

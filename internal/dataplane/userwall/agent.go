@@ -121,6 +121,28 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	if cfg.Default {
 		log.Warn("no configuration file; using the built-in default policy", "path", o.ConfigPath)
 	}
+	// Before anything changes: does this kernel have what the data plane
+	// needs? If not, one clear message and nothing touched.
+	probe, err := ProbeKernel()
+	if err != nil {
+		return fmt.Errorf("kernel feature probe: %w", err)
+	}
+	if err := probe.Err(); err != nil {
+		return err
+	}
+	useTC, why, err := chooseTC(cfg.Agent.TCAttach, probe)
+	if err != nil {
+		return err
+	}
+	var noLSM error
+	switch {
+	case !cfg.Agent.UnixSockets:
+		noLSM = errors.New("disabled by configuration (unix_sockets = false)")
+	case !probe.Has(FeatLSMActive) && strings.HasPrefix(featureDetail(probe, FeatLSMActive), "/"):
+		noLSM = fmt.Errorf("the bpf LSM is not enabled (%s); boot with lsm=...,bpf", featureDetail(probe, FeatLSMActive))
+	case !probe.Has(FeatLSMAttach):
+		noLSM = fmt.Errorf("BPF LSM programs cannot attach on this kernel: %s", featureDetail(probe, FeatLSMAttach))
+	}
 	a := &agent{opts: o, cfg: cfg, log: log, attached: map[string]int{}}
 	// One agent per namespace: an exclusive lock next to the pid file
 	// (held until exit; a stale pid file alone does not block a restart).
@@ -153,7 +175,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	}
 	_, statErr := os.Stat(filepath.Join(pinDir, "settings"))
 	adopting := statErr == nil
-	a.dp, err = Load(pinDir, cookie, cfg.Agent.UnixSockets)
+	a.dp, err = Load(pinDir, cookie, noLSM)
 	if err != nil {
 		if !adopting {
 			// The loader pins each map as it creates it and does not
@@ -163,12 +185,16 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 		return err
 	}
 	defer a.dp.Close()
+	a.dp.TC = useTC
+	log.Info("tc programs attach with "+attachName(useTC), "why", why, "kernel", probe.Kernel)
 	a.members = a.newMembers()
 	if err := a.install(cg); err != nil {
 		if !adopting {
-			// A first install that failed half-way leaves nothing behind.
+			// A first install that failed half-way leaves nothing behind
+			// (tc filters are not pinned: remove them by name).
 			a.dp.Close()
 			RemovePins(pinDir)
+			removeTCFilters()
 			RemoveNft()
 		}
 		return err
@@ -325,12 +351,33 @@ func (a *agent) syncAddrs() error {
 		return err
 	}
 	// Unicast addresses only: broadcast and multicast datagrams go to many
-	// sockets and are decided at each of them, never early.
-	var addrs []netip.Addr
+	// sockets and are decided at each of them, never early. Subnet
+	// broadcasts are kept apart: the looped-back copies of a node's own
+	// broadcasts are identified by them (uw_skb_egress).
+	var addrs, bcasts []netip.Addr
 	for _, x := range list {
 		if ip, ok := netip.AddrFromSlice(x.IP); ok {
 			addrs = append(addrs, ip)
 		}
+		if b, ok := netip.AddrFromSlice(x.Broadcast); ok && b.Unmap().Is4() && !b.IsUnspecified() {
+			bcasts = append(bcasts, b)
+		}
+		// The kernel treats the subnet's all-ones address as broadcast
+		// even when the address was added without one.
+		if x.IPNet != nil {
+			if ip4 := x.IPNet.IP.To4(); ip4 != nil {
+				if ones, _ := x.IPNet.Mask.Size(); ones <= 30 {
+					var b [4]byte
+					for i := range b {
+						b[i] = ip4[i] | ^x.IPNet.Mask[len(x.IPNet.Mask)-4+i]
+					}
+					bcasts = append(bcasts, netip.AddrFrom4(b))
+				}
+			}
+		}
+	}
+	if err := a.dp.SetBroadcasts(bcasts); err != nil {
+		return err
 	}
 	return a.dp.SetLocalAddrs(addrs)
 }

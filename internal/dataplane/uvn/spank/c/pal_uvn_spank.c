@@ -19,7 +19,7 @@
  *
  * plugstack.conf (no path is compiled in):
  *
- *   required /usr/lib/palisade/pal_uvn_spank.so palisade=/usr/sbin/palisade config=/etc/palisade/palisade.toml
+ *   required /usr/lib/palisade/pal_uvn_spank.so palisade=/usr/bin/palisade config=/etc/palisade/palisade.toml
  *
  * "required" + a non-zero return from slurm_spank_init fails the step when
  * its network cannot be set up: users never run outside their VRF.
