@@ -25,11 +25,13 @@ func New() *cobra.Command {
 	root.AddCommand(
 		agentCommand(),
 		statusCommand(),
+		doctorCommand(),
 		explainCommand(),
 		whoCommand(),
 		configCommand(),
 		identCommand(),
 		uvnCommand(),
+		keyCommand(),
 	)
 	root.AddCommand(egressCommands()...) // gateway, egress and its namespace helper
 	AddVersion(root)

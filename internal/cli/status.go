@@ -85,6 +85,10 @@ func printStatus(out io.Writer, s *userwall.Status) {
 	}()
 	if s.Mode == "none" {
 		fmt.Fprintf(out, "no userwall programs pinned in %s (netns cookie %d)\n", s.PinDir, s.NetnsCookie)
+		if s.Kernel != nil {
+			fmt.Fprintln(out)
+			writeProbe(out, s.Kernel)
+		}
 		return
 	}
 	agent := "not running"
@@ -109,7 +113,8 @@ func printStatus(out io.Writer, s *userwall.Status) {
 		fmt.Fprintf(out, "unix (LSM):  %v\n", s.UnixLSM)
 		return
 	}
-	fmt.Fprintf(out, "enforcing:   %v\npins:        %s\nnft table:   %v\nunix (LSM):  %v\n", s.Enabled, s.PinDir, s.Nft, s.UnixLSM)
+	fmt.Fprintf(out, "enforcing:   %v\npins:        %s\nnft table:   %v\nunix (LSM):  %v\ntc attach:   %s\n",
+		s.Enabled, s.PinDir, s.Nft, s.UnixLSM, s.Attach)
 	fmt.Fprintf(out, "\nprograms attached (%d):\n", len(s.Links))
 	tw := tabwriter.NewWriter(out, 2, 8, 2, ' ', 0)
 	for _, l := range s.Links {
@@ -126,5 +131,9 @@ func printStatus(out io.Writer, s *userwall.Status) {
 		fmt.Fprintf(tw, "  %s\t%s\t%s\t%d\n", c.Path, c.Rule, v, c.Count)
 	}
 	tw.Flush()
+	if s.Kernel != nil {
+		fmt.Fprintln(out)
+		writeProbe(out, s.Kernel)
+	}
 	fmt.Fprintln(out)
 }

@@ -9,13 +9,13 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/netip"
-	"runtime"
 	"syscall"
 	"time"
 
 	"github.com/vishvananda/netns"
 
 	"github.com/palisade-hpc/palisade/internal/policy"
+	sysnetns "github.com/palisade-hpc/palisade/internal/sys/netns"
 )
 
 // ErrTimeout means the remote ident service did not answer in time: it is
@@ -190,34 +190,12 @@ func QueryLocalAPI(ctx context.Context, path string, node netip.Addr, target net
 	return o, &a, err
 }
 
-// inNetns runs fn with the calling thread in ns (if ns is open and not
-// already current). Sockets keep the namespace they were created in, so
-// only their creation needs to happen there. If the thread cannot be
-// switched back it stays locked, so the runtime discards it instead of
-// running other goroutines in the wrong namespace.
+// inNetns runs fn with the calling thread in ns (if ns is open). Sockets
+// keep the namespace they were created in, so only their creation needs to
+// happen there.
 func inNetns(ns netns.NsHandle, has bool, fn func() error) error {
 	if !has || !ns.IsOpen() {
 		return fn()
 	}
-	runtime.LockOSThread()
-	cur, err := netns.Get()
-	if err != nil {
-		runtime.UnlockOSThread()
-		return err
-	}
-	defer cur.Close()
-	if cur.Equal(ns) {
-		defer runtime.UnlockOSThread()
-		return fn()
-	}
-	if err := netns.Set(ns); err != nil {
-		runtime.UnlockOSThread()
-		return fmt.Errorf("ident: enter netns: %w", err)
-	}
-	ferr := fn()
-	if err := netns.Set(cur); err != nil {
-		return fmt.Errorf("ident: return from netns: %w", err)
-	}
-	runtime.UnlockOSThread()
-	return ferr
+	return sysnetns.Do(ns, fn)
 }

@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"time"
 
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
@@ -48,7 +49,7 @@ func (o Owner) Identity() policy.Identity {
 type Resolver struct {
 	diag  *diagConn
 	proc  *procIndex
-	names *nameCache
+	names *identity.NameCache
 }
 
 // NewResolver opens a resolver for the calling thread's network namespace,
@@ -62,7 +63,7 @@ func NewResolverWith(names identity.Resolver) (*Resolver, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Resolver{diag: d, proc: newProcIndex(), names: newNameCache(names)}, nil
+	return &Resolver{diag: d, proc: newProcIndex(), names: identity.NewNameCache(names, time.Minute)}, nil
 }
 
 // Close releases the netlink socket.
@@ -129,9 +130,9 @@ func sortedCopy(p []int) []int {
 
 // named fills in user and group names (empty when unknown).
 func (r *Resolver) named(o Owner) Owner {
-	o.User = r.names.user(o.UID)
+	o.User = r.names.User(o.UID)
 	if o.GID != noGID {
-		o.Group = r.names.group(o.GID)
+		o.Group = r.names.Group(o.GID)
 	}
 	return o
 }

@@ -17,13 +17,14 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/palisade-hpc/palisade/internal/sys/nldump"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+	"golang.org/x/time/rate"
 
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/sys/nldump"
 )
 
 // ServerConfig configures the ident service.
@@ -77,7 +78,7 @@ type Server struct {
 	udp    *net.UDPConn
 	unixL  *net.UnixListener
 	client Client
-	limit  *bucket
+	limit  *rate.Limiter
 
 	sockFile  os.FileInfo // the Unix socket as created, to remove only ours
 	closeOnce sync.Once
@@ -115,7 +116,7 @@ func NewServer(cfg ServerConfig) (_ *Server, err error) {
 			return nil, err
 		}
 	}
-	s := &Server{ns: -1, cfg: cfg, log: cfg.Logger.With("component", "ident"), limit: newBucket(cfg.MaxRate)}
+	s := &Server{ns: -1, cfg: cfg, log: cfg.Logger.With("component", "ident"), limit: rate.NewLimiter(rate.Limit(cfg.MaxRate), cfg.MaxRate)}
 	s.pol.Store(cfg.Policy)
 	defer func() {
 		if err != nil {
@@ -308,7 +309,7 @@ func (s *Server) serveUDP() error {
 			s.log.Debug("ident: dropped query from outside the cluster", "from", from)
 			continue
 		}
-		if !s.limit.take() {
+		if !s.limit.Allow() {
 			s.rateLimited.Add(1)
 			continue
 		}
@@ -458,31 +459,6 @@ func isLocalIn(h *netlink.Handle, a netip.Addr) bool {
 		}
 	}
 	return false
-}
-
-// bucket is a token bucket refilled continuously at rate per second.
-type bucket struct {
-	mu     sync.Mutex
-	rate   float64
-	tokens float64
-	last   time.Time
-}
-
-func newBucket(rate int) *bucket {
-	return &bucket{rate: float64(rate), tokens: float64(rate), last: time.Now()}
-}
-
-func (b *bucket) take() bool {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	now := time.Now()
-	b.tokens = min(b.rate, b.tokens+now.Sub(b.last).Seconds()*b.rate)
-	b.last = now
-	if b.tokens < 1 {
-		return false
-	}
-	b.tokens--
-	return true
 }
 
 // peerUID is the uid of the Unix API client (SO_PEERCRED), for the log;

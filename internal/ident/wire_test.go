@@ -159,16 +159,3 @@ func TestScore(t *testing.T) {
 		t.Error("other addresses and owner-less sockets must not match")
 	}
 }
-
-func TestBucket(t *testing.T) {
-	b := newBucket(10)
-	n := 0
-	for range 100 {
-		if b.take() {
-			n++
-		}
-	}
-	if n < 10 || n > 11 {
-		t.Errorf("bucket of 10/s allowed %d of 100 at once", n)
-	}
-}

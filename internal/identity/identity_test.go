@@ -1,12 +1,15 @@
 package identity
 
 import (
+	"errors"
 	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 )
 
 const passwd = `root:x:0:0:root:/root:/bin/bash
@@ -225,5 +228,63 @@ func BenchmarkMembers(b *testing.B) {
 		if _, err := tb.Members(); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// countingResolver names uid/gid 1 "one" and counts lookups.
+type countingResolver struct {
+	Resolver
+	mu    sync.Mutex
+	calls int
+	known bool
+}
+
+func (r *countingResolver) LookupUID(uid uint32) (string, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.calls++
+	if uid == 1 && r.known {
+		return "one", nil
+	}
+	return "", errors.New("unknown")
+}
+
+func (r *countingResolver) LookupGID(gid uint32) (string, error) { return r.LookupUID(gid) }
+
+func TestNameCacheTTL(t *testing.T) {
+	r := &countingResolver{known: true}
+	c := NewNameCache(r, time.Minute)
+	now := time.Unix(1000, 0)
+	c.now = func() time.Time { return now }
+	first, second := c.User(1), c.User(1)
+	if first != "one" || second != "one" || r.calls != 1 {
+		t.Fatalf("hit not cached: %d lookups", r.calls)
+	}
+	// A miss is cached too, then expires: a user added later gets named.
+	r.known = false
+	first, second = c.Group(1), c.Group(1)
+	if first != "" || second != "" || r.calls != 2 {
+		t.Fatalf("miss not cached: %d lookups", r.calls)
+	}
+	r.known = true
+	now = now.Add(59 * time.Second)
+	if c.Group(1) != "" {
+		t.Fatal("miss expired early")
+	}
+	now = now.Add(2 * time.Second)
+	if c.Group(1) != "one" || r.calls != 3 {
+		t.Fatalf("miss did not expire: %d lookups", r.calls)
+	}
+	// Hits expire as well (a renamed user).
+	r.known = false
+	if c.User(1) != "" || r.calls != 4 {
+		t.Fatalf("hit did not expire: %d lookups", r.calls)
+	}
+	// Bounded.
+	for id := uint32(10); id < 10+2*maxCachedNames; id++ {
+		c.User(id)
+	}
+	if n := len(c.users); n > maxCachedNames {
+		t.Fatalf("%d names cached, bound %d", n, maxCachedNames)
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -19,7 +20,9 @@ import (
 type Node struct {
 	Name string
 	Eth0 netip.Addr // eth0 IPv4 (the "Ethernet" underlay)
-	IB   netip.Addr // ib0 IPv4 (the IPoIB stand-in), zero if absent
+	// Eth0V6 is eth0's IPv6 address (zero if the testbed has none).
+	Eth0V6 netip.Addr
+	IB     netip.Addr // ib0 IPv4 (the IPoIB stand-in), zero if absent
 }
 
 // Env is the cluster the bench drives: a testbed on this machine, or the
@@ -85,6 +88,8 @@ type server struct {
 	stdin io.WriteCloser
 	errb  *bytes.Buffer
 	done  chan error
+	// lines carries what the helper prints after "ready" (stats answers).
+	lines chan string
 }
 
 // startServer starts argv and waits for its "ready" line.
@@ -103,15 +108,21 @@ func (e *Env) startServer(ctx context.Context, node, user string, argv ...string
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start %s on %s: %w", argv[0], node, err)
 	}
-	s := &server{cmd: cmd, stdin: stdin, errb: errb, done: make(chan error, 1)}
+	s := &server{cmd: cmd, stdin: stdin, errb: errb, done: make(chan error, 1), lines: make(chan string, 16)}
 	ready := make(chan bool, 1)
 	go func() {
 		sc := bufio.NewScanner(stdout)
 		ok := false
 		for sc.Scan() {
-			if strings.TrimSpace(sc.Text()) == "ready" && !ok {
+			switch {
+			case !ok && strings.TrimSpace(sc.Text()) == "ready":
 				ok = true
 				ready <- true
+			case ok:
+				select {
+				case s.lines <- sc.Text():
+				default: // nobody asked: drop
+				}
 			}
 		}
 		if !ok {
@@ -132,6 +143,28 @@ func (e *Env) startServer(ctx context.Context, node, user string, argv ...string
 	case <-ctx.Done():
 		s.stop()
 		return nil, ctx.Err()
+	}
+}
+
+// stats asks a `palisade bench serve` for its ServeStats.
+func (s *server) stats() (ServeStats, error) {
+	// Drop an answer that came after an earlier query gave up.
+	select {
+	case <-s.lines:
+	default:
+	}
+	if _, err := io.WriteString(s.stdin, "stats\n"); err != nil {
+		return ServeStats{}, err
+	}
+	select {
+	case l := <-s.lines:
+		var st ServeStats
+		if err := json.Unmarshal([]byte(l), &st); err != nil {
+			return st, fmt.Errorf("server stats %q: %w", l, err)
+		}
+		return st, nil
+	case <-time.After(10 * time.Second):
+		return ServeStats{}, errors.New("server stats: no answer in 10 s")
 	}
 }
 

@@ -5,11 +5,9 @@ import (
 	"strconv"
 	"strings"
 	"time"
-)
 
-// clkTck is USER_HZ, which is 100 on every Linux architecture Go supports
-// for /proc/<pid>/stat accounting.
-const clkTck = 100
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
+)
 
 // footprint samples data-plane processes around one measured set.
 type footprint struct {
@@ -43,48 +41,19 @@ func (f *footprint) finish() []Footprint {
 	return out
 }
 
-// procCPU is utime+stime of pid in seconds, or -1.
+// procCPU is utime+stime of pid in seconds, or -1 if it has exited.
 func procCPU(pid int) float64 {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
+	s, ok := procfs.Read(pid)
+	if !ok || s.Zombie() {
 		return -1
 	}
-	s := string(b)
-	// comm may contain spaces and parentheses: fields start after the last ')'.
-	i := strings.LastIndexByte(s, ')')
-	if i < 0 {
-		return -1
-	}
-	fs := strings.Fields(s[i+1:])
-	// fs[0] is state (field 3); utime and stime are fields 14 and 15.
-	if len(fs) < 13 || fs[0] == "Z" {
-		return -1
-	}
-	ut, _ := strconv.ParseFloat(fs[11], 64)
-	st, _ := strconv.ParseFloat(fs[12], 64)
-	return (ut + st) / clkTck
+	return s.CPU
 }
 
 // procMem returns VmRSS and VmHWM of pid in MB.
 func procMem(pid int) (rss, hwm float64) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
-	if err != nil {
-		return 0, 0
-	}
-	for _, l := range strings.Split(string(b), "\n") {
-		f := strings.Fields(l)
-		if len(f) < 2 {
-			continue
-		}
-		kb, _ := strconv.ParseFloat(f[1], 64)
-		switch f[0] {
-		case "VmRSS:":
-			rss = kb / 1024
-		case "VmHWM:":
-			hwm = kb / 1024
-		}
-	}
-	return
+	r, h, _ := procfs.Memory(pid)
+	return float64(r) / (1 << 20), float64(h) / (1 << 20)
 }
 
 // pidFromFile reads a pid file; 0 if absent, unreadable or not running.

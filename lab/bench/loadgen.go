@@ -42,6 +42,7 @@ type ConnResult struct {
 	FirstErr  string  `json:"first_error,omitempty"`
 	StartUnix int64   `json:"start_unix_ns"`
 	EndUnix   int64   `json:"end_unix_ns"`
+	CPUNS     float64 `json:"cpu_ns"` // this process, user + system
 }
 
 // sockaddr turns host:port into a syscall address and its family.
@@ -116,6 +117,7 @@ func ConnRun(addr string, threads, conns int) (ConnResult, error) {
 		firstErr string
 		wg       sync.WaitGroup
 	)
+	cpu0 := selfCPU()
 	start := time.Now()
 	for t := 0; t < threads; t++ {
 		wg.Add(1)
@@ -167,6 +169,7 @@ func ConnRun(addr string, threads, conns int) (ConnResult, error) {
 		ConnectUS: zeroNaN(medianOf(connects)), TotalUS: zeroNaN(medianOf(totals)),
 		Errors: nerr, FirstErr: firstErr,
 		StartUnix: start.UnixNano(), EndUnix: end.UnixNano(),
+		CPUNS: selfCPU() - cpu0,
 	}
 	return r, nil
 }
@@ -179,6 +182,10 @@ type RRResult struct {
 	MedUS  float64 `json:"median_us"`
 	MeanUS float64 `json:"mean_us"`
 	P90US  float64 `json:"p90_us"`
+	// Trips counts every round trip, warm-up included (the accounting
+	// divides by it); CPUNS is this process's CPU time for the size.
+	Trips int     `json:"trips"`
+	CPUNS float64 `json:"cpu_ns"`
 }
 
 // RRRun sends each size iters times to an echo server and times the round
@@ -214,6 +221,7 @@ func RRRun(addr string, sizes []int, iters int) ([]RRResult, error) {
 			warm = 5
 		}
 		rtts := make([]float64, 0, iters)
+		cpu0 := selfCPU()
 		for i := 0; i < warm+iters; i++ {
 			t0 := time.Now()
 			if err := writeFull(fd, msg); err != nil {
@@ -236,7 +244,8 @@ func RRRun(addr string, sizes []int, iters int) ([]RRResult, error) {
 		}
 		sort.Float64s(rtts)
 		out = append(out, RRResult{Size: size, Iters: iters, MedUS: median(rtts),
-			MeanUS: sum / float64(len(rtts)), P90US: percentile(rtts, 90)})
+			MeanUS: sum / float64(len(rtts)), P90US: percentile(rtts, 90),
+			Trips: warm + iters, CPUNS: selfCPU() - cpu0})
 	}
 	return out, nil
 }
@@ -279,11 +288,14 @@ type ServeConfig struct {
 	RRPort     int    // echo server for round trips
 	IperfPorts []int  // iperf3 servers started as children
 	Iperf3     string // iperf3 binary (default "iperf3")
+	UDPSink    int    // UDP port counting datagrams (v4 and v6)
+	UDPEcho    int    // UDP echo port (v4 and v6)
 }
 
 // Serve runs the servers of cfg until stdin reaches EOF (the bench closes
-// it), printing "ready" once every socket listens. iperf3 children are
-// ended by their PID when Serve returns.
+// it), printing "ready" once every socket listens, and a ServeStats line
+// for every "stats" line it reads. iperf3 children are ended by their PID
+// when Serve returns.
 func Serve(ctx context.Context, cfg ServeConfig, stdin io.Reader, stdout io.Writer) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -372,9 +384,43 @@ func Serve(ctx context.Context, cfg ServeConfig, stdin io.Reader, stdout io.Writ
 			return err
 		}
 	}
+	var cnt udpCounter
+	done := make(chan struct{})
+	var udpStops []func()
+	defer func() {
+		close(done)
+		for _, stop := range udpStops {
+			stop()
+		}
+	}()
+	for _, u := range []struct {
+		port int
+		echo bool
+	}{{cfg.UDPSink, false}, {cfg.UDPEcho, true}} {
+		if u.port == 0 {
+			continue
+		}
+		for _, fam := range []int{syscall.AF_INET, syscall.AF_INET6} {
+			c := &cnt
+			if u.echo {
+				c = nil
+			}
+			stop, err := udpServe(fam, u.port, u.echo, c, done)
+			if err != nil {
+				return err
+			}
+			udpStops = append(udpStops, stop)
+		}
+	}
 	fmt.Fprintln(stdout, "ready")
-	// Block until the bench closes our stdin.
-	_, _ = io.Copy(io.Discard, stdin)
+	// Answer "stats" until the bench closes our stdin.
+	answerStats(stdin, stdout, func() []int {
+		var pids []int
+		for _, c := range children {
+			pids = append(pids, c.Process.Pid)
+		}
+		return pids
+	}, &cnt)
 	return nil
 }
 

@@ -17,6 +17,7 @@ const (
 	SuiteScale      = "scale"      // userwall: verdict cost vs users/held connections
 	SuiteSetup      = "setup"      // uvn: per-user setup time vs users
 	SuiteEgress     = "egress"     // gateway vs direct, 1..20 transfers
+	SuiteUDP        = "udp"        // small-datagram rate and UDP round trips
 )
 
 // Proc is a data-plane process whose footprint is recorded.
@@ -189,5 +190,5 @@ func (*noneDriver) AdjustPlan(p Plan, quick bool) Plan {
 }
 
 func (*noneDriver) Suites() []string {
-	return []string{SuiteThroughput, SuiteLatency, SuiteConn, SuiteMPI}
+	return []string{SuiteThroughput, SuiteLatency, SuiteConn, SuiteUDP, SuiteMPI}
 }

@@ -11,18 +11,23 @@ type Plan struct {
 	LocalStreams []int  `json:"local_streams"`    // on localhost
 	UDPRate      string `json:"udp_offered_load"` // "" = no UDP test
 	UDPLen       int    `json:"udp_datagram_bytes"`
-	RRSizes      []int  `json:"rr_sizes"`
-	RRIters      int    `json:"rr_iterations"`
-	ConnThreads  []int  `json:"conn_threads"`
-	ConnPerThr   int    `json:"conn_per_thread"`
-	MPISizes     []int  `json:"mpi_sizes"`
-	MPIIters     int    `json:"mpi_iterations"`
-	MPINodes     []int  `json:"mpi_nodes"`
-	ScaleUsers   []int  `json:"scale_users"`      // userwall: concurrent users
-	ScaleConns   int    `json:"scale_conns_user"` // connections per user
-	HoldConns    []int  `json:"hold_conns"`       // userwall: live idle connections
-	SetupUsers   []int  `json:"setup_users"`      // uvn: users on a node
-	EgressXfers  []int  `json:"egress_transfers"`
+	// UDP suite: datagram sizes, sending time of each rate test and
+	// round trips of each UDP round-trip test.
+	DgramSizes   []int   `json:"dgram_sizes"`
+	DgramSeconds float64 `json:"dgram_seconds"`
+	DgramIters   int     `json:"dgram_iterations"`
+	RRSizes      []int   `json:"rr_sizes"`
+	RRIters      int     `json:"rr_iterations"`
+	ConnThreads  []int   `json:"conn_threads"`
+	ConnPerThr   int     `json:"conn_per_thread"`
+	MPISizes     []int   `json:"mpi_sizes"`
+	MPIIters     int     `json:"mpi_iterations"`
+	MPINodes     []int   `json:"mpi_nodes"`
+	ScaleUsers   []int   `json:"scale_users"`      // userwall: concurrent users
+	ScaleConns   int     `json:"scale_conns_user"` // connections per user
+	HoldConns    []int   `json:"hold_conns"`       // userwall: live idle connections
+	SetupUsers   []int   `json:"setup_users"`      // uvn: users on a node
+	EgressXfers  []int   `json:"egress_transfers"`
 }
 
 // QuickPlan is `palisade-lab bench --quick`.
@@ -35,6 +40,9 @@ func QuickPlan() Plan {
 		LocalStreams: []int{1},
 		UDPRate:      "200M",
 		UDPLen:       1400,
+		DgramSizes:   []int{64, 1024},
+		DgramSeconds: 0.5,
+		DgramIters:   300,
 		RRSizes:      []int{1, 1024, 65536},
 		RRIters:      200,
 		ConnThreads:  []int{1, 4},
@@ -61,6 +69,9 @@ func FullPlan() Plan {
 		LocalStreams: []int{1, 4},
 		UDPRate:      "500M",
 		UDPLen:       1400,
+		DgramSizes:   []int{64, 1024},
+		DgramSeconds: 1,
+		DgramIters:   1000,
 		RRSizes:      []int{1, 16, 64, 256, 1024, 4096, 16384, 65536},
 		RRIters:      1000,
 		ConnThreads:  []int{1, 2, 4, 8, 16},

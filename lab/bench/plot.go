@@ -41,6 +41,8 @@ func chartsFor(mode string) []chart {
 			bench: SuiteConn, metric: "conn_rate", logX: true},
 		{file: "throughput", title: "TCP throughput (iperf3)", xlabel: "parallel streams", ylabel: "Gbit/s",
 			bench: SuiteThroughput, metric: "gbit_s", series: []string{"tcp-cross", "tcp-local"}, logX: true},
+		{file: "udp", title: "UDP datagram rate of one sender", xlabel: "datagram size (bytes)", ylabel: "kdatagrams/s received",
+			bench: SuiteUDP, metric: "dgram_rate", logX: true},
 		{file: "mpi", title: "MPI ping-pong one-way latency", xlabel: "message size (bytes)", ylabel: "µs",
 			bench: SuiteMPI, metric: "lat_us", logX: true, logY: true},
 		{file: "mpi-bw", title: "MPI ping-pong bandwidth", xlabel: "message size (bytes)", ylabel: "MB/s",

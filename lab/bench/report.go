@@ -75,17 +75,11 @@ func (r *Results) Targets() []Target {
 	}
 	ratioTarget := func(mode string, issue int, goal string, fs []Figure, limit float64, upper bool) Target {
 		t := Target{Mode: mode, Issue: issue, Goal: goal}
-		w, ok := worst(fs, upper)
-		if !r.ran(mode) || !ok {
+		if !r.ran(mode) || len(fs) == 0 {
 			t.Verdict, t.Measured = "not measured", "—"
 			return t
 		}
-		t.Measured = fmt.Sprintf("worst %.3f× (%s, x=%g; paired rounds %.3f–%.3f)", w.Ratio, w.Series, w.X, w.RatioMin, w.RatioMax)
-		if upper {
-			t.Verdict = verdict(w.Ratio <= limit)
-		} else {
-			t.Verdict = verdict(w.Ratio >= limit)
-		}
+		t.Verdict, t.Measured = ciVerdict(fs, limit, upper)
 		return t
 	}
 	// userwall (issue 3)
@@ -95,6 +89,14 @@ func (r *Results) Targets() []Target {
 		ratioTarget("userwall", 3, "bulk TCP throughput ≥ 0.99×", append(r.figs("userwall", SuiteThroughput, "tcp-cross", "gbit_s"), r.figs("userwall", SuiteThroughput, "tcp-local", "gbit_s")...), 0.99, false),
 	)
 	ts = append(ts, r.rssTarget("userwall", 3, "agent", "agent resident memory ≤ 50 MB", 50))
+	// userwall (issue 14): exact in-kernel time, and the wall ratios judged
+	// by their confidence intervals.
+	ts = append(ts, r.costTargets()...)
+	ts = append(ts,
+		ratioTarget("userwall", 14, "wall: connection setup ≤ 1.05× (time for all connections, localhost and across nodes)", append(r.figs("userwall", SuiteConn, "conn-local", "seconds"), r.figs("userwall", SuiteConn, "conn-cross", "seconds")...), 1.05, true),
+		ratioTarget("userwall", 14, "wall: round trip ≤ 1.02× (median TCP round trip, every size, localhost and across nodes)", r.figs("userwall", SuiteLatency, "", "rtt_us"), 1.02, true),
+		ratioTarget("userwall", 14, "wall: bulk TCP throughput ≥ 0.99×", append(r.figs("userwall", SuiteThroughput, "tcp-cross", "gbit_s"), r.figs("userwall", SuiteThroughput, "tcp-local", "gbit_s")...), 0.99, false),
+	)
 	// egress (issue 5): the verdict is the default client path (tun, root
 	// gateway); the other paths and the reference's stack are listed.
 	for _, link := range []string{"", "@1gbit"} {
@@ -276,6 +278,14 @@ func fmtSummary(s Summary) string {
 	return fmt.Sprintf("%s [%s–%s]", fmtNum(s.Median), fmtNum(s.Min), fmtNum(s.Max))
 }
 
+// fmtCI is a figure's 95 % confidence interval.
+func fmtCI(f Figure) string {
+	if math.IsNaN(f.CILo) {
+		return "—"
+	}
+	return fmt.Sprintf("%.3f–%.3f", f.CILo, f.CIHi)
+}
+
 func fmtRatio(f Figure) string {
 	if math.IsNaN(f.Ratio) {
 		return "—"
@@ -292,7 +302,7 @@ func xLabel(bench string) string {
 	switch bench {
 	case SuiteThroughput:
 		return "streams"
-	case SuiteLatency:
+	case SuiteLatency, SuiteUDP:
 		return "bytes"
 	case SuiteConn:
 		return "threads"
@@ -312,6 +322,7 @@ var benchTitles = map[string]string{
 	SuiteThroughput: "Bulk throughput (iperf3)",
 	SuiteLatency:    "Request/response latency",
 	SuiteConn:       "Connection setup (N threads × new connections, one byte each)",
+	SuiteUDP:        "UDP datagrams: rate of one sender, and round trips",
 	SuiteMPI:        "MPI (OpenMPI, TCP BTL, one rank per node)",
 	SuiteScale:      "Verdict cost vs concurrent users and live connections",
 	SuiteSetup:      "Per-user setup time vs users on a node",
@@ -330,7 +341,7 @@ func Markdown(r *Results, plots map[string][]string) string {
 	w("Run %s → %s (%s), %s run, %d interleaved rounds (baseline, mode, baseline, mode, …). ",
 		r.Started.Format("2006-01-02 15:04 MST"), r.Finished.Format("15:04 MST"),
 		r.Finished.Sub(r.Started).Round(time.Second), kind, r.Plan.Rounds)
-	w("Every figure is the median over rounds with [min–max]; the ratio is median(mode) / median(baseline), with the range of the per-round paired ratios.\n\n")
+	w("Every figure is the median over rounds with [min–max]; the ratio is median(mode) / median(baseline), with the range of the per-round paired ratios and the 95 %% confidence interval of the ratio (t interval on the paired rounds' log-ratios). A target on a ratio is *met* when its whole interval is inside the target, *not met* when it lies wholly outside, and *not resolvable on this machine* otherwise.\n\n")
 	m := r.Machine
 	w("**Machine:** %s, %d cores, %.1f GiB, kernel %s, %s", m.CPU, m.Cores, m.MemoryGiB, m.Kernel, m.OS)
 	if m.Virt != "" {
@@ -356,10 +367,12 @@ func Markdown(r *Results, plots map[string][]string) string {
 			continue
 		}
 		w("## Mode `%s` (vs %s)\n\n", ms.Name, ms.Baseline)
+		b.WriteString(costTables(r, ms.Name))
 		for _, bench := range allSuites {
 			var fs []Figure
 			for _, f := range r.Figures {
-				if f.Mode == ms.Name && f.Bench == bench {
+				// The accounting's figures are in the cost table above.
+				if f.Mode == ms.Name && f.Bench == bench && !accountingMetric(f.Metric) {
 					fs = append(fs, f)
 				}
 			}
@@ -379,15 +392,15 @@ func Markdown(r *Results, plots map[string][]string) string {
 			for _, p := range plots[ms.Name+"/"+bench] {
 				w("![%s](%s)\n\n", bench, p)
 			}
-			w("| metric | series | %s | baseline | %s | ratio |\n|---|---|---|---|---|---|\n", xLabel(bench), ms.Name)
+			w("| metric | series | %s | baseline | %s | ratio | 95 %% CI |\n|---|---|---|---|---|---|---|\n", xLabel(bench), ms.Name)
 			for _, f := range fs {
 				mi := metricOf(f.Metric)
 				better := "lower is better"
 				if mi.Higher {
 					better = "higher is better"
 				}
-				w("| %s (%s; %s) | %s | %s | %s | %s | %s |\n", mi.Label, f.Unit, better, f.Series, strconv.FormatFloat(f.X, 'f', -1, 64),
-					fmtSummary(f.Baseline), fmtSummary(f.With), fmtRatio(f))
+				w("| %s (%s; %s) | %s | %s | %s | %s | %s | %s |\n", mi.Label, f.Unit, better, f.Series, strconv.FormatFloat(f.X, 'f', -1, 64),
+					fmtSummary(f.Baseline), fmtSummary(f.With), fmtRatio(f), fmtCI(f))
 			}
 			w("\n")
 		}
@@ -401,6 +414,11 @@ func Markdown(r *Results, plots map[string][]string) string {
 		w("\n")
 	}
 	return b.String()
+}
+
+// accountingMetric: per-operation figures of the exact accounting.
+func accountingMetric(m string) bool {
+	return m == "cpu_us_op" || m == "bpf_ns_op" || m == "bpf_other_ns_op"
 }
 
 func footprintTable(r *Results, mode string) string {

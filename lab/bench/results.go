@@ -36,20 +36,25 @@ type metricInfo struct {
 }
 
 var metrics = map[string]metricInfo{
-	"gbit_s":        {"Gbit/s", true, "throughput"},
-	"mbit_s":        {"Mbit/s", true, "throughput"},
-	"loss_pct":      {"%", false, "loss"},
-	"rtt_us":        {"µs", false, "round trip (median)"},
-	"seconds":       {"s", false, "time for all connections"},
-	"conn_rate":     {"conn/s", true, "connection rate"},
-	"connect_us":    {"µs", false, "connect() (median)"},
-	"lat_us":        {"µs", false, "one-way latency"},
-	"bw_mb_s":       {"MB/s", true, "bandwidth"},
-	"allreduce_us":  {"µs", false, "allreduce time"},
-	"setup_ms":      {"ms", false, "per-user setup"},
-	"teardown_ms":   {"ms", false, "per-user teardown"},
-	"leftover":      {"objects", false, "objects left after teardown"},
-	"users_reached": {"users", true, "users set up before a failure"},
+	"gbit_s":          {"Gbit/s", true, "throughput"},
+	"mbit_s":          {"Mbit/s", true, "throughput"},
+	"loss_pct":        {"%", false, "loss"},
+	"rtt_us":          {"µs", false, "round trip (median)"},
+	"seconds":         {"s", false, "time for all connections"},
+	"conn_rate":       {"conn/s", true, "connection rate"},
+	"connect_us":      {"µs", false, "connect() (median)"},
+	"lat_us":          {"µs", false, "one-way latency"},
+	"bw_mb_s":         {"MB/s", true, "bandwidth"},
+	"allreduce_us":    {"µs", false, "allreduce time"},
+	"setup_ms":        {"ms", false, "per-user setup"},
+	"teardown_ms":     {"ms", false, "per-user teardown"},
+	"leftover":        {"objects", false, "objects left after teardown"},
+	"users_reached":   {"users", true, "users set up before a failure"},
+	"map_mb":          {"MiB", false, "kernel memory of the membership map (per node)"},
+	"dgram_rate":      {"kdgram/s", true, "datagrams received per second"},
+	"cpu_us_op":       {"µs/op", false, "CPU time per operation (load generator + server)"},
+	"bpf_ns_op":       {"ns/op", false, "eBPF run time per operation (the nodes doing the work)"},
+	"bpf_other_ns_op": {"ns/op", false, "eBPF run time per operation (the testbed's other nodes' copies)"},
 }
 
 func metricOf(m string) metricInfo {
@@ -76,7 +81,11 @@ type Figure struct {
 	Ratio    float64 `json:"ratio"`
 	RatioMin float64 `json:"ratio_min"`
 	RatioMax float64 `json:"ratio_max"`
-	Notes    string  `json:"notes,omitempty"`
+	// CILo–CIHi is the 95 % confidence interval of the ratio from the
+	// paired rounds (NaN with fewer than two pairs).
+	CILo  float64 `json:"ci95_lo"`
+	CIHi  float64 `json:"ci95_hi"`
+	Notes string  `json:"notes,omitempty"`
 }
 
 // Key identifies a figure.
@@ -110,17 +119,19 @@ type Footprint struct {
 
 // Results is everything a run produced (results.json).
 type Results struct {
-	Started  time.Time         `json:"started"`
-	Finished time.Time         `json:"finished"`
-	Quick    bool              `json:"quick"`
-	Machine  Machine           `json:"machine"`
-	Plan     Plan              `json:"plan"`
-	Modes    []ModeStatus      `json:"modes"`
-	Samples  []Sample          `json:"samples"`
-	Figures  []Figure          `json:"figures"`
-	Foot     []Footprint       `json:"footprint"`
-	Errors   []string          `json:"errors,omitempty"`
-	Extra    map[string]string `json:"extra,omitempty"`
+	Started  time.Time    `json:"started"`
+	Finished time.Time    `json:"finished"`
+	Quick    bool         `json:"quick"`
+	Machine  Machine      `json:"machine"`
+	Plan     Plan         `json:"plan"`
+	Modes    []ModeStatus `json:"modes"`
+	Samples  []Sample     `json:"samples"`
+	Figures  []Figure     `json:"figures"`
+	Foot     []Footprint  `json:"footprint"`
+	// Costs is the exact accounting of every measured unit.
+	Costs  []Cost            `json:"costs,omitempty"`
+	Errors []string          `json:"errors,omitempty"`
+	Extra  map[string]string `json:"extra,omitempty"`
 }
 
 // computeFigures groups samples into figures. Samples of a figure are
@@ -185,11 +196,13 @@ func computeFigures(samples []Sample) []Figure {
 		mi := metricOf(k.metric)
 		f := Figure{Mode: k.mode, Bench: k.bench, Series: k.series, X: k.x, Metric: k.metric,
 			Unit: mi.Unit, Higher: mi.Higher, Baseline: Summarize(bv), With: Summarize(mv),
-			Ratio: math.NaN(), RatioMin: math.NaN(), RatioMax: math.NaN()}
+			Ratio: math.NaN(), RatioMin: math.NaN(), RatioMax: math.NaN(), CILo: math.NaN(), CIHi: math.NaN()}
 		if f.Baseline.N > 0 && f.With.N > 0 && f.Baseline.Median > 0 {
 			f.Ratio = f.With.Median / f.Baseline.Median
-			pr := Summarize(pairedRatios(pb, pm))
+			prs := pairedRatios(pb, pm)
+			pr := Summarize(prs)
 			f.RatioMin, f.RatioMax = pr.Min, pr.Max
+			f.CILo, f.CIHi = ratioCI(prs)
 		}
 		if len(a.notes) > 0 {
 			f.Notes = fmt.Sprint(a.notes)
@@ -226,5 +239,7 @@ func (f Figure) MarshalJSON() ([]byte, error) {
 		Ratio    *float64 `json:"ratio"`
 		RatioMin *float64 `json:"ratio_min"`
 		RatioMax *float64 `json:"ratio_max"`
-	}{plain(f), fp(f.Ratio), fp(f.RatioMin), fp(f.RatioMax)})
+		CILo     *float64 `json:"ci95_lo"`
+		CIHi     *float64 `json:"ci95_hi"`
+	}{plain(f), fp(f.Ratio), fp(f.RatioMin), fp(f.RatioMax), fp(f.CILo), fp(f.CIHi)})
 }

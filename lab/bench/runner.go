@@ -74,7 +74,18 @@ func Run(ctx context.Context, o Options) (*Results, error) {
 	if o.Opener == nil {
 		o.Opener = OpenTestbed
 	}
-	res := &Results{Started: time.Now().UTC(), Quick: o.Quick, Machine: DescribeMachine(), Plan: plan}
+	res := &Results{Started: time.Now().UTC(), Quick: o.Quick, Machine: DescribeMachine(), Plan: plan, Extra: map[string]string{}}
+	// Run-time statistics of eBPF programs for the whole run (they cost two
+	// clock reads per program run, in the mode rounds only: the baseline
+	// has no data-plane programs).
+	stats := enableBPFStats()
+	defer stats.Close()
+	if stats.Problem != nil {
+		res.Extra["bpf_stats"] = "unavailable: " + stats.Problem.Error()
+		fmt.Fprintf(o.Log, "bench: eBPF run-time statistics unavailable: %v\n", stats.Problem)
+	} else {
+		res.Extra["bpf_stats"] = stats.Method
+	}
 	// Modes on this machine share one testbed, VM modes share the VM
 	// testbed; each is brought up (if needed) with what all its modes need.
 	type opened struct {
@@ -161,7 +172,7 @@ func Run(ctx context.Context, o Options) (*Results, error) {
 	return res, nil
 }
 
-var allSuites = []string{SuiteThroughput, SuiteLatency, SuiteConn, SuiteMPI, SuiteScale, SuiteSetup, SuiteEgress}
+var allSuites = []string{SuiteThroughput, SuiteLatency, SuiteConn, SuiteUDP, SuiteMPI, SuiteScale, SuiteSetup, SuiteEgress}
 
 // runMode runs the interleaved rounds of one mode.
 func runMode(ctx context.Context, o *Options, plan Plan, d Driver, mode string, env *Env, res *Results, mpi map[*Env]string) (err error) {
@@ -217,10 +228,17 @@ func runMode(ctx context.Context, o *Options, plan Plan, d Driver, mode string, 
 				res: res, log: o.Log, mpiProg: mpi[env]}
 			var fp *footprint
 			if v == Enforced {
-				fp = startFootprint(d.Processes(ctx, env))
+				procs := d.Processes(ctx, env)
+				fp = startFootprint(procs)
+				if !env.VM && res.Extra["bpf_stats"] != "" && !strings.HasPrefix(res.Extra["bpf_stats"], "unavailable") {
+					if ps := openProgs(procs); len(ps.refs) > 0 {
+						s.progs = ps
+					}
+				}
 			}
 			t0 := time.Now()
 			errs := s.runSuites(suites)
+			s.progs.close()
 			if fp != nil {
 				for _, f := range fp.finish() {
 					f.Mode, f.Round = mode, r
@@ -280,6 +298,9 @@ type session struct {
 	log     io.Writer
 	mpiProg string
 	servers []*server
+	// progs are the data plane's eBPF programs (mode rounds; nil if none
+	// or without run-time statistics).
+	progs *progSet
 }
 
 func (s *session) emit(bench, series string, x float64, metric string, v float64, note string) {
@@ -306,7 +327,7 @@ func (s *session) runSuites(suites []string) []error {
 	needServers := false
 	for _, su := range suites {
 		switch su {
-		case SuiteThroughput, SuiteLatency, SuiteConn, SuiteScale:
+		case SuiteThroughput, SuiteLatency, SuiteConn, SuiteScale, SuiteUDP:
 			needServers = true
 		}
 	}
@@ -326,6 +347,8 @@ func (s *session) runSuites(suites []string) []error {
 			err = s.throughput()
 		case SuiteLatency:
 			err = s.latency()
+		case SuiteUDP:
+			err = s.udp()
 		case SuiteConn:
 			err = s.conn()
 		case SuiteMPI:
@@ -408,6 +431,11 @@ func mergeInto(res *Results, path string) {
 	for _, f := range old.Foot {
 		if !now[f.Mode] {
 			res.Foot = append(res.Foot, f)
+		}
+	}
+	for _, c := range old.Costs {
+		if !now[c.Mode] {
+			res.Costs = append(res.Costs, c)
 		}
 	}
 	for _, e := range old.Errors {

@@ -24,6 +24,9 @@ func (s *session) scale() error {
 	if err := s.scaleHeld(); err != nil {
 		errs = append(errs, err.Error())
 	}
+	if err := s.bigMaps(); err != nil {
+		errs = append(errs, err.Error())
+	}
 	if len(errs) > 0 {
 		return fmt.Errorf("%s", strings.Join(errs, "; "))
 	}

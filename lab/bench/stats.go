@@ -81,3 +81,41 @@ func pairedRatios(base, mode []float64) []float64 {
 	}
 	return out
 }
+
+// t95 is the two-sided 95 % quantile of Student's t for df = 1..30.
+var t95 = []float64{12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+	2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+	2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042}
+
+// ratioCI is the 95 % confidence interval of the ratio mode/baseline from
+// paired per-round ratios: a t interval on their logarithms (ratios are
+// multiplicative, so the log makes 0.9× and 1.1× symmetric), transformed
+// back. It needs two pairs; NaN otherwise.
+func ratioCI(ratios []float64) (lo, hi float64) {
+	var ls []float64
+	for _, r := range ratios {
+		if r > 0 && !math.IsInf(r, 0) && !math.IsNaN(r) {
+			ls = append(ls, math.Log(r))
+		}
+	}
+	n := len(ls)
+	if n < 2 {
+		return math.NaN(), math.NaN()
+	}
+	mean := 0.0
+	for _, x := range ls {
+		mean += x
+	}
+	mean /= float64(n)
+	ss := 0.0
+	for _, x := range ls {
+		ss += (x - mean) * (x - mean)
+	}
+	sd := math.Sqrt(ss / float64(n-1))
+	t := 1.96
+	if n-1 <= len(t95) {
+		t = t95[n-2]
+	}
+	h := t * sd / math.Sqrt(float64(n))
+	return math.Exp(mean - h), math.Exp(mean + h)
+}

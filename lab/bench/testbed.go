@@ -18,7 +18,7 @@ const DefaultVMName = "palvm"
 func EnvFromTestbed(tb *testbed.Testbed) *Env {
 	e := &Env{Name: tb.Name, Dir: tb.Dir, Binary: tb.Binary, LabBinary: tb.LabBinary, VM: tb.VM, Mode: tb.Mode, Command: tb.Command, TB: tb}
 	for _, n := range tb.Nodes {
-		e.Nodes = append(e.Nodes, Node{Name: n.Name, Eth0: n.Eth0V4, IB: n.IBV4})
+		e.Nodes = append(e.Nodes, Node{Name: n.Name, Eth0: n.Eth0V4, Eth0V6: n.Eth0V6, IB: n.IBV4})
 	}
 	out := Node{Name: tb.Outside.Name, Eth0: tb.Outside.Eth0V4}
 	e.Outside = &out

@@ -55,6 +55,7 @@ func TestIntegration(t *testing.T) {
 
 	t.Run("ModeNone", func(t *testing.T) { testModeNone(ctx, t, tb) })
 	t.Run("SeesRefusal", func(t *testing.T) { testSeesRefusal(ctx, t, tb) })
+	t.Run("Repeat", func(t *testing.T) { testRepeat(ctx, t, tb) })
 
 	t0 = time.Now()
 	downed = true
@@ -193,6 +194,57 @@ func testSeesRefusal(ctx context.Context, t *testing.T, tb *testbed.Testbed) {
 		t.Errorf("refusal seen under %d launchers, want all %d", len(launchers), len(Launchers))
 	}
 	t.Logf("%d cases aimed at bob@%s refused and reported as mismatches; %d others passed", refused, node.Name, len(rep.Cases)-failed)
+}
+
+// testRepeat: --repeat runs the matrix again and again and counts every
+// run's mismatches. Run 1 is clean; before run 2, bob's port is rejected on
+// node2: exactly that run reports mismatches, and the total is theirs.
+func testRepeat(ctx context.Context, t *testing.T, tb *testbed.Testbed) {
+	node := tb.Nodes[1]
+	rules := fmt.Sprintf("table inet palchk {\n chain in {\n  type filter hook input priority 0;\n  tcp dport %d reject with tcp reset\n  udp dport %d reject with icmpx admin-prohibited\n }\n}\n", bobPort(), bobPort())
+	defer exec.Command("ip", "netns", "exec", node.NetNS, "nft", "delete", "table", "inet", "palchk").Run()
+	var out bytes.Buffer
+	opts := Options{Mode: "none", Quick: true, Launchers: []Launcher{Plain, SSH}}
+	reps, err := RunRepeat(ctx, tb, opts, 2, func(i int, r *Report) {
+		WriteRepeatRun(&out, i, 2, r, 5)
+		if i == 1 {
+			nft := exec.Command("ip", "netns", "exec", node.NetNS, "nft", "-f", "-")
+			nft.Stdin = strings.NewReader(rules)
+			if o, err := nft.CombinedOutput(); err != nil {
+				t.Fatalf("nft: %v %s", err, o)
+			}
+		}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	passed, failed := WriteRepeatSummary(&out, reps)
+	t.Logf("repeat:\n%s", out.String())
+	if len(reps) != 2 {
+		t.Fatalf("%d runs, want 2", len(reps))
+	}
+	_, f1 := reps[0].Counts()
+	_, f2 := reps[1].Counts()
+	if f1 != 0 || f2 == 0 || failed != f2 || passed+failed != len(reps[0].Cases)+len(reps[1].Cases) {
+		t.Errorf("run 1: %d failed, run 2: %d failed, total %d passed %d failed: want 0, >0 and the totals of both", f1, f2, passed, failed)
+	}
+	for _, c := range reps[1].Failures() {
+		if c.Listener.Node != node.Name || c.Listener.Name != "bob" {
+			t.Errorf("run 2: unexpected mismatch %s", describeFailure(c))
+		}
+	}
+	if !strings.Contains(out.String(), "run 2/2: ") || !strings.HasSuffix(strings.TrimSpace(out.String()), fmt.Sprintf("%d passed, %d failed", passed, failed)) {
+		t.Errorf("repeat output lacks the per-run or total line:\n%s", out.String())
+	}
+}
+
+func bobPort() uint16 {
+	for _, l := range Listeners {
+		if l.Name == "bob" {
+			return l.Port
+		}
+	}
+	return 0
 }
 
 // noProbesLeft: every probe process a run started has ended.

@@ -109,7 +109,7 @@ A mode whose data plane is not available is reported as skipped.`,
 	report.Flags().String("from", filepath.Join("docs", "benchmarks", "results.json"), "results file")
 	report.Flags().String("out", "", "output directory (default: the results file's)")
 
-	cmd.AddCommand(report, benchServeCmd(), benchConnCmd(), benchRRCmd(), benchHoldCmd(), benchUVNSetupCmd())
+	cmd.AddCommand(report, benchServeCmd(), benchConnCmd(), benchRRCmd(), benchHoldCmd(), benchUVNSetupCmd(), benchUDPCmd())
 	return cmd
 }
 
@@ -180,6 +180,8 @@ func benchServeCmd() *cobra.Command {
 	cmd.Flags().StringVar(&conn, "conn", "", "connection-setup server ports (comma-separated)")
 	cmd.Flags().IntVar(&cfg.RRPort, "rr", 0, "echo server port")
 	cmd.Flags().StringVar(&iperf, "iperf", "", "iperf3 server ports (comma-separated)")
+	cmd.Flags().IntVar(&cfg.UDPSink, "udp-sink", 0, "UDP port counting datagrams (v4 and v6)")
+	cmd.Flags().IntVar(&cfg.UDPEcho, "udp-echo", 0, "UDP echo port (v4 and v6)")
 	priv.add(cmd)
 	return cmd
 }
@@ -298,5 +300,46 @@ func benchUVNSetupCmd() *cobra.Command {
 	}
 	cmd.Flags().Uint32Var(&first, "first", bench.UVNScaleUIDBase, "first uid")
 	cmd.Flags().IntVarP(&n, "n", "n", 10, "users")
+	return cmd
+}
+
+func benchUDPCmd() *cobra.Command {
+	var (
+		addr, sizes string
+		seconds     float64
+		rr          bool
+		iters       int
+	)
+	cmd := &cobra.Command{
+		Use:    "udp",
+		Short:  "UDP datagram-rate or round-trip client (JSON on stdout)",
+		Hidden: true,
+		Args:   cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			ss, err := bench.ParseInts(sizes)
+			if err != nil {
+				return err
+			}
+			var out []bench.UDPResult
+			for _, size := range ss {
+				var r bench.UDPResult
+				if rr {
+					r, err = bench.UDPRoundTrips(addr, size, iters)
+				} else {
+					r, err = bench.UDPRate(addr, size, time.Duration(seconds*float64(time.Second)))
+				}
+				if err != nil {
+					return fmt.Errorf("%d B: %w", size, err)
+				}
+				out = append(out, r)
+			}
+			return json.NewEncoder(os.Stdout).Encode(out)
+		},
+	}
+	cmd.Flags().StringVar(&addr, "addr", "", "server IP:port")
+	cmd.Flags().StringVar(&sizes, "sizes", "64", "datagram sizes in bytes")
+	cmd.Flags().Float64Var(&seconds, "seconds", 1, "rate test: sending time per size")
+	cmd.Flags().BoolVar(&rr, "rr", false, "round trips to an echo server instead of a rate test")
+	cmd.Flags().IntVar(&iters, "iters", 1000, "round trips per size")
 	return cmd
 }

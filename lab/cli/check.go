@@ -25,6 +25,8 @@ func checkCommand() *cobra.Command {
 		timeout               time.Duration
 		attacks, verbose      bool
 		only                  string
+		repeat                int
+		churn                 time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "check",
@@ -75,6 +77,11 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 				defer stop()
 				return runAttacks(ctx, tb, only, verbose, quiet)
 			}
+			if cmd.Flags().Changed("churn") {
+				ctx, stop := signal.NotifyContext(cmd.Context(), syscall.SIGINT, syscall.SIGTERM)
+				defer stop()
+				return runChurn(ctx, tb, churn, quiet)
+			}
 			if mode == "" {
 				mode = tb.Mode
 				if mode == "" {
@@ -91,6 +98,22 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 			}
 			ctx, stop := signal.NotifyContext(cmd.Context(), syscall.SIGINT, syscall.SIGTERM)
 			defer stop()
+			if repeat > 1 {
+				reps, err := check.RunRepeat(ctx, tb, opts, repeat, func(i int, r *check.Report) {
+					check.WriteRepeatRun(cmd.OutOrStdout(), i, repeat, r, maxMismatches)
+				})
+				if err != nil {
+					return err
+				}
+				_, failed := check.WriteRepeatSummary(cmd.OutOrStdout(), reps)
+				if ctx.Err() != nil {
+					return &cli.ExitError{Code: 130, Msg: "interrupted"}
+				}
+				if failed > 0 {
+					return &cli.ExitError{Code: 1, Msg: fmt.Sprintf("%d mismatches in %d runs of mode %s", failed, len(reps), mode)}
+				}
+				return nil
+			}
 			rep, err := check.Run(ctx, tb, opts)
 			if err != nil {
 				return err
@@ -126,5 +149,7 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 	f.BoolVar(&attacks, "attacks", false, "run the attack suite (userwall testbed): real attacks, each with a control; see docs/check.md")
 	f.StringVar(&only, "only", "", "with --attacks: run only the cases whose name contains one of these comma-separated strings")
 	f.BoolVar(&verbose, "verbose", false, "with --attacks: print every case's rationale and steps, not only the failures'")
+	f.IntVar(&repeat, "repeat", 1, "run the matrix this many times; report every run's mismatches and the total (flakes show as mismatches in some runs)")
+	f.DurationVar(&churn, "churn", 10*time.Minute, "run the churn test for this long (userwall testbed): legitimate traffic and attacks while agents are killed, restarted, reloaded, their nft objects flushed and addresses added")
 	return cmd
 }

@@ -43,6 +43,10 @@ func probeActCmd() *cobra.Command {
 			if err := json.Unmarshal([]byte(spec), &s); err != nil {
 				return fmt.Errorf("bad --spec: %w", err)
 			}
+			if s.LoopMS > 0 {
+				attack.Loop(s, cmd.OutOrStdout())
+				return nil
+			}
 			return json.NewEncoder(cmd.OutOrStdout()).Encode(attack.Act(s))
 		},
 	}

@@ -1,7 +1,6 @@
 package testbed
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"net"
@@ -176,9 +175,9 @@ func (tb *Testbed) processes() []int {
 	for _, f := range files {
 		if b, err := os.ReadFile(f); err == nil {
 			if pid, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && pid > 1 {
-				cl, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+				cl := strings.Join(procfs.Cmdline(pid), " ")
 				l, _ := os.Readlink(fmt.Sprintf("/proc/%d/ns/net", pid))
-				if bytes.Contains(cl, []byte(tb.Dir+"/")) || nsIno[l] {
+				if strings.Contains(cl, tb.Dir+"/") || nsIno[l] {
 					pids[pid] = true
 				}
 			}
@@ -201,7 +200,8 @@ func (tb *Testbed) processes() []int {
 	// Never ourselves or our ancestors (down run from inside a node).
 	for p := os.Getpid(); p > 1; {
 		delete(pids, p)
-		_, p, _ = procfs.Stat(p)
+		st, _ := procfs.Read(p)
+		p = st.PPID
 	}
 	out := make([]int, 0, len(pids))
 	for p := range pids {
@@ -233,8 +233,7 @@ func (tb *Testbed) killAll() {
 		}
 		for _, p := range pids {
 			if debug {
-				b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", p))
-				fmt.Fprintf(os.Stderr, "testbed %s: round %d sig %d pid %d %q\n", tb.Name, round, sig, p, b)
+				fmt.Fprintf(os.Stderr, "testbed %s: round %d sig %d pid %d %q\n", tb.Name, round, sig, p, procfs.Cmdline(p))
 			}
 			syscall.Kill(p, sig)
 		}

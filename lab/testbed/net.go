@@ -7,10 +7,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 
-	"golang.org/x/sys/unix"
+	"github.com/palisade-hpc/palisade/internal/sys/netns"
 )
 
 // Link names on the host side. The name is at most 10 characters, so
@@ -78,32 +77,9 @@ func ipBatch(ctx context.Context, ns string, force bool, lines []string) error {
 }
 
 // inNetns runs f on an OS thread switched into netns ns (for per-namespace
-// /proc/sys writes). If the thread cannot be switched back it is not
-// unlocked, so the runtime discards it.
+// /proc/sys writes).
 func inNetns(ns string, f func() error) error {
-	runtime.LockOSThread()
-	orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		runtime.UnlockOSThread()
-		return err
-	}
-	defer unix.Close(orig)
-	target, err := unix.Open(filepath.Join("/run/netns", ns), unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		runtime.UnlockOSThread()
-		return fmt.Errorf("netns %s: %w", ns, err)
-	}
-	defer unix.Close(target)
-	if err := unix.Setns(target, unix.CLONE_NEWNET); err != nil {
-		runtime.UnlockOSThread()
-		return fmt.Errorf("setns %s: %w", ns, err)
-	}
-	ferr := f()
-	if err := unix.Setns(orig, unix.CLONE_NEWNET); err != nil {
-		return fmt.Errorf("setns back from %s: %w", ns, err)
-	}
-	runtime.UnlockOSThread()
-	return ferr
+	return netns.DoPath(filepath.Join("/run/netns", ns), f)
 }
 
 func writeSysctls(kv map[string]string) error {

@@ -46,6 +46,9 @@ type Options struct {
 	Egress bool
 	// VM delegates the whole instance to the registered VMHandler.
 	VM bool
+	// Kernel is the VM's guest kernel series ("6.1", "6.12"; "" = the
+	// handler's default). Only with VM.
+	Kernel string
 	// Directory is "" (users in the host's /etc files) or "ldap": a real
 	// slapd and an SSSD per node as the nodes' NSS source (directory.go).
 	Directory string
@@ -89,6 +92,7 @@ type Testbed struct {
 	// Directory is "" or "ldap" (Options.Directory).
 	Directory      string
 	DirectoryUsers int
+	Kernel         string // guest kernel series of a VM testbed
 	Nodes          []Node
 	Outside        Node
 	Router         string // router netns
@@ -225,6 +229,7 @@ type state struct {
 	VM         bool     `json:"vm,omitempty"`
 	Directory  string   `json:"directory,omitempty"`
 	DirUsers   int      `json:"directory_users,omitempty"`
+	Kernel     string   `json:"kernel,omitempty"`
 	// Phase is "starting" until bring-up (mode included) completed, then "up".
 	Phase    string `json:"phase"`
 	MPIHello string `json:"mpi_hello,omitempty"`
@@ -268,6 +273,7 @@ func build(s *state) *Testbed {
 		Mode:       s.Mode,
 		Extensions: s.Extensions,
 		VM:         s.VM,
+		Kernel:     s.Kernel,
 		Router:     s.Name + "-rtr",
 		MPIHello:   s.MPIHello,
 		Directory:  s.Directory,

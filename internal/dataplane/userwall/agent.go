@@ -134,6 +134,28 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	if cfg.Default {
 		log.Warn("no configuration file; using the built-in default policy", "path", o.ConfigPath)
 	}
+	// Before anything changes: does this kernel have what the data plane
+	// needs? If not, one clear message and nothing touched.
+	probe, err := ProbeKernel()
+	if err != nil {
+		return fmt.Errorf("kernel feature probe: %w", err)
+	}
+	if err := probe.Err(); err != nil {
+		return err
+	}
+	useTC, why, err := chooseTC(cfg.Agent.TCAttach, probe)
+	if err != nil {
+		return err
+	}
+	var noLSM error
+	switch {
+	case !cfg.Agent.UnixSockets:
+		noLSM = errors.New("disabled by configuration (unix_sockets = false)")
+	case !probe.Has(FeatLSMActive) && strings.HasPrefix(featureDetail(probe, FeatLSMActive), "/"):
+		noLSM = fmt.Errorf("the bpf LSM is not enabled (%s); boot with lsm=...,bpf", featureDetail(probe, FeatLSMActive))
+	case !probe.Has(FeatLSMAttach):
+		noLSM = fmt.Errorf("BPF LSM programs cannot attach on this kernel: %s", featureDetail(probe, FeatLSMAttach))
+	}
 	a := &agent{opts: o, cfg: cfg, log: log, attached: map[string]int{}}
 	// One agent per namespace: an exclusive lock next to the pid file
 	// (held until exit; a stale pid file alone does not block a restart).
@@ -167,7 +189,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	}
 	_, statErr := os.Stat(filepath.Join(pinDir, "settings"))
 	adopting := statErr == nil
-	a.dp, err = Load(pinDir, cookie, cfg.Agent.UnixSockets)
+	a.dp, err = Load(pinDir, cookie, noLSM)
 	if err != nil {
 		if !adopting {
 			// The loader pins each map as it creates it and does not
@@ -177,11 +199,15 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 		return err
 	}
 	defer a.dp.Close()
+	a.dp.TC = useTC
+	log.Info("tc programs attach with "+attachName(useTC), "why", why, "kernel", probe.Kernel)
 	if err := a.install(cg); err != nil {
 		if !adopting {
-			// A first install that failed half-way leaves nothing behind.
+			// A first install that failed half-way leaves nothing behind
+			// (tc filters are not pinned: remove them by name).
 			a.dp.Close()
 			RemovePins(pinDir)
+			removeTCFilters()
 			RemoveNft()
 		}
 		return err

@@ -18,6 +18,8 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf/ringbuf"
+	"golang.org/x/time/rate"
+
 	"github.com/palisade-hpc/palisade/internal/identity"
 )
 
@@ -55,22 +57,19 @@ type Event struct {
 // eventSink turns ring-buffer records into rate-limited JSON lines and
 // syslog messages.
 type eventSink struct {
-	node   string
-	res    identity.Resolver
-	log    *slog.Logger
-	mu     sync.Mutex
-	file   io.WriteCloser
-	sys    *syslog.Writer
-	rate   float64
-	tokens float64
-	last   time.Time
-	names  map[[2]uint32]string
+	node  string
+	log   *slog.Logger
+	mu    sync.Mutex
+	file  io.WriteCloser
+	sys   *syslog.Writer
+	limit *rate.Limiter // nil: log nothing (event_rate 0)
+	names *identity.NameCache
 
 	Logged, Suppressed atomic.Uint64
 }
 
-func newEventSink(path string, useSyslog bool, rate int, log *slog.Logger) (*eventSink, error) {
-	s := &eventSink{res: identity.System(), log: log, rate: float64(rate), tokens: float64(rate), names: map[[2]uint32]string{}}
+func newEventSink(path string, useSyslog bool, perSec int, log *slog.Logger) (*eventSink, error) {
+	s := &eventSink{log: log, limit: newEventLimit(perSec), names: identity.NewNameCache(nil, time.Minute)}
 	s.node, _ = os.Hostname()
 	if path != "" {
 		if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
@@ -105,41 +104,17 @@ func (s *eventSink) close() {
 	}
 }
 
-// allow is a token bucket: rate per second, burst of 5 s worth.
-func (s *eventSink) allow(now time.Time) bool {
-	if s.rate <= 0 {
-		return false
+// newEventLimit allows perSec events a second with a burst of 5 s worth;
+// nil (nothing logged) for perSec <= 0.
+func newEventLimit(perSec int) *rate.Limiter {
+	if perSec <= 0 {
+		return nil
 	}
-	if !s.last.IsZero() {
-		s.tokens += now.Sub(s.last).Seconds() * s.rate
-	}
-	if max := s.rate * 5; s.tokens > max {
-		s.tokens = max
-	}
-	s.last = now
-	if s.tokens < 1 {
-		return false
-	}
-	s.tokens--
-	return true
+	return rate.NewLimiter(rate.Limit(perSec), 5*perSec)
 }
 
-func (s *eventSink) name(kind uint32, id uint32) string {
-	k := [2]uint32{kind, id}
-	if n, ok := s.names[k]; ok {
-		return n
-	}
-	var n string
-	if kind == 0 {
-		n, _ = s.res.LookupUID(id)
-	} else {
-		n, _ = s.res.LookupGID(id)
-	}
-	if len(s.names) > 4096 {
-		clear(s.names)
-	}
-	s.names[k] = n
-	return n
+func (s *eventSink) allow(now time.Time) bool {
+	return s.limit != nil && s.limit.AllowN(now, 1)
 }
 
 func addrPort(fam uint8, a [16]uint8, port uint16) string {
@@ -195,9 +170,9 @@ func (s *eventSink) decode(raw []byte) (Event, error) {
 	if r.Family != 1 && uwbpfUwPath(r.Path) != uwbpfUwPathP_BIND {
 		e.Stamp = stampName(r.Stamp)
 	}
-	e.Listener = Party{UID: r.Luid, User: s.name(0, r.Luid), GID: r.Lgid, Group: s.name(1, r.Lgid)}
+	e.Listener = Party{UID: r.Luid, User: s.names.User(r.Luid), GID: r.Lgid, Group: s.names.Group(r.Lgid)}
 	if r.HasConnector != 0 {
-		e.Connector = &Party{UID: r.Cuid, User: s.name(0, r.Cuid), GID: r.Cgid, Group: s.name(1, r.Cgid)}
+		e.Connector = &Party{UID: r.Cuid, User: s.names.User(r.Cuid), GID: r.Cgid, Group: s.names.Group(r.Cgid)}
 	}
 	if r.Family == 1 {
 		name := bytes.TrimRight(r.Daddr[:], "\x00")

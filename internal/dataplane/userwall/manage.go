@@ -52,6 +52,7 @@ func Uninstall(o AgentOptions) error {
 		errs = append(errs, RemovePins(PinDir(fs, cookie)))
 		CollectStale(fs)
 	}
+	errs = append(errs, removeTCFilters())
 	errs = append(errs, RemoveNft())
 	return errors.Join(errs...)
 }
@@ -71,9 +72,11 @@ type Status struct {
 	Mode string `json:"mode"`
 	// Source says where the facts come from: "kernel" (the pinned objects,
 	// root) or "agent" (the running agent's state file, for other users).
-	Source      string       `json:"source"`
-	Audit       bool         `json:"audit"`
-	Agent       *AgentState  `json:"agent,omitempty"`
+	Source string      `json:"source"`
+	Agent  *AgentState `json:"agent,omitempty"`
+	// Attach is how the tc programs are attached: "tcx" links, or "tc"
+	// (clsact + cls_bpf filters, kernels before 6.6).
+	Attach      string       `json:"attach,omitempty"`
 	NetnsCookie uint64       `json:"netns_cookie"`
 	PinDir      string       `json:"pin_dir"`
 	AgentPID    int          `json:"agent_pid"`
@@ -81,8 +84,16 @@ type Status struct {
 	Nft         bool         `json:"nft_table"`
 	Enabled     bool         `json:"enabled"`
 	UnixLSM     bool         `json:"unix_enforced"`
-	Warnings    []string     `json:"warnings,omitempty"`
-	Counters    []Counter    `json:"counters"`
+	// Audit: decisions are reported, nothing is refused.
+	Audit bool `json:"audit"`
+	// Keys are the ids of the cluster keys in force (the first seals);
+	// KeyError says why the configured key file is not usable.
+	Keys     []uint8   `json:"key_ids,omitempty"`
+	KeyError string    `json:"key_error,omitempty"`
+	Warnings []string  `json:"warnings,omitempty"`
+	Counters []Counter `json:"counters"`
+	// Kernel is the feature probe of this node's kernel.
+	Kernel *Probe `json:"kernel,omitempty"`
 }
 
 // GetStatus inspects the pins of the caller's namespace.
@@ -136,6 +147,25 @@ func GetStatus(o AgentOptions) (*Status, error) {
 			s.UnixLSM = true
 		}
 	}
+	tcs, _ := ourTCFilters()
+	for _, f := range tcs {
+		s.Links = append(s.Links, LinkStatus{Name: f.linkName(), Type: "tc", Program: f.prog, ProgID: f.progID})
+	}
+	for _, l := range s.Links {
+		switch l.Type {
+		case "tc":
+			s.Attach = "tc"
+		case "tcx":
+			if s.Attach == "" {
+				s.Attach = "tcx"
+			}
+		}
+	}
+	if p, err := ProbeKernel(); err == nil {
+		s.Kernel = p
+	} else {
+		s.Warnings = append(s.Warnings, "kernel feature probe failed: "+err.Error())
+	}
 	if m, err := ebpf.LoadPinnedMap(filepath.Join(s.PinDir, "settings"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
 		var c uwbpfUwConfig
 		if m.Lookup(uint32(0), &c) == nil {
@@ -144,17 +174,39 @@ func GetStatus(o AgentOptions) (*Status, error) {
 		}
 		m.Close()
 	}
+	if m, err := ebpf.LoadPinnedMap(filepath.Join(s.PinDir, "keys"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
+		for i := uint32(0); i < 2; i++ {
+			var k uwbpfUwKey
+			if m.Lookup(i, &k) == nil && k.Valid != 0 {
+				s.Keys = append(s.Keys, uint8(k.Id))
+			}
+		}
+		m.Close()
+	}
+	keyFile := cfg.Cluster.KeyFile
+	if keyFile == "" {
+		keyFile = policy.DefaultKeyFile
+	}
+	if _, err := LoadKeys(keyFile); err != nil {
+		s.KeyError = err.Error()
+	}
 	if m, err := ebpf.LoadPinnedMap(filepath.Join(s.PinDir, "counters"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
 		s.Counters, _ = readCounters(m)
 		m.Close()
 	}
-	if len(names) > 0 {
+	if len(names) > 0 || len(tcs) > 0 {
 		s.Mode = "userwall"
 		if s.AgentPID == 0 {
 			s.Warnings = append(s.Warnings, "agent not running: pinned programs enforce the last policy, but addresses, groups and events are not kept up to date")
 		}
 		if !s.Nft {
-			s.Warnings = append(s.Warnings, "nft table "+NftTable+" missing: refused cross-node connections are dropped instead of reset")
+			s.Warnings = append(s.Warnings, "nft table "+NftTable+" missing: refusals are silent drops instead of resets (the agent restores it)")
+		}
+		if s.Audit {
+			s.Warnings = append(s.Warnings, "audit mode: refusals are reported, NOT enforced")
+		}
+		if s.KeyError != "" {
+			s.Warnings = append(s.Warnings, "no usable cluster key ("+s.KeyError+"): identity from other nodes is not trusted, cross-node user traffic is refused")
 		}
 		if !s.UnixLSM {
 			why := "BPF LSM programs could not be loaded or attached"
@@ -183,11 +235,13 @@ func linkTypeName(t link.Type) string {
 // NamespaceGone reports whether the namespace a pin directory belongs to no
 // longer exists: every agent attaches to lo, and lo lives exactly as long as
 // its namespace, so a tcx link on lo whose device is gone (ifindex 0) means
-// the namespace was deleted without `--uninstall`.
+// the namespace was deleted without `--uninstall`; in tc mode, the program
+// of lo's egress filter (recorded in tc_lo) is freed with the filter.
 func NamespaceGone(pinDir string) bool {
 	l, err := link.LoadPinnedLink(filepath.Join(pinDir, "links", tcxLinkName("eg", "lo")), nil)
 	if err != nil {
-		return false
+		gone, _ := tcLoGone(pinDir)
+		return gone
 	}
 	defer l.Close()
 	info, err := l.Info()

@@ -225,8 +225,10 @@ func (s *eventSink) reopen(path string, useSyslog bool, rate int) error {
 	s.mu.Lock()
 	oldFile, oldSys := s.file, s.sys
 	s.file, s.sys = n.file, n.sys
-	s.rate = float64(rate)
-	s.tokens = min(s.tokens, s.rate*5)
+	// A new limiter only for a new rate: a reopen keeps the budget.
+	if n.limit == nil || s.limit == nil || n.limit.Limit() != s.limit.Limit() {
+		s.limit = n.limit
+	}
 	s.mu.Unlock()
 	if oldFile != nil {
 		oldFile.Close()
@@ -370,9 +372,9 @@ func (s *Status) addAgentState(cfg *policy.Config, cfgOK bool) {
 	s.Agent = st
 	if s.Source == "agent" {
 		s.Audit = st.Audit
-	}
-	if s.Audit {
-		s.Warnings = append(s.Warnings, "audit mode: refusals are decided and logged, nothing is refused")
+		if s.Audit {
+			s.Warnings = append(s.Warnings, "audit mode: refusals are reported, NOT enforced")
+		}
 	}
 	if len(st.UnenforcedNodes) > 0 {
 		s.Warnings = append(s.Warnings, fmt.Sprintf("staged rollout: identity-less traffic from %s is admitted (rule unverified)", strings.Join(st.UnenforcedNodes, ", ")))

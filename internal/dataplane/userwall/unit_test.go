@@ -37,19 +37,25 @@ func TestRuleNamesMatchPolicy(t *testing.T) {
 }
 
 func TestEventRateLimit(t *testing.T) {
-	s := &eventSink{rate: 10, tokens: 10}
-	now := time.Unix(1000, 0)
+	s := &eventSink{limit: newEventLimit(10)}
+	now := time.Now()
 	n := 0
 	for i := 0; i < 100; i++ {
 		if s.allow(now) {
 			n++
 		}
 	}
-	if n != 10 {
-		t.Errorf("burst: %d allowed, want 10", n)
+	if n != 50 {
+		t.Errorf("burst: %d allowed, want 50 (5 s at 10/s)", n)
+	}
+	if s.allow(now.Add(50 * time.Millisecond)) {
+		t.Error("a token after 0.05 s at 10/s")
 	}
 	if !s.allow(now.Add(200 * time.Millisecond)) {
 		t.Error("no token after 0.2 s at 10/s")
+	}
+	if (&eventSink{limit: newEventLimit(0)}).allow(now) {
+		t.Error("rate 0 must log nothing")
 	}
 	if (&eventSink{}).allow(now) {
 		t.Error("rate 0 must log nothing")
@@ -62,7 +68,7 @@ func TestDecodeEvent(t *testing.T) {
 	if err != nil {
 		t.Skip("identity.ParseTables:", err)
 	}
-	s := &eventSink{res: tab, node: "node1", names: map[[2]uint32]string{}}
+	s := &eventSink{node: "node1", names: identity.NewNameCache(tab, time.Minute)}
 	r := uwbpfUwEvent{Cuid: 2002, Cgid: 2002, Luid: 2001, Lgid: 2100, Sport: 40000, Dport: 5000,
 		Proto: 6, Family: 4, Rule: 8, Path: 2, HasConnector: 1}
 	src, dst := netip.MustParseAddr("::ffff:198.18.0.2").As16(), netip.MustParseAddr("::ffff:198.18.0.1").As16()

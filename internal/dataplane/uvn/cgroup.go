@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 )
 
 // cgroup2 is a private, detached mount of the cgroup2 hierarchy. Opening one
@@ -142,46 +143,6 @@ func procCgroup(pid int) (string, error) {
 	return "", fmt.Errorf("pid %d: no cgroup2 entry in /proc/%d/cgroup", pid, pid)
 }
 
-// descendants returns pid and every live descendant of it.
-func descendants(pid int) map[int]bool {
-	children := map[int][]int{}
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		p, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		b, err := os.ReadFile("/proc/" + e.Name() + "/stat")
-		if err != nil {
-			continue
-		}
-		s := string(b)
-		i := strings.LastIndexByte(s, ')')
-		if i < 0 {
-			continue
-		}
-		f := strings.Fields(s[i+1:])
-		if len(f) < 2 {
-			continue
-		}
-		pp, _ := strconv.Atoi(f[1])
-		children[pp] = append(children[pp], p)
-	}
-	out := map[int]bool{pid: true}
-	stack := []int{pid}
-	for len(stack) > 0 {
-		p := stack[len(stack)-1]
-		stack = stack[:len(stack)-1]
-		for _, ch := range children[p] {
-			if !out[ch] {
-				out[ch] = true
-				stack = append(stack, ch)
-			}
-		}
-	}
-	return out
-}
-
 // sessionCgroup picks the cgroup to attach the VRF program to for pid: its
 // own cgroup when that belongs to the session (every process in its subtree
 // is pid or a descendant), else a new child of it named for the session, into
@@ -198,7 +159,7 @@ func (c *cgroup2) sessionCgroup(pid int, uid uint32) (cg string, created bool, e
 		if err != nil {
 			return "", false, fmt.Errorf("cgroup %s: %w", cg, err)
 		}
-		mine := descendants(pid)
+		mine := procfs.Descendants(pid)
 		own := true
 		for _, p := range pids {
 			if !mine[p] {

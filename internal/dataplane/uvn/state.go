@@ -13,6 +13,8 @@ import (
 	"syscall"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 )
 
 // Undo is one journal record: enough to remove one kernel object (or restore
@@ -196,25 +198,11 @@ func (s store) users() ([]uint32, error) {
 	return uids, nil
 }
 
-// procStart returns the start time of pid (field 22 of /proc/PID/stat) and
-// whether the process is alive (zombies count as dead: this machine kind's
-// init reaps slowly).
+// procStart returns the start time of pid and whether the process is alive
+// (zombies count as dead: this machine kind's init reaps slowly).
 func procStart(pid int) (uint64, bool) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return 0, false
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	if i < 0 {
-		return 0, false
-	}
-	f := strings.Fields(s[i+1:])
-	if len(f) < 20 || f[0] == "Z" || f[0] == "X" {
-		return 0, false
-	}
-	st, err := strconv.ParseUint(f[19], 10, 64)
-	return st, err == nil
+	s, ok := procfs.Read(pid)
+	return s.Start, ok && !s.Zombie()
 }
 
 // alive reports whether h is still the same live process.

@@ -3,8 +3,10 @@ package attack
 import (
 	"encoding/binary"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"time"
@@ -27,6 +29,11 @@ type ActSpec struct {
 	Reply bool `json:"reply,omitempty"`
 	// WaitMS bounds connect and the wait for a reply (default 1500).
 	WaitMS int `json:"wait_ms,omitempty"`
+	// LoopMS repeats the step (a new socket each time) for this long,
+	// every IntervalMS (default 50), each attempt with its own nonce
+	// (Nonce + a counter); Loop prints a line per attempt.
+	LoopMS     int `json:"loop_ms,omitempty"`
+	IntervalMS int `json:"interval_ms,omitempty"`
 	// WaitClose (streams with Reply) waits for the victim to close first.
 	WaitClose bool `json:"wait_close,omitempty"`
 	// SOCKS sends through a SOCKS5 proxy at this address (ssh -D).
@@ -48,6 +55,31 @@ type ActResult struct {
 	Error string `json:"error,omitempty"`
 	Local string `json:"local,omitempty"` // the socket's own address
 	Reply bool   `json:"reply,omitempty"` // the echo of our nonce came back
+}
+
+// LoopLine is one attempt of a looping act.
+type LoopLine struct {
+	Nonce string `json:"nonce"`
+	OK    bool   `json:"ok"`
+	Errno string `json:"errno,omitempty"`
+}
+
+// Loop runs spec's step again and again for LoopMS, a line per attempt.
+func Loop(spec ActSpec, out io.Writer) {
+	enc := json.NewEncoder(out)
+	iv := time.Duration(spec.IntervalMS) * time.Millisecond
+	if iv <= 0 {
+		iv = 50 * time.Millisecond
+	}
+	base := spec.Nonce
+	end := time.Now().Add(time.Duration(spec.LoopMS) * time.Millisecond)
+	for i := 0; time.Now().Before(end); i++ {
+		t0 := time.Now()
+		spec.Nonce = fmt.Sprintf("%s%06x", base, i)
+		r := Act(spec)
+		enc.Encode(LoopLine{Nonce: spec.Nonce, OK: r.OK, Errno: r.Errno})
+		time.Sleep(iv - time.Since(t0))
+	}
 }
 
 // Act runs spec and reports; it never panics on bad input.
@@ -102,17 +134,17 @@ func act(s ActSpec, r *ActResult) error {
 			// Data in the SYN (MSG_FASTOPEN connects and sends at once;
 			// without a cookie the kernel sends a cookie request and the
 			// data after the handshake).
-			if err := unix.Sendto(fd, msg, unix.MSG_FASTOPEN, dst); err != nil {
+			if err := sendtoFD(fd, msg, unix.MSG_FASTOPEN, dst); err != nil {
 				return at("sendto(MSG_FASTOPEN)", err)
 			}
 		} else {
-			if err := unix.Connect(fd, dst); err != nil {
+			if err := connectFD(fd, dst); err != nil {
 				return at("connect", err)
 			}
 			if local, err := unix.Getsockname(fd); err == nil {
 				r.Local = sockString(local)
 			}
-			if _, err := unix.Write(fd, msg); err != nil {
+			if _, err := writeFD(fd, msg); err != nil {
 				return at("send", err)
 			}
 		}
@@ -125,7 +157,7 @@ func act(s ActSpec, r *ActResult) error {
 			}
 			b := make([]byte, 256)
 			for {
-				if n, err := unix.Read(fd, b); n <= 0 || err != nil {
+				if n, err := readFD(fd, b); n <= 0 || err != nil {
 					return nil
 				}
 			}
@@ -133,19 +165,19 @@ func act(s ActSpec, r *ActResult) error {
 		// Let the data leave before close (a reset could overtake it).
 		unix.Shutdown(fd, unix.SHUT_WR)
 		b := make([]byte, 256)
-		unix.Read(fd, b)
+		readFD(fd, b)
 		return nil
 	}
 	if s.Connect {
-		if err := unix.Connect(fd, dst); err != nil {
+		if err := connectFD(fd, dst); err != nil {
 			return at("connect", err)
 		}
 	}
 	for i := 0; i < s.Count; i++ {
 		if s.Connect {
-			_, err = unix.Write(fd, msg)
+			_, err = writeFD(fd, msg)
 		} else {
-			err = unix.Sendto(fd, msg, 0, dst)
+			err = sendtoFD(fd, msg, 0, dst)
 		}
 		if err != nil {
 			return at("send", err)
@@ -163,7 +195,7 @@ func act(s ActSpec, r *ActResult) error {
 		tv := unix.NsecToTimeval(int64(200 * time.Millisecond))
 		unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
 		b := make([]byte, 512)
-		if _, err := unix.Read(fd, b); err != nil && err != unix.EAGAIN {
+		if _, err := readFD(fd, b); err != nil && err != unix.EAGAIN {
 			return at("recv", err)
 		}
 	}
@@ -174,7 +206,7 @@ func readEcho(fd int, nonce string, r *ActResult) error {
 	b := make([]byte, 2048)
 	deadline := time.Now().Add(3 * time.Second)
 	for time.Now().Before(deadline) {
-		n, err := unix.Read(fd, b)
+		n, err := readFD(fd, b)
 		if err != nil {
 			return at("recv", err)
 		}

@@ -73,7 +73,7 @@ func Serve(spec SinkSpec, out io.Writer) error {
 			for _, nc := range nonces(buf[:n]) {
 				emit(SinkLine{Type: "got", Nonce: nc, From: sockString(from)})
 				if spec.Echo && from != nil {
-					unix.Sendto(fd, Payload(nc), 0, from)
+					sendtoFD(fd, Payload(nc), 0, from)
 				}
 			}
 		}
@@ -93,7 +93,7 @@ func Serve(spec SinkSpec, out io.Writer) error {
 			var got []byte
 			b := make([]byte, 512)
 			for len(got) < 4096 {
-				n, err := unix.Read(cfd, b)
+				n, err := readFD(cfd, b)
 				if n <= 0 || err != nil {
 					break
 				}
@@ -102,7 +102,7 @@ func Serve(spec SinkSpec, out io.Writer) error {
 					for _, nc := range ns {
 						emit(SinkLine{Type: "got", Nonce: nc, From: sockString(from)})
 						if spec.Echo {
-							unix.Write(cfd, Payload(nc))
+							writeFD(cfd, Payload(nc))
 						}
 					}
 					if spec.CloseFirst {

@@ -22,6 +22,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -304,4 +305,88 @@ func nonces(b []byte) []string {
 		out = append(out, string(m[1]))
 	}
 	return out
+}
+
+// Go's runtime preempts goroutines with a signal (SIGURG): a blocking
+// system call made directly can fail with EINTR at any time. These retry
+// it, so that a signal is never mistaken for a refusal.
+
+func readFD(fd int, b []byte) (int, error) {
+	for {
+		n, err := unix.Read(fd, b)
+		if err != unix.EINTR {
+			return n, err
+		}
+	}
+}
+
+func writeFD(fd int, b []byte) (int, error) {
+	for {
+		n, err := unix.Write(fd, b)
+		if err != unix.EINTR {
+			return n, err
+		}
+	}
+}
+
+func sendtoFD(fd int, b []byte, flags int, to unix.Sockaddr) error {
+	for {
+		err := unix.Sendto(fd, b, flags, to)
+		if err != unix.EINTR {
+			return err
+		}
+		if flags&unix.MSG_FASTOPEN != 0 {
+			// The connection attempt goes on: wait for it, then send
+			// (a duplicate nonce is harmless).
+			if err := awaitConnect(fd); err != nil {
+				return err
+			}
+			_, err := writeFD(fd, b)
+			return err
+		}
+	}
+}
+
+// connectFD connects; after EINTR the attempt goes on in the kernel, so it
+// waits for the outcome (bounded by the socket's send timeout).
+func connectFD(fd int, sa unix.Sockaddr) error {
+	err := unix.Connect(fd, sa)
+	if err != unix.EINTR {
+		return err
+	}
+	return awaitConnect(fd)
+}
+
+func awaitConnect(fd int) error {
+	tv, err := unix.GetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_SNDTIMEO)
+	ms := 2000
+	if err == nil && tv.Nano() > 0 {
+		ms = int(tv.Nano() / 1e6)
+	}
+	deadline := time.Now().Add(time.Duration(ms) * time.Millisecond)
+	for {
+		left := int(time.Until(deadline) / time.Millisecond)
+		if left <= 0 {
+			return unix.ETIMEDOUT
+		}
+		pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLOUT}}
+		n, err := unix.Poll(pfd, left)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			return unix.ETIMEDOUT
+		}
+		v, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ERROR)
+		if err != nil {
+			return err
+		}
+		if v != 0 {
+			return syscall.Errno(v)
+		}
+		return nil
+	}
 }

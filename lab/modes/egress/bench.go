@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/palisade-hpc/palisade/internal/dataplane/egress/ipam"
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
 
@@ -374,18 +375,11 @@ func count(ls []ipam.Lease, prefix string) int {
 }
 
 func rss(pid int) (int64, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	if err != nil {
-		return 0, err
+	r, _, ok := procfs.Memory(pid)
+	if !ok {
+		return 0, fmt.Errorf("no VmRSS for pid %d", pid)
 	}
-	for _, l := range strings.Split(string(b), "\n") {
-		if strings.HasPrefix(l, "VmRSS:") {
-			f := strings.Fields(l)
-			kb, _ := strconv.ParseInt(f[1], 10, 64)
-			return kb * 1024, nil
-		}
-	}
-	return 0, fmt.Errorf("no VmRSS for pid %d", pid)
+	return int64(r), nil
 }
 
 // ShapeLinks limits the link between the gateway host and the outside host,

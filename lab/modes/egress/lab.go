@@ -17,6 +17,7 @@ import (
 
 	"github.com/palisade-hpc/palisade/internal/dataplane/egress/gateway"
 	"github.com/palisade-hpc/palisade/internal/dataplane/egress/join"
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
 
@@ -238,7 +239,7 @@ func (e *Env) down(ctx context.Context) error {
 	var errs []error
 	for _, pid := range e.PIDs {
 		// Only signal what is still our process (the PID may be reused).
-		if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid)); err == nil &&
+		if b := strings.Join(procfs.Cmdline(pid), " "); b != "" &&
 			(strings.Contains(string(b), "gateway") || strings.Contains(string(b), "__egress-outside") ||
 				strings.Contains(string(b), "iperf3") || strings.Contains(string(b), "ocserv")) {
 			syscall.Kill(pid, syscall.SIGTERM)
@@ -269,14 +270,10 @@ func (e *Env) down(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
+// zombie reports whether pid has exited (gone, or a zombie not yet reaped).
 func zombie(pid int) bool {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return true
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	return i > 0 && len(s) > i+2 && s[i+2] == 'Z'
+	s, ok := procfs.Read(pid)
+	return !ok || s.Zombie()
 }
 
 // Token issues a join token for user/job from the root gateway (or the

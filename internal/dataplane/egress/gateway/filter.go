@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"golang.org/x/time/rate"
 	"golang.zx2c4.com/wireguard/tun"
 )
 
@@ -14,39 +15,21 @@ import (
 // wholesale on every lease change so the packet path reads it without locks.
 type owners map[netip.Addr]string
 
-// bucket is a token bucket in bytes. Policing (drop when empty) keeps the
-// forwarding path non-blocking: a sleeping writer would stall every peer.
-type bucket struct {
-	mu     sync.Mutex
-	rate   float64 // bytes per second
-	burst  float64
-	tokens float64
-	last   time.Time
-}
-
-func newBucket(rate int64) *bucket {
-	if rate <= 0 {
+// newLimit limits to rate bytes per second; nil (no limit) for rate <= 0.
+// Policing (drop when empty) keeps the forwarding path non-blocking: a
+// sleeping writer would stall every peer.
+func newLimit(bps int64) *rate.Limiter {
+	if bps <= 0 {
 		return nil
 	}
 	// A burst of 50 ms at the rate (at least 64 KiB) lets TCP's windows
 	// open without overshooting the limit on average.
-	burst := max(float64(rate)/20, 64<<10)
-	return &bucket{rate: float64(rate), burst: burst, tokens: burst, last: time.Now()}
+	return rate.NewLimiter(rate.Limit(bps), int(max(bps/20, 64<<10)))
 }
 
-func (b *bucket) take(n int, now time.Time) bool {
-	if b == nil {
-		return true
-	}
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	b.tokens = min(b.burst, b.tokens+now.Sub(b.last).Seconds()*b.rate)
-	b.last = now
-	if b.tokens < float64(n) {
-		return false
-	}
-	b.tokens -= float64(n)
-	return true
+// take reports whether n bytes may pass l at now.
+func take(l *rate.Limiter, n int, now time.Time) bool {
+	return l == nil || l.AllowN(now, n)
 }
 
 // Counters are the gateway's forwarding statistics.
@@ -70,23 +53,23 @@ type filter struct {
 	owners  atomic.Pointer[owners]
 	hairpin func([]byte)   // netstack mode: client-to-client packets
 	deny    []netip.Prefix // destinations clients may never reach (cluster nets)
-	global  *bucket
+	global  *rate.Limiter
 	perUser int64
-	users   sync.Map // user -> *bucket
+	users   sync.Map // user -> *rate.Limiter
 	c       *Counters
 }
 
 func (f *filter) MTU() (int, error) { return f.mtu, nil }
 
-func (f *filter) userBucket(u string) *bucket {
+func (f *filter) userLimit(u string) *rate.Limiter {
 	if f.perUser <= 0 {
 		return nil
 	}
 	if b, ok := f.users.Load(u); ok {
-		return b.(*bucket)
+		return b.(*rate.Limiter)
 	}
-	b, _ := f.users.LoadOrStore(u, newBucket(f.perUser))
-	return b.(*bucket)
+	b, _ := f.users.LoadOrStore(u, newLimit(f.perUser))
+	return b.(*rate.Limiter)
 }
 
 func addrs(p []byte) (src, dst netip.Addr, ok bool) {
@@ -121,7 +104,7 @@ func (f *filter) Write(bufs [][]byte, offset int) (int, error) {
 				continue
 			}
 		}
-		if !f.global.take(len(p), now) || !f.userBucket(srcUser).take(len(p), now) {
+		if !take(f.global, len(p), now) || !take(f.userLimit(srcUser), len(p), now) {
 			f.c.RateDrop.Add(1)
 			continue
 		}
@@ -159,7 +142,7 @@ func (f *filter) Read(bufs [][]byte, sizes []int, offset int) (int, error) {
 		if !ok {
 			continue
 		}
-		if !f.global.take(len(p), now) || !f.userBucket(own[dst]).take(len(p), now) {
+		if !take(f.global, len(p), now) || !take(f.userLimit(own[dst]), len(p), now) {
 			f.c.RateDrop.Add(1)
 			sizes[i] = 0
 			continue

@@ -35,7 +35,7 @@ func pkt(src, dst string, size int) []byte {
 func newFilter(userRate, globalRate int64) (*filter, *sink) {
 	s := &sink{}
 	f := &filter{Device: s, mtu: 1420, pool: netip.MustParsePrefix("100.64.0.0/16"), self: netip.MustParseAddr("100.64.0.1"),
-		c: &Counters{}, perUser: userRate, global: newBucket(globalRate), deny: []netip.Prefix{netip.MustParsePrefix("198.18.0.0/24")}}
+		c: &Counters{}, perUser: userRate, global: newLimit(globalRate), deny: []netip.Prefix{netip.MustParsePrefix("198.18.0.0/24")}}
 	f.owners.Store(&owners{
 		netip.MustParseAddr("100.64.0.2"): "alice",
 		netip.MustParseAddr("100.64.0.3"): "alice",

@@ -192,7 +192,7 @@ func Start(cfg Config) (g *Gateway, err error) {
 		return g, err
 	}
 	g.filt = &filter{mtu: cfg.MTU, pool: cfg.Pool.Masked(), self: self, c: &g.counters,
-		global: newBucket(cfg.GlobalRate), perUser: cfg.UserRate, deny: cfg.Deny}
+		global: newLimit(cfg.GlobalRate), perUser: cfg.UserRate, deny: cfg.Deny}
 	g.filt.owners.Store(&owners{})
 
 	mode := cfg.Mode

@@ -563,8 +563,10 @@ static __always_inline __s64 wall_ns(const struct uw_config *c)
 	return (__s64)bpf_ktime_get_boot_ns() + c->clock_offset_ns;
 }
 
-/* verify: S_VALID and p->uid/gid trusted, or why not. */
-static __always_inline __u8 verify(const struct uw_config *c, struct pkt *p)
+/* stamp_key: the key a stamp names and the window it was sealed in, or why
+ * not (S_NONE when they are usable). Cheap: no MAC. */
+static __always_inline __u8 stamp_key(const struct uw_config *c, struct pkt *p, struct uw_key **kp,
+				      __u64 *wp)
 {
 	if (!p->has_stamp)
 		return p->old_stamp ? S_OLD_VERSION : S_NONE;
@@ -577,17 +579,28 @@ static __always_inline __u8 verify(const struct uw_config *c, struct pkt *p)
 			return S_UNKNOWN_KEY;
 	}
 	__u64 now = (__u64)wall_ns(c) >> UW_WINDOW_SHIFT;
-	__u64 w = 0;
 	int found = 0;
 	for (int d = -1; d <= 1; d++) {
 		__u64 cand = now + d;
 		if ((cand & 0xf) == (p->meta & 0xf)) {
-			w = cand;
+			*wp = cand;
 			found = 1;
 		}
 	}
 	if (!found)
 		return S_STALE;
+	*kp = k;
+	return S_NONE;
+}
+
+/* verify: S_VALID and p->uid/gid trusted, or why not. */
+static __always_inline __u8 verify(const struct uw_config *c, struct pkt *p)
+{
+	struct uw_key *k = 0;
+	__u64 w = 0;
+	__u8 st = stamp_key(c, p, &k, &w);
+	if (st != S_NONE || !k)
+		return p->has_stamp ? st : (p->old_stamp ? S_OLD_VERSION : S_NONE);
 	__u64 m[MAC_WORDS];
 	mac_msg(p, w, m);
 	if (siphash(k, m) != p->tag)
@@ -1004,7 +1017,10 @@ static __always_inline __u32 decide(struct uw_config *c, struct pkt *p, __u8 st,
 	}
 	if (!allows(rule) && dgram_proto(p->proto) && sent_to_peer(sk, p)) {
 		/* Reverse: the socket's owner reaching the sender's socket. */
-		int rev = st != S_VALID || allows(decide_ids(l->uid, l->gid, p->uid, p->gid));
+		/* (anyone may reach a system port: a stamped answer from one is
+		 * a reply like an identity-less one) */
+		int rev = st != S_VALID || p->sport <= c->system_port_max ||
+			  allows(decide_ids(l->uid, l->gid, p->uid, p->gid));
 		if (rev)
 			rule = R_UDP_REPLY;
 	}
@@ -1059,15 +1075,23 @@ int uw_skb_ingress(struct __sk_buff *skb)
 	if (!sk)
 		return 1;
 
-	/* Fast path: a TCP packet to a socket that is not listening belongs
-	 * to a connection whose SYN was checked (direct packet access, no
-	 * helper call). */
+	/* Fast path (direct packet access, no helper call): a TCP segment that
+	 * is not a pure SYN belongs to a handshake or connection whose SYN was
+	 * checked. A pure SYN is checked whatever the socket's state (a listener,
+	 * or a connecting socket in a simultaneous open). */
 	void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
 	if (!test_mode && data + 40 <= end) {
 		__u8 *h = data;
-		__u8 proto = (h[0] >> 4) == 4 ? h[9] : h[6];
-		if (proto == IPPROTO_TCP && sk->state != TCP_LISTEN)
-			return 1;
+		int v4 = (h[0] >> 4) == 4;
+		__u8 proto = v4 ? h[9] : h[6];
+		if (proto == IPPROTO_TCP) {
+			__u32 hl = v4 ? (h[0] & 0xf) * 4 : 40;
+			if (hl > 60)
+				hl = 60;
+			__u8 *th = h + hl;
+			if ((void *)(th + 14) <= end && !TCP_SYN_ONLY(th[13]))
+				return 1;
+		}
 	}
 
 	struct uw_owner tl, *l;
@@ -1101,9 +1125,8 @@ int uw_skb_ingress(struct __sk_buff *skb)
 		return c->audit ? 1 : 0;
 	}
 	if (p.proto == IPPROTO_TCP) {
-		int listener = test_mode ? 1 : sk->state == TCP_LISTEN;
-		if (!listener || !TCP_SYN_ONLY(p.flags))
-			return 1; /* the handshake's ACK, a cookie ACK, a RST */
+		if (!TCP_SYN_ONLY(p.flags))
+			return 1; /* the handshake's ACK, a cookie ACK, data, a RST */
 	} else if (p.proto == IPPROTO_ICMP || p.proto == IPPROTO_ICMPV6) {
 		/* Allow-list: ping sockets get only echo replies of their id. */
 		return 1;
@@ -1244,8 +1267,14 @@ int uw_tc_ingress(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	}
 	lo = *l;
-	/* The claimed identity stands in for a verified one here. */
-	__u8 st = p.has_stamp ? S_VALID : S_NONE;
+	/* The claimed identity stands in for a verified one here when its key
+	 * and window are good (no MAC: a forged stamp can only turn this early
+	 * refusal into a drop at the socket); a stamp of an unknown key or a
+	 * stale one is refused early, as it will be at the socket. */
+	struct uw_key *k = 0;
+	__u64 w = 0;
+	__u8 st = stamp_key(c, &p, &k, &w);
+	st = (p.has_stamp && st == S_NONE) ? S_VALID : (st == S_NONE ? S_NONE : st);
 	__u32 rule = decide(c, &p, st, &lo, sk);
 	bpf_sk_release(sk);
 	if (allows(rule))
