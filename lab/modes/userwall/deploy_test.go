@@ -253,3 +253,38 @@ func TestSlurmAccountsMustBeExempt(t *testing.T) {
 		t.Errorf("config check with Slurm's account exempt: %v\n%s", err, out)
 	}
 }
+
+// TestExplainAgreesWithKernel: explain never answers DENY for a connection
+// the kernel allows — as a user who cannot see the listener's group it says
+// "undecided" — and for a refused one it names the fix.
+func TestExplainAgreesWithKernel(t *testing.T) {
+	needTestbed(t)
+	listen(t, "node1", "bob+proj1", "tcp", "0.0.0.0", 5191) // shared with proj1
+	listen(t, "node1", "bob", "tcp", "0.0.0.0", 5192)       // private
+	run(t, []tcase{
+		{"node1", "alice", "tcp", "127.0.0.1", 5191, "OK", nil},
+		{"node1", "alice", "tcp", "127.0.0.1", 5192, refused, nil},
+	})
+	explain := func(user string, args ...string) string {
+		cmd := tb.Command(context.Background(), "node1", user, append([]string{tb.Binary, "explain", "--config", tb.ConfigPath("node1")}, args...)...)
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("explain %v as %q: %v\n%s", args, user, err, out)
+		}
+		return string(out)
+	}
+	// As alice herself (her own credentials): allowed or undecided, never DENY.
+	out := explain("alice", "--to", "127.0.0.1:5191")
+	if strings.Contains(out, "DENY") || !(strings.Contains(out, "ALLOW (rule shared-group)") || strings.Contains(out, "undecided")) {
+		t.Errorf("alice → bob's proj1 listener (the kernel allows):\n%s", out)
+	}
+	// Root sees the listener's group: the kernel's verdicts, and the fix.
+	out = explain("", "--from", "alice", "--to", "127.0.0.1:5191")
+	if !strings.Contains(out, "ALLOW (rule shared-group)") {
+		t.Errorf("root: alice → bob's proj1 listener:\n%s", out)
+	}
+	out = explain("", "--from", "alice", "--to", "127.0.0.1:5192")
+	if !strings.Contains(out, "DENY (rule default-deny)") || !strings.Contains(out, "ask bob to share the service with a group you both hold: sg proj1") {
+		t.Errorf("root: alice → bob's private listener:\n%s", out)
+	}
+}
