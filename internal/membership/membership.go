@@ -94,10 +94,11 @@ type Stats struct {
 // Tracker keeps the data plane's membership in step. Run drives it; Seen
 // may be called from any goroutine.
 type Tracker struct {
-	cfg  Config
-	lim  *rate.Limiter
-	seen chan uint32
-	wake chan struct{}
+	cfg    Config
+	lim    *rate.Limiter
+	seen   chan uint32
+	wake   chan struct{}
+	period chan time.Duration
 
 	lookups, rounds atomic.Uint64
 
@@ -130,7 +131,7 @@ func New(cfg Config) *Tracker {
 	}
 	return &Tracker{
 		cfg: cfg, lim: rate.NewLimiter(cfg.Rate, cfg.Burst),
-		seen: make(chan uint32, 256), wake: make(chan struct{}, 1),
+		seen: make(chan uint32, 256), wake: make(chan struct{}, 1), period: make(chan time.Duration, 1),
 		groups: map[uint32][]uint32{}, users: map[uint32][]uint32{}, lastAt: map[uint32]time.Time{}, names: map[string]uint32{},
 	}
 }
@@ -150,6 +151,18 @@ func (t *Tracker) Refresh() {
 	case t.wake <- struct{}{}:
 	default:
 	}
+}
+
+// SetRefresh changes the full-round period (a configuration reload).
+func (t *Tracker) SetRefresh(d time.Duration) {
+	if d <= 0 {
+		return
+	}
+	select {
+	case <-t.period: // replace a pending change
+	default:
+	}
+	t.period <- d
 }
 
 // Stats returns the counters.
@@ -177,6 +190,8 @@ func (t *Tracker) Run(ctx context.Context) {
 			t.round(ctx, true)
 		case <-t.wake:
 			t.round(ctx, true)
+		case d := <-t.period:
+			full.Reset(d)
 		case <-scan.C:
 			t.round(ctx, false)
 		case uid := <-t.seen:
