@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/netip"
 	"os"
@@ -14,6 +13,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -21,7 +21,7 @@ import (
 	"github.com/cilium/ebpf/ringbuf"
 	"github.com/coreos/go-systemd/v22/daemon"
 	"github.com/palisade-hpc/palisade/internal/ident"
-	"github.com/palisade-hpc/palisade/internal/identity"
+	"github.com/palisade-hpc/palisade/internal/membership"
 	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/internal/sys/cgroup2"
 	"github.com/palisade-hpc/palisade/internal/sys/nldump"
@@ -78,6 +78,20 @@ type agent struct {
 	noKeyWarned string
 	// nftRepairs counts restorations of the nft table (metrics).
 	nftRepairs atomic.Int64
+
+	// Owned by the main loop (RunAgent, reload): ctx of the services,
+	// the metrics server, the ident service's stop, and problems of the
+	// running agent for the state (notes).
+	ctx       context.Context
+	metrics   *http.Server
+	stopIdent func()
+	members   *membership.Tracker // fills the kernel's members map (internal/membership)
+	notes     []string
+	pinDir    string
+
+	// stateMu guards state, which the metrics goroutine reads.
+	stateMu sync.Mutex
+	state   AgentState
 }
 
 // ReadPid returns the pid in a pid file if that process is alive.
@@ -170,6 +184,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 		return err
 	}
 	pinDir := PinDir(fs, cookie)
+	a.pinDir = pinDir
 	if gone := CollectStale(fs); len(gone) > 0 {
 		log.Info("removed the pins of deleted network namespaces", "cookies", gone)
 	}
@@ -186,6 +201,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	}
 	defer a.dp.Close()
 	a.dp.TC = useTC
+	a.members = a.newMembers()
 	log.Info("tc programs attach with "+attachName(useTC), "why", why, "kernel", probe.Kernel)
 	if err := a.install(cg); err != nil {
 		if !adopting {
@@ -213,6 +229,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 		return err
 	}
 	defer a.sink.close()
+	a.sink.seen = a.members.Seen
 	go a.sink.run(rd)
 
 	ctx, stop := signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
@@ -223,10 +240,12 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 		WatchNft(ctx, a.repairNft)
 	}()
 	defer func() { <-nftDone }()
-	if srv := a.startMetrics(); srv != nil {
-		defer srv.Close()
-	}
-	defer a.startIdent(ctx)()
+	a.ctx = ctx
+	a.startMetrics()
+	defer a.stopMetrics()
+	a.stopIdent = a.startIdent(ctx)
+	defer func() { a.stopIdent() }()
+	defer a.runMembers(ctx)()
 
 	if err := os.WriteFile(cfg.Agent.PidFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
 		return err
@@ -236,6 +255,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 			os.Remove(cfg.Agent.PidFile)
 		}
 	}()
+	a.initState()
 
 	// Readiness for systemd (Type=notify): enforcement, metrics and ident
 	// are in place, so units ordered after this one (slurmd, sshd) start
@@ -259,8 +279,6 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	}
 	tick := time.NewTicker(5 * time.Second)
 	defer tick.Stop()
-	groups := time.NewTicker(a.cfg.Agent.GroupRefreshInterval())
-	defer groups.Stop()
 	for {
 		select {
 		case <-ctx.Done():
@@ -286,8 +304,6 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 			if err := a.dp.RefreshClock(); err != nil {
 				a.log.Warn("clock offset not refreshed", "err", err)
 			}
-		case <-groups.C:
-			a.syncMembers()
 		}
 	}
 }
@@ -299,7 +315,7 @@ func (a *agent) install(cgroupRoot string) error {
 	if err := a.syncAddrs(); err != nil {
 		return err
 	}
-	a.syncMembers()
+	a.members.Load(context.Background())
 	if err := a.loadKeys(); err != nil {
 		return err
 	}
@@ -396,17 +412,6 @@ func (a *agent) repairNft() {
 	a.log.Warn("nft reject table was removed or changed; restored")
 }
 
-func (a *agent) syncMembers() {
-	m, err := identity.Snapshot()
-	if err != nil {
-		a.log.Warn("group membership not refreshed", "err", err)
-		return
-	}
-	if err := a.dp.SetMembers(m); err != nil {
-		a.log.Warn("group membership not loaded", "err", err)
-	}
-}
-
 func (a *agent) syncNode() {
 	if err := a.syncAddrs(); err != nil {
 		a.log.Warn("local addresses not refreshed", "err", err)
@@ -485,49 +490,6 @@ func (a *agent) syncInterfaces() error {
 		}
 	}
 	return errors.Join(errs...)
-}
-
-// reload re-reads the configuration; an invalid one is refused and the
-// running policy stays. Maps are updated in place (add, then delete): no gap.
-func (a *agent) reload() {
-	cfg, err := a.opts.LoadConfig()
-	if err != nil {
-		a.log.Error("configuration refused; the running policy stays", "err", err)
-		return
-	}
-	if err := a.dp.Fits(cfg.Policy); err != nil {
-		a.log.Error("configuration refused; the running policy stays", "err", err)
-		return
-	}
-	if err := a.dp.ApplyPolicy(cfg.Policy, cfg.Agent.Audit); err != nil {
-		a.log.Error("policy not fully applied", "err", err)
-		return
-	}
-	a.cfg = cfg
-	if err := a.loadKeys(); err != nil {
-		a.log.Error("cluster keys not loaded", "err", err)
-	}
-	if a.ident != nil {
-		a.ident.SetPolicy(cfg.Policy)
-	}
-	a.syncMembers()
-	a.syncNode()
-	a.log.Info("configuration reloaded", "path", cfg.Path)
-}
-
-func (a *agent) startMetrics() *http.Server {
-	addr := a.cfg.Agent.MetricsAddress
-	if addr == "" {
-		return nil
-	}
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		a.log.Warn("metrics not served", "addr", addr, "err", err)
-		return nil
-	}
-	srv := &http.Server{Handler: a.metricsHandler(), ReadHeaderTimeout: 5 * time.Second}
-	go srv.Serve(ln)
-	return srv
 }
 
 // startIdent starts the ident service; the returned func stops it and waits
