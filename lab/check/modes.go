@@ -18,6 +18,7 @@ var (
 	modes   = map[string]Expectation{
 		"none":     ExpectOpen,
 		"userwall": ExpectPolicy,
+		"audit":    ExpectAudit,
 	}
 )
 
@@ -83,5 +84,8 @@ func ExpectPolicy(c *Case) Verdict {
 		return Verdict{Allow: false, Rule: "no-policy"}
 	}
 	v := c.Policy.Decide(c.Conn())
+	if !v.Allow && unverified(c) {
+		return Verdict{Allow: true, Rule: RuleUnverified}
+	}
 	return Verdict{Allow: v.Allow, Rule: string(v.Rule)}
 }
