@@ -252,7 +252,7 @@ key_file = "%[7]s"
 pid_file = "%[5]s/%[1]s/agent.pid"
 ident_socket = "%[5]s/%[1]s/ident.sock"
 event_log = "%[6]s/%[1]s-userwall.jsonl"
-%[9]s`, n.Name, tb.Name, q(subnets), q(nodes), tb.RunDir(), tb.LogDir(), tb.ClusterKeyPath(), tb.unenforcedConfig(), tb.auditConfig())
+%[9]s`, n.Name, tb.Name, q(subnets), q(nodes), tb.RunDir(), tb.LogDir(), tb.ClusterKeyPath(), tb.unenforcedConfig(), tb.auditConfig()) + tb.directoryPolicy()
 }
 
 // auditConfig is testbed up --audit's part of [agent].
