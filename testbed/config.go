@@ -115,6 +115,10 @@ func (tb *Testbed) slurmConf() string {
 	w("MinJobAge", "60")
 	w("Waittime", "0")
 	w("PlugStackConfig", "/etc/slurm/plugstack.conf")
+	// srun and salloc listen on these ports for Slurm's callbacks (outside
+	// the ephemeral range 32768-60999): uvn lets Slurm's daemons reach them
+	// in a user's VRF (docs/uvn.md).
+	w("SrunPortRange", "61000-62999")
 	// Nodes share /tmp; PMIx's per-job directories would collide (pitfall 4).
 	w("TmpFS", d+"/nodetmp/%n")
 	for _, n := range tb.Nodes {

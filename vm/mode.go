@@ -52,13 +52,15 @@ peers = [%s]
 `, filepath.Join(tb.RunDir(), n.Name, "uvn"), TestbedPortEth, TestbedPortIB, strings.Join(peers, ", "))
 }
 
-// PAMLine is the session line added to sshd's PAM stack.
+// PAMLine is the session line added to sshd's PAM stack: pam_exec's
+// stdout reaches the user (a refused login says why); the helper keeps its
+// own log (pam_exec's log= would swallow stdout).
 func PAMLine(binary, config, log string) string {
-	l := "session required pam_exec.so"
+	l := "session required pam_exec.so stdout " + binary + " --config " + config + " uvn pam"
 	if log != "" {
-		l += " log=" + log
+		l += " --log " + log
 	}
-	return l + " " + binary + " --config " + config + " uvn pam"
+	return l
 }
 
 // Up configures the nodes (inside the VM).
