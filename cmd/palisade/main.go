@@ -1,14 +1,15 @@
-// Command palisade is Palisade's single binary: agent, operator CLI, testbed,
-// isolation matrix and benchmarks. Everything lives in packages; this file
-// only hands control to the command tree.
+// Command palisade is Palisade's product binary: the node agent and the
+// operator and user commands (status, explain, who, config, ident, uvn,
+// gateway, egress). It contains no lab code: the testbed, the isolation
+// matrix and the benchmarks are cmd/palisade-lab.
 package main
 
 import (
 	"os"
 
-	"github.com/palisade-hpc/palisade/cli"
+	"github.com/palisade-hpc/palisade/internal/cli"
 )
 
 func main() {
-	os.Exit(cli.Execute())
+	os.Exit(cli.Execute(cli.New()))
 }

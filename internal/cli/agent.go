@@ -1,0 +1,58 @@
+package cli
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+
+	"github.com/spf13/cobra"
+
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+)
+
+func agentCommand() *cobra.Command {
+	var (
+		o         userwall.AgentOptions
+		uninstall bool
+		reload    bool
+	)
+	cmd := &cobra.Command{
+		Use:   "agent",
+		Short: "Run the userwall agent: the identity firewall in eBPF for this node (network namespace)",
+		Long: `Load the userwall eBPF programs for this node's network namespace, attach them
+to the root of the cgroup v2 hierarchy and to the cluster interfaces, and keep
+their maps in step with the configuration, the node's addresses and NSS group
+membership. Denials are logged as JSON lines and to syslog; metrics are served
+for Prometheus. The agent also runs the ident service.
+
+Programs, links and maps are pinned: they keep enforcing while the agent is
+stopped or restarting, and a restarted agent adopts them without a gap.
+SIGHUP reloads the configuration (a bad one is refused, the running policy
+stays). --uninstall stops the agent and removes everything it made.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			o.ConfigPath = configPath
+			o.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
+			if uninstall {
+				if err := userwall.Uninstall(o); err != nil {
+					return fmt.Errorf("uninstall: %w", err)
+				}
+				fmt.Fprintln(cmd.OutOrStdout(), "userwall removed from this node")
+				return nil
+			}
+			if reload {
+				return userwall.SignalReload(o)
+			}
+			return userwall.RunAgent(context.Background(), o)
+		},
+	}
+	f := cmd.Flags()
+	f.BoolVar(&uninstall, "uninstall", false, "stop the agent and remove every program, pin and nft table it made")
+	f.BoolVar(&reload, "reload", false, "ask the running agent to reload its configuration (SIGHUP)")
+	f.StringVar(&o.PidFile, "pid-file", "", "pid file (default: [agent] pid_file)")
+	f.StringVar(&o.EventLog, "event-log", "", "JSON-lines denial log (default: [agent] event_log)")
+	f.StringVar(&o.MetricsAddress, "metrics-address", "", "Prometheus listen address (default: [agent] metrics_address)")
+	f.StringVar(&o.IdentSocket, "ident-socket", "", "ident Unix API socket (default: [agent] ident_socket)")
+	return cmd
+}

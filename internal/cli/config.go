@@ -1,0 +1,70 @@
+package cli
+
+import (
+	"fmt"
+
+	"github.com/spf13/cobra"
+
+	"github.com/palisade-hpc/palisade/internal/identity"
+	"github.com/palisade-hpc/palisade/internal/policy"
+)
+
+func configCommand() *cobra.Command {
+	configCmd := &cobra.Command{
+		Use:   "config",
+		Short: "Inspect Palisade's configuration",
+	}
+	var (
+		slurmConf string
+		strict    bool
+	)
+	check := &cobra.Command{
+		Use:   "check",
+		Short: "Validate the configuration file, print the effective policy and warn about risky settings",
+		Long: `Validate --config (unknown keys, subnets, users, ports, ranges, duplicates) and print
+the effective policy with every default filled in, the file's SHA-256 (the
+configuration hash that status and the metric palisade_config_info show for
+the running agent) and a WARNING for each risky setting (system_port_max above
+1023, empty exemption lists or cluster subnets, a public metrics address, no
+event log, ...). Slurm's accounts (SlurmUser, SlurmdUser in --slurm-conf) must
+be exempt connectors and listeners, or srun and sinfo fail with "Unable to
+contact slurm controller": their absence is an ERROR.
+
+Exits 1 for an invalid file (file:line: key: message for each problem) or an
+ERROR, 0 otherwise (also with warnings, unless --strict). Nothing is applied.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			cfg, err := policy.Load(configPath)
+			if err != nil {
+				return &ExitError{1, "invalid configuration:\n" + err.Error()}
+			}
+			out := cmd.OutOrStdout()
+			fmt.Fprint(out, cfg.Describe(identity.System()))
+			fmt.Fprintf(out, "# config sha256 %s\n", cfg.SHA256)
+			var problems, warnings int
+			for _, f := range cfg.Findings(policy.CheckOptions{SlurmConf: slurmConf}) {
+				fmt.Fprintf(out, "# %s: %s\n", f.Level, f.String(configPath))
+				if f.Severity == policy.Problem {
+					problems++
+				} else {
+					warnings++
+				}
+			}
+			switch {
+			case problems > 0:
+				return &ExitError{1, fmt.Sprintf("%s: %d error(s), %d warning(s)", configPath, problems, warnings)}
+			case warnings > 0 && strict:
+				return &ExitError{1, fmt.Sprintf("%s: %d warning(s) (--strict)", configPath, warnings)}
+			case warnings > 0:
+				fmt.Fprintf(out, "# %s: OK, %d warning(s)\n", configPath, warnings)
+			default:
+				fmt.Fprintf(out, "# %s: OK\n", configPath)
+			}
+			return nil
+		},
+	}
+	check.Flags().StringVar(&slurmConf, "slurm-conf", policy.SlurmConfPath(), `Slurm's configuration, for its accounts ("" = do not check; a missing file = no Slurm)`)
+	check.Flags().BoolVar(&strict, "strict", false, "exit 1 on warnings too")
+	configCmd.AddCommand(check)
+	return configCmd
+}

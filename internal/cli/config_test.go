@@ -1,0 +1,84 @@
+package cli
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// runConfigCheck runs `palisade config check --config path` in-process.
+func runConfigCheck(t *testing.T, path string, args ...string) (string, error) {
+	t.Helper()
+	var out bytes.Buffer
+	root := New()
+	root.SetOut(&out)
+	if len(args) == 0 {
+		args = []string{"--slurm-conf", ""}
+	}
+	root.SetArgs(append([]string{"config", "check", "--config", path}, args...))
+	err := root.Execute()
+	return out.String(), err
+}
+
+func TestConfigCheck(t *testing.T) {
+	dir := t.TempDir()
+	good := filepath.Join(dir, "good.toml")
+	writeConfigFile(t, good, "[policy]\nexempt_connectors = [\"root\", 4242]\n[cluster]\nsubnets = [\"198.18.0.0/24\"]\n[offcluster]\nallow_ports = [\"9000-9100\"]\n")
+	out, err := runConfigCheck(t, good)
+	if err != nil {
+		t.Fatalf("good config: %v", err)
+	}
+	for _, w := range []string{"system_port_max   = 1023", "exempt_connectors = [0, 4242]", `subnets = ["198.18.0.0/24"]`, `allow_ports = ["9000-9100"]`, good + ": OK"} {
+		if !strings.Contains(out, w) {
+			t.Errorf("output lacks %q:\n%s", w, out)
+		}
+	}
+
+	bad := filepath.Join(dir, "bad.toml")
+	writeConfigFile(t, bad, "[policy]\nexempt_connectors = [\"pal-no-such-user\"]\n")
+	out, err = runConfigCheck(t, bad)
+	ee, ok := err.(*ExitError)
+	if !ok || ee.ExitCode() != 1 || !strings.Contains(err.Error(), bad+`:2: policy.exempt_connectors: unknown user "pal-no-such-user"`) {
+		t.Errorf("bad config: err %v, output %q", err, out)
+	}
+	if _, err := runConfigCheck(t, filepath.Join(dir, "missing.toml")); err == nil || !strings.Contains(err.Error(), "does not exist") {
+		t.Errorf("missing config: %v", err)
+	}
+}
+
+// TestConfigCheckFindings: warnings keep exit 0 (1 with --strict); Slurm's
+// accounts missing from the exemptions are an error (exit 1).
+func TestConfigCheckFindings(t *testing.T) {
+	dir := t.TempDir()
+	risky := filepath.Join(dir, "risky.toml")
+	writeConfigFile(t, risky, "[policy]\nsystem_port_max = 65535\n[cluster]\nsubnets = [\"198.18.0.0/24\"]\n")
+	out, err := runConfigCheck(t, risky)
+	if err != nil || !strings.Contains(out, "# WARNING: "+risky+":2: policy.system_port_max: 65535 makes every port a system port") ||
+		!strings.Contains(out, risky+": OK, 1 warning(s)") || !strings.Contains(out, "# config sha256 ") {
+		t.Errorf("risky config: %v\n%s", err, out)
+	}
+	if _, err := runConfigCheck(t, risky, "--slurm-conf", "", "--strict"); err == nil || !strings.Contains(err.Error(), "1 warning(s) (--strict)") {
+		t.Errorf("--strict: %v", err)
+	}
+	slurm := filepath.Join(dir, "slurm.conf")
+	writeConfigFile(t, slurm, "SlurmUser=root\nSlurmdUser=root\n")
+	good := filepath.Join(dir, "good.toml")
+	writeConfigFile(t, good, "[cluster]\nsubnets = [\"198.18.0.0/24\"]\n")
+	if out, err := runConfigCheck(t, good, "--slurm-conf", slurm); err != nil || !strings.Contains(out, good+": OK\n") {
+		t.Errorf("root as SlurmUser: %v\n%s", err, out)
+	}
+	writeConfigFile(t, good, "[policy]\nexempt_connectors = []\n[cluster]\nsubnets = [\"198.18.0.0/24\"]\n")
+	out, err = runConfigCheck(t, good, "--slurm-conf", slurm)
+	if ee, ok := err.(*ExitError); !ok || ee.Code != 1 || !strings.Contains(out, `# ERROR: `+good+`:2: policy.exempt_connectors: SlurmUser "root"`) {
+		t.Errorf("Slurm account not exempt: %v\n%s", err, out)
+	}
+}
+
+func writeConfigFile(t *testing.T, path, data string) {
+	t.Helper()
+	if err := os.WriteFile(path, []byte(data), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}

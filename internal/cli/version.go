@@ -1,0 +1,35 @@
+package cli
+
+import (
+	"encoding/json"
+	"fmt"
+
+	"github.com/spf13/cobra"
+
+	"github.com/palisade-hpc/palisade/internal/version"
+)
+
+// AddVersion adds `version` and --version to root (both binaries carry them).
+func AddVersion(root *cobra.Command) {
+	info := version.Get()
+	// --version prints the one-line form; `palisade version` the long one.
+	root.Version = info.Version
+	root.SetVersionTemplate(info.String() + "\n")
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "version",
+		Short: "Print the version, commit, build date, Go and cilium/ebpf versions of this binary",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if asJSON {
+				e := json.NewEncoder(cmd.OutOrStdout())
+				e.SetIndent("", "  ")
+				return e.Encode(info)
+			}
+			fmt.Fprint(cmd.OutOrStdout(), info.Long())
+			return nil
+		},
+	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	root.AddCommand(cmd)
+}

@@ -1,0 +1,1541 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * Palisade userwall: the identity firewall, in the kernel (data plane v2).
+ *
+ * The decision is taken where the kernel delivers: a cgroup_skb ingress
+ * program runs with the very socket a packet is queued to (skb->sk), so no
+ * lookup can disagree with delivery (device binds, link-local and multicast
+ * addresses, SO_REUSEADDR, TIME_WAIT). The sender's identity travels in the
+ * packet, stamped by tc egress on lo and the cluster interfaces and sealed
+ * with a keyed MAC (SipHash-2-4, the cluster key), so it is trusted only if
+ * the MAC verifies. The tc ingress program and the nft table only make a
+ * refusal polite (RST / ICMP) before the stack sees the packet; safety does
+ * not depend on them.
+ *
+ *   sock_create, post_bind4/6 remember each socket's owner (socket storage)
+ *   iter/tcp, iter/udp        the same for sockets that predate the agent
+ *   bind4/6                   no co-binding of another user's UDP port
+ *   connect4/6, sendmsg4/6    note each UDP socket's peers (replies)
+ *   tc egress                 stamp SYNs and datagrams to user ports
+ *   cgroup_skb ingress        THE check: stamp → identity → rules → drop
+ *   tc ingress                polite early refusal (mark → nft reject)
+ *   lsm unix_*                abstract Unix sockets
+ *
+ * Which socket belongs to this namespace: every cgroup and LSM hook is shared
+ * by all namespaces of the kernel, and a cgroup_skb program cannot read the
+ * namespace cookie before 6.17. The socket-create, bind and iterator programs
+ * run in this namespace only (cookie check) and give its sockets an owner
+ * record; cgroup_skb acts only on sockets that have one.
+ *
+ * The rules are those of package policy (Decide); keep them in the same order.
+ */
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+#include <bpf/bpf_core_read.h>
+#include <bpf/bpf_tracing.h>
+
+char LICENSE[] SEC("license") = "GPL";
+
+#define AF_INET 2
+#define AF_INET6 10
+#define AF_UNIX 1
+#define ETH_P_IP 0x0800
+#define ETH_P_IPV6 0x86DD
+#define IPPROTO_ICMP 1
+#define IPPROTO_TCP 6
+#define IPPROTO_UDP 17
+#define IPPROTO_DCCP 33
+#define IPPROTO_ICMPV6 58
+#define IPPROTO_DSTOPTS 60
+#define IPPROTO_SCTP 132
+#define IPPROTO_UDPLITE 136
+#define SOCK_STREAM 1
+#define SOCK_DGRAM 2
+#define TC_ACT_OK 0
+#define TC_ACT_SHOT 2
+#define EPERM 1
+#define TCP_LISTEN 10
+
+/* Wire format of the identity stamp, version 2 (docs/userwall.md):
+ *   IPv4 option  type 0x9e len 20 | ver meta uid(4) gid(4) mac(8)
+ *   IPv6         destination-options header of 24 bytes holding option 0x1e
+ *                len 20 with the same 20 bytes.
+ * meta = key id (high 4 bits) | time window (low 4 bits). */
+#define UW_STAMP_VER 2
+#define UW_IPOPT_TYPE 0x9e
+#define UW_IPOPT_LEN 20
+#define UW_IP6OPT_TYPE 0x1e
+#define UW_IP6OPT_LEN 20
+#define UW_DSTOPT_LEN 24
+#define UW_WINDOW_SHIFT 35 /* 2^35 ns ≈ 34 s */
+
+/* Marks that the nft table turns into a TCP reset / ICMP admin-prohibited. */
+#define UW_MARK_RST 0x55424600
+#define UW_MARK_ICMP 0x55424601
+
+#define MAX_GROUPS 128
+#define PEER_TTL_S 120
+#define NPEERS 8
+#define MAX_IFINDEX 16384
+
+/* Rules; Go names them in userwall/rules.go (generated enum). */
+enum uw_rule {
+	R_NONE = 0,
+	R_SAME_USER = 1,
+	R_SHARED_GROUP = 2,
+	R_SYSTEM_PORT = 3,
+	R_EXEMPT_CONNECTOR = 4,
+	R_EXEMPT_LISTENER = 5,
+	R_OFFCLUSTER_PORT = 6,
+	R_OFFCLUSTER_DENIED = 7,
+	R_DENIED = 8,
+	R_UDP_REPLY = 9,
+	R_NO_LISTENER = 10,
+	R_UNIX_REPLY = 11,
+	R_UNVERIFIED = 12,
+	R_UNCLASSIFIED = 13,
+	R_COBIND = 14,
+	R_MAX = 16,
+};
+
+/* Where a decision was taken; counters are indexed path*R_MAX+rule. */
+enum uw_path {
+	P_LOCAL_TCP = 0,
+	P_LOCAL_UDP = 1,
+	P_REMOTE_TCP = 2,
+	P_REMOTE_UDP = 3,
+	P_UNIX = 4,
+	P_LOCAL_OTHER = 5,
+	P_REMOTE_OTHER = 6,
+	P_BIND = 7,
+	P_MAX = 8,
+};
+
+/* What the stamp of a packet was worth. */
+enum uw_stamp {
+	S_NONE = 0,
+	S_VALID = 1,
+	S_BAD_MAC = 2,
+	S_STALE = 3,
+	S_UNKNOWN_KEY = 4,
+	S_OLD_VERSION = 5,
+	S_UNTRUSTED_SOURCE = 6,
+};
+
+struct uw_config {
+	__u32 system_port_max;
+	__u32 enabled;
+	__u32 audit;   /* decide and report, never refuse */
+	__u32 pad;
+	__s64 clock_offset_ns; /* wall clock minus boot clock, kept by the agent */
+};
+
+/* A cluster key: slot 0 stamps, slots 0 and 1 verify (rotation). */
+struct uw_key {
+	__u64 k0, k1;
+	__u32 id;
+	__u32 valid;
+};
+
+struct uw_lpm_key {
+	__u32 prefixlen;
+	__u8 addr[16]; /* IPv6, or IPv4-mapped IPv6 */
+};
+
+struct uw_owner {
+	__u32 uid;
+	__u32 gid;
+	__u32 set;
+	__u32 pad;
+};
+
+struct uw_member_key {
+	__u32 uid;
+	__u32 gid;
+};
+
+/* The peers a datagram socket sent to lately: their answers are replies. */
+struct uw_peer {
+	__u8 addr[16];
+	__u16 port;
+	__u16 pad;
+	__u32 t; /* seconds of the boot clock */
+};
+
+struct uw_peers {
+	struct uw_peer p[NPEERS];
+	__u32 next;
+	__u32 pad;
+};
+
+struct uw_event {
+	__u64 ts;
+	__u32 cuid, cgid;  /* connector */
+	__u32 luid, lgid;  /* listener */
+	__u8 saddr[16];
+	__u8 daddr[16];
+	__u16 sport, dport;
+	__u32 pid;
+	__u8 proto;   /* IP protocol, or 1 for unix */
+	__u8 family;  /* 4, 6, 1 */
+	__u8 rule;
+	__u8 path;
+	__u8 has_connector; /* 0: connector identity unknown */
+	__u8 audit;         /* 1: refused in audit mode (let through) */
+	__u8 stamp;         /* enum uw_stamp */
+	__u8 polite;        /* 1: tc ingress (refused before the stack) */
+	char comm[16];
+};
+
+/* Set at load time: the namespace this copy enforces. */
+volatile const __u64 netns_cookie = 0;
+/* Set by the differential test only: socket facts come from test_sock. */
+volatile const __u32 test_mode = 0;
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct uw_config);
+} settings SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 2);
+	__type(key, __u32);
+	__type(value, struct uw_key);
+} keys SEC(".maps");
+
+/* L2 header length + 1 of each interface the agent manages (0: not ours). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_IFINDEX);
+	__type(key, __u32);
+	__type(value, __u8);
+} ifaces SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u8);
+} exempt_conn SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u8);
+} exempt_lis SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, 4096);
+	__type(key, struct uw_lpm_key);
+	__type(value, __u8);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} local_addrs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, 1024);
+	__type(key, struct uw_lpm_key);
+	__type(value, __u8);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} cluster_nets SEC(".maps");
+
+/* Cluster nodes not yet enforcing (staged rollout): their identity-less
+ * traffic is admitted as "unverified" and reported. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, 1024);
+	__type(key, struct uw_lpm_key);
+	__type(value, __u8);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} unenforced_nets SEC(".maps");
+
+/* Bitmap of the ports off-cluster sources may reach: bit p%64 of word p/64. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u64);
+} offc_ports SEC(".maps");
+
+/* (uid, gid) present when uid is a member of gid (group rule). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 262144);
+	__type(key, struct uw_member_key);
+	__type(value, __u8);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} members SEC(".maps");
+
+/* Owner (creator's uid/gid) of each inet socket of this namespace. */
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct uw_owner);
+} sk_owners SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct uw_peers);
+} udp_peers SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, P_MAX * R_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} counters SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 256 * 1024);
+} events SEC(".maps");
+
+/* Differential test only (test_mode): the receiving socket's facts. */
+struct uw_test_sock {
+	__u32 uid, gid;
+	__u32 tcp_listener; /* 1: a TCP listener, 0: a datagram socket */
+	__u32 has_peer;
+	__u8 peer[16];
+	__u16 peer_port;
+	__u16 pad;
+	__u32 pad2;
+	__s64 now_ns; /* the boot clock to use */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct uw_test_sock);
+} test_sock SEC(".maps");
+
+/* Abstract Unix datagrams: the receivers each socket sent to (inode numbers,
+ * a few recent ones), so that their answers get through. */
+#define UNIX_PEERS 4
+struct uw_unix_peers {
+	__u64 ino[UNIX_PEERS];
+	__u32 next;
+	__u32 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct uw_unix_peers);
+} unix_peers SEC(".maps");
+
+/* Force BTF for the types Go decodes or generates. */
+const struct uw_event *unused_event __attribute__((unused));
+const struct uw_test_sock *unused_test_sock __attribute__((unused));
+const enum uw_rule *unused_rule __attribute__((unused));
+const enum uw_path *unused_path __attribute__((unused));
+const enum uw_stamp *unused_stamp __attribute__((unused));
+
+/* ---------------------------------------------------------------------------
+ * Shared pieces.
+ */
+
+static __always_inline struct uw_config *uw_cfg(void)
+{
+	__u32 k = 0;
+	struct uw_config *c = bpf_map_lookup_elem(&settings, &k);
+	if (!c || !c->enabled)
+		return 0;
+	return c;
+}
+
+static __always_inline void count(__u32 path, __u32 rule)
+{
+	__u32 k = path * R_MAX + rule;
+	__u64 *v = bpf_map_lookup_elem(&counters, &k);
+	if (v)
+		*v += 1;
+}
+
+static __always_inline int allows(__u32 rule)
+{
+	return rule != R_DENIED && rule != R_OFFCLUSTER_DENIED && rule != R_UNCLASSIFIED &&
+	       rule != R_COBIND;
+}
+
+static __always_inline int lpm_has(void *map, const __u8 *addr)
+{
+	struct uw_lpm_key k = {.prefixlen = 128};
+	__builtin_memcpy(k.addr, addr, 16);
+	return bpf_map_lookup_elem(map, &k) != 0;
+}
+
+static __always_inline void map4(__u8 *dst, __u32 addr)
+{
+	__builtin_memset(dst, 0, 10);
+	dst[10] = 0xff;
+	dst[11] = 0xff;
+	__builtin_memcpy(&dst[12], &addr, 4);
+}
+
+static __always_inline int addr_eq(const __u8 *a, const __u8 *b)
+{
+	__u64 a0, a1, b0, b1;
+	__builtin_memcpy(&a0, a, 8);
+	__builtin_memcpy(&a1, a + 8, 8);
+	__builtin_memcpy(&b0, b, 8);
+	__builtin_memcpy(&b1, b + 8, 8);
+	return a0 == b0 && a1 == b1;
+}
+
+static __always_inline int is_v4mapped(const __u8 *a)
+{
+	__u64 w0;
+	__u32 w1;
+	__builtin_memcpy(&w0, a, 8);
+	__builtin_memcpy(&w1, &a[8], 4);
+	return w0 == 0 && w1 == bpf_htonl(0x0000ffff);
+}
+
+/* Link-local unicast: fe80::/10 and 169.254/16. */
+static __always_inline int link_local(const __u8 *a)
+{
+	if (is_v4mapped(a))
+		return a[12] == 169 && a[13] == 254;
+	return a[0] == 0xfe && (a[1] & 0xc0) == 0x80;
+}
+
+/* Multicast, or the IPv4 limited broadcast. */
+static __always_inline int group_addr(const __u8 *a)
+{
+	if (is_v4mapped(a))
+		return (a[12] & 0xf0) == 0xe0 || (a[12] == 255 && a[13] == 255 && a[14] == 255 && a[15] == 255);
+	return a[0] == 0xff;
+}
+
+static __always_inline int offcluster_port(__u16 port)
+{
+	__u32 w = port / 64;
+	__u64 *bits = bpf_map_lookup_elem(&offc_ports, &w);
+	return bits && (*bits >> (port % 64)) & 1;
+}
+
+static __always_inline int port_proto(__u8 p)
+{
+	return p == IPPROTO_TCP || p == IPPROTO_UDP || p == IPPROTO_UDPLITE || p == IPPROTO_SCTP ||
+	       p == IPPROTO_DCCP;
+}
+
+static __always_inline int dgram_proto(__u8 p)
+{
+	return p == IPPROTO_UDP || p == IPPROTO_UDPLITE;
+}
+
+static __always_inline int member(__u32 uid, __u32 gid)
+{
+	struct uw_member_key mk = {.uid = uid, .gid = gid};
+	return bpf_map_lookup_elem(&members, &mk) != 0;
+}
+
+/*
+ * The policy core's order (policy.Decide) for a non-system port from a trusted
+ * identity: same user, shared group, exempt connector, exempt listener.
+ */
+static __always_inline __u32 decide_user(__u32 cuid, __u32 luid, int group_ok)
+{
+	if (cuid == luid)
+		return R_SAME_USER;
+	if (group_ok)
+		return R_SHARED_GROUP;
+	if (bpf_map_lookup_elem(&exempt_conn, &cuid))
+		return R_EXEMPT_CONNECTOR;
+	if (bpf_map_lookup_elem(&exempt_lis, &luid))
+		return R_EXEMPT_LISTENER;
+	return R_DENIED;
+}
+
+/* Remote group test: the carried effective gid, or NSS membership. */
+static __always_inline __u32 decide_ids(__u32 cuid, __u32 cgid, __u32 luid, __u32 lgid)
+{
+	int group_ok = cuid != luid && lgid != (__u32)-1 && (cgid == lgid || member(cuid, lgid));
+	return decide_user(cuid, luid, group_ok);
+}
+
+static __always_inline void emit(struct uw_event *tmpl)
+{
+	struct uw_event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
+	if (!e)
+		return;
+	__builtin_memcpy(e, tmpl, sizeof(*e));
+	e->ts = bpf_ktime_get_ns();
+	bpf_ringbuf_submit(e, 0);
+}
+
+/* ---------------------------------------------------------------------------
+ * SipHash-2-4 over 64-bit words (the message is 8*n bytes, little-endian
+ * words); userwall/stamp.go is the Go twin, checked against each other.
+ */
+#define ROTL(x, b) (((x) << (b)) | ((x) >> (64 - (b))))
+#define SIPROUND                                                                                   \
+	do {                                                                                       \
+		v0 += v1;                                                                          \
+		v1 = ROTL(v1, 13);                                                                 \
+		v1 ^= v0;                                                                          \
+		v0 = ROTL(v0, 32);                                                                 \
+		v2 += v3;                                                                          \
+		v3 = ROTL(v3, 16);                                                                 \
+		v3 ^= v2;                                                                          \
+		v0 += v3;                                                                          \
+		v3 = ROTL(v3, 21);                                                                 \
+		v3 ^= v0;                                                                          \
+		v2 += v1;                                                                          \
+		v1 = ROTL(v1, 17);                                                                 \
+		v1 ^= v2;                                                                          \
+		v2 = ROTL(v2, 32);                                                                 \
+	} while (0)
+
+#define MAC_WORDS 7
+
+static __always_inline __u64 siphash(const struct uw_key *k, const __u64 *m)
+{
+	__u64 v0 = 0x736f6d6570736575ULL ^ k->k0;
+	__u64 v1 = 0x646f72616e646f6dULL ^ k->k1;
+	__u64 v2 = 0x6c7967656e657261ULL ^ k->k0;
+	__u64 v3 = 0x7465646279746573ULL ^ k->k1;
+#pragma unroll
+	for (int i = 0; i < MAC_WORDS; i++) {
+		v3 ^= m[i];
+		SIPROUND;
+		SIPROUND;
+		v0 ^= m[i];
+	}
+	__u64 b = ((__u64)(MAC_WORDS * 8)) << 56;
+	v3 ^= b;
+	SIPROUND;
+	SIPROUND;
+	v0 ^= b;
+	v2 ^= 0xff;
+	SIPROUND;
+	SIPROUND;
+	SIPROUND;
+	SIPROUND;
+	return v0 ^ v1 ^ v2 ^ v3;
+}
+
+/* The parsed facts of one IP packet. */
+struct pkt {
+	__u8 src[16], dst[16]; /* IPv4 as v4-mapped IPv6 */
+	__u16 sport, dport;
+	__u8 proto;
+	__u8 v4;
+	__u8 flags;     /* TCP flags */
+	__u8 has_stamp; /* a v2 stamp is present (not yet verified) */
+	__u8 old_stamp; /* a stamp of another version */
+	__u8 ver, meta;
+	__u8 pad;
+	__u32 uid, gid;
+	__u64 tag;
+	__u32 l4off; /* from the network header */
+	__u32 iphl;  /* IPv4 header length, or 40 + extension headers */
+};
+
+static __always_inline void mac_msg(const struct pkt *p, __u64 window, __u64 *m)
+{
+	m[0] = (window << 32) | ((__u64)p->ver << 24) | ((__u64)p->meta << 16) | ((__u64)p->proto << 8);
+	m[1] = ((__u64)p->uid << 32) | p->gid;
+	m[2] = ((__u64)p->sport << 16) | p->dport;
+	__builtin_memcpy(&m[3], p->src, 16);
+	__builtin_memcpy(&m[5], p->dst, 16);
+}
+
+static __always_inline __s64 wall_ns(const struct uw_config *c)
+{
+	if (test_mode) {
+		__u32 z = 0;
+		struct uw_test_sock *t = bpf_map_lookup_elem(&test_sock, &z);
+		return t ? t->now_ns + c->clock_offset_ns : 0;
+	}
+	return (__s64)bpf_ktime_get_boot_ns() + c->clock_offset_ns;
+}
+
+/* verify: S_VALID and p->uid/gid trusted, or why not. */
+static __always_inline __u8 verify(const struct uw_config *c, struct pkt *p)
+{
+	if (!p->has_stamp)
+		return p->old_stamp ? S_OLD_VERSION : S_NONE;
+	__u32 slot = 0;
+	struct uw_key *k = bpf_map_lookup_elem(&keys, &slot);
+	if (!k || !k->valid || k->id != (p->meta >> 4)) {
+		slot = 1;
+		k = bpf_map_lookup_elem(&keys, &slot);
+		if (!k || !k->valid || k->id != (p->meta >> 4))
+			return S_UNKNOWN_KEY;
+	}
+	__u64 now = (__u64)wall_ns(c) >> UW_WINDOW_SHIFT;
+	__u64 w = 0;
+	int found = 0;
+	for (int d = -1; d <= 1; d++) {
+		__u64 cand = now + d;
+		if ((cand & 0xf) == (p->meta & 0xf)) {
+			w = cand;
+			found = 1;
+		}
+	}
+	if (!found)
+		return S_STALE;
+	__u64 m[MAC_WORDS];
+	mac_msg(p, w, m);
+	if (siphash(k, m) != p->tag)
+		return S_BAD_MAC;
+	return S_VALID;
+}
+
+/*
+ * parse: the IP packet at offset l3 of the skb (tc: after the L2 header;
+ * cgroup_skb: 0). Header bytes are read with bpf_skb_load_bytes so that
+ * the same code serves every hook and BPF_PROG_TEST_RUN. Returns 0 if the
+ * packet is not IPv4/IPv6 or its headers cannot be read.
+ */
+static __always_inline int parse(struct __sk_buff *skb, __u32 l3, struct pkt *p)
+{
+	__builtin_memset(p, 0, sizeof(*p));
+	if (skb->protocol == bpf_htons(ETH_P_IP)) {
+		struct iphdr ip;
+		if (bpf_skb_load_bytes(skb, l3, &ip, sizeof(ip)))
+			return 0;
+		p->v4 = 1;
+		p->proto = ip.protocol;
+		map4(p->src, ip.saddr);
+		map4(p->dst, ip.daddr);
+		p->iphl = ip.ihl * 4;
+		p->l4off = p->iphl;
+		if (ip.frag_off & bpf_htons(0x1fff))
+			return 1; /* a later fragment: no ports */
+		if (ip.ihl >= 5 + UW_IPOPT_LEN / 4) {
+			__u8 o[UW_IPOPT_LEN];
+			if (!bpf_skb_load_bytes(skb, l3 + 20, o, sizeof(o)) && o[0] == UW_IPOPT_TYPE) {
+				if (o[1] == UW_IPOPT_LEN && o[2] == UW_STAMP_VER) {
+					p->has_stamp = 1;
+					p->ver = o[2];
+					p->meta = o[3];
+					__u32 u, g;
+					__builtin_memcpy(&u, &o[4], 4);
+					__builtin_memcpy(&g, &o[8], 4);
+					p->uid = bpf_ntohl(u);
+					p->gid = bpf_ntohl(g);
+					__builtin_memcpy(&p->tag, &o[12], 8);
+				} else {
+					p->old_stamp = 1;
+				}
+			}
+		} else if (ip.ihl >= 8) {
+			__u8 o[2];
+			if (!bpf_skb_load_bytes(skb, l3 + 20, o, sizeof(o)) && o[0] == UW_IPOPT_TYPE)
+				p->old_stamp = 1;
+		}
+	} else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
+		struct ipv6hdr ip6;
+		if (bpf_skb_load_bytes(skb, l3, &ip6, sizeof(ip6)))
+			return 0;
+		__builtin_memcpy(p->src, &ip6.saddr, 16);
+		__builtin_memcpy(p->dst, &ip6.daddr, 16);
+		__u8 nh = ip6.nexthdr;
+		__u32 off = sizeof(ip6);
+		for (int i = 0; i < 6; i++) {
+			if (nh != 0 && nh != 43 && nh != 44 && nh != IPPROTO_DSTOPTS)
+				break;
+			if (nh == 44) { /* fragment */
+				__u8 f[4];
+				if (bpf_skb_load_bytes(skb, l3 + off, f, sizeof(f)))
+					return 0;
+				nh = f[0];
+				off += 8;
+				if (((f[2] << 8) | f[3]) & 0xfff8) {
+					p->proto = nh;
+					p->iphl = off;
+					p->l4off = off;
+					return 1; /* a later fragment: no ports */
+				}
+				continue;
+			}
+			__u8 h[2];
+			if (bpf_skb_load_bytes(skb, l3 + off, h, sizeof(h)))
+				return 0;
+			if (i == 0 && nh == IPPROTO_DSTOPTS && h[1] == 2) {
+				__u8 o[UW_DSTOPT_LEN];
+				if (!bpf_skb_load_bytes(skb, l3 + off, o, sizeof(o)) && o[2] == UW_IP6OPT_TYPE) {
+					if (o[3] == UW_IP6OPT_LEN && o[4] == UW_STAMP_VER) {
+						p->has_stamp = 1;
+						p->ver = o[4];
+						p->meta = o[5];
+						__u32 u, g;
+						__builtin_memcpy(&u, &o[6], 4);
+						__builtin_memcpy(&g, &o[10], 4);
+						p->uid = bpf_ntohl(u);
+						p->gid = bpf_ntohl(g);
+						__builtin_memcpy(&p->tag, &o[14], 8);
+					} else {
+						p->old_stamp = 1;
+					}
+				}
+			} else if (i == 0 && nh == IPPROTO_DSTOPTS) {
+				__u8 o[4];
+				if (!bpf_skb_load_bytes(skb, l3 + off, o, sizeof(o)) && o[2] == UW_IP6OPT_TYPE)
+					p->old_stamp = 1;
+			}
+			nh = h[0];
+			off += (h[1] + 1) * 8;
+		}
+		p->proto = nh;
+		p->iphl = off;
+		p->l4off = off;
+	} else {
+		return 0;
+	}
+	if (port_proto(p->proto)) {
+		__be16 ports[2];
+		if (bpf_skb_load_bytes(skb, l3 + p->l4off, ports, sizeof(ports)))
+			return 0;
+		p->sport = bpf_ntohs(ports[0]);
+		p->dport = bpf_ntohs(ports[1]);
+		if (p->proto == IPPROTO_TCP) {
+			__u8 fl;
+			if (bpf_skb_load_bytes(skb, l3 + p->l4off + 13, &fl, 1))
+				return 0;
+			p->flags = fl;
+		}
+	}
+	return 1;
+}
+
+/* A pure SYN (no ACK) opens a TCP connection. */
+#define TCP_SYN_ONLY(fl) (((fl) & 0x12) == 0x02)
+
+/* ---------------------------------------------------------------------------
+ * Socket owners: who created (or, for kernel sockets, bound) each socket of
+ * this namespace, with the ids of that moment (what sg/newgrp set).
+ */
+
+static __always_inline void current_owner(struct uw_owner *o)
+{
+	__u64 ug = bpf_get_current_uid_gid();
+	o->uid = (__u32)ug;
+	o->gid = (__u32)(ug >> 32);
+	o->set = 1;
+	o->pad = 0;
+}
+
+SEC("cgroup/sock_create")
+int uw_sock_create(struct bpf_sock *ctx)
+{
+	if (bpf_get_netns_cookie(ctx) != netns_cookie)
+		return 1;
+	struct uw_owner init;
+	current_owner(&init);
+	struct uw_owner *o = bpf_sk_storage_get(&sk_owners, ctx, &init, BPF_SK_STORAGE_GET_F_CREATE);
+	/* A user socket without an owner record would escape the check at
+	 * delivery: refuse it (fail closed) rather than let it be created. */
+	if (!o && init.uid != 0)
+		return 0;
+	return 1;
+}
+
+/* Kernel-created sockets bound on a user's behalf (MPTCP subflows) get their
+ * owner at bind time; a socket that has one keeps it. */
+static __always_inline int post_bind(struct bpf_sock *ctx)
+{
+	if (bpf_get_netns_cookie(ctx) != netns_cookie)
+		return 1;
+	struct uw_owner init;
+	current_owner(&init);
+	bpf_sk_storage_get(&sk_owners, ctx, &init, BPF_SK_STORAGE_GET_F_CREATE);
+	return 1;
+}
+
+SEC("cgroup/post_bind4")
+int uw_post_bind4(struct bpf_sock *ctx)
+{
+	return post_bind(ctx);
+}
+
+SEC("cgroup/post_bind6")
+int uw_post_bind6(struct bpf_sock *ctx)
+{
+	return post_bind(ctx);
+}
+
+/* Sockets that predate the agent: the agent runs these iterators once, in
+ * its namespace, after the create/bind hooks are attached. */
+static __always_inline void adopt_owner(struct sock *sk, __u32 uid)
+{
+	if (BPF_CORE_READ(sk, __sk_common.skc_net.net, net_cookie) != netns_cookie)
+		return;
+	struct uw_owner init = {.uid = uid, .gid = (__u32)-1, .set = 1};
+	struct socket *so = BPF_CORE_READ(sk, sk_socket);
+	if (so) {
+		struct file *f = BPF_CORE_READ(so, file);
+		if (f)
+			init.gid = BPF_CORE_READ(f, f_cred, egid.val);
+	}
+	bpf_sk_storage_get(&sk_owners, sk, &init, BPF_SK_STORAGE_GET_F_CREATE);
+}
+
+SEC("iter/tcp")
+int uw_iter_tcp(struct bpf_iter__tcp *ctx)
+{
+	struct sock_common *skc = ctx->sk_common;
+	if (!skc)
+		return 0;
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(skc);
+	if (tp)
+		adopt_owner((struct sock *)tp, ctx->uid);
+	return 0;
+}
+
+SEC("iter/udp")
+int uw_iter_udp(struct bpf_iter__udp *ctx)
+{
+	struct udp_sock *us = ctx->udp_sk;
+	if (us)
+		adopt_owner((struct sock *)us, ctx->uid);
+	return 0;
+}
+
+/* Owner of the socket a packet is delivered to or sent from; 0 if it is not
+ * a socket of this namespace. */
+static __always_inline struct uw_owner *owner_of(struct bpf_sock *sk)
+{
+	return bpf_sk_storage_get(&sk_owners, sk, 0, 0);
+}
+
+/* ---------------------------------------------------------------------------
+ * Binding: a user may not co-bind (SO_REUSEADDR) a datagram port another
+ * user holds on the same address — the later socket would take the
+ * earlier one's unicast traffic (a denial of service).
+ */
+
+static __always_inline int bind_check(struct bpf_sock_addr *ctx, int v4)
+{
+	if (bpf_get_netns_cookie(ctx) != netns_cookie)
+		return 1;
+	if (ctx->type != SOCK_DGRAM)
+		return 1;
+	struct uw_config *c = uw_cfg();
+	if (!c)
+		return 1;
+	__u16 port = bpf_ntohs(ctx->user_port);
+	if (port == 0 || port <= c->system_port_max)
+		return 1;
+	__u32 uid = (__u32)bpf_get_current_uid_gid();
+	if (bpf_map_lookup_elem(&exempt_conn, &uid))
+		return 1;
+	struct bpf_sock_tuple t = {};
+	struct bpf_sock *sk;
+	if (v4) {
+		t.ipv4.daddr = ctx->user_ip4;
+		t.ipv4.dport = ctx->user_port;
+		sk = bpf_sk_lookup_udp(ctx, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
+	} else {
+		t.ipv6.daddr[0] = ctx->user_ip6[0];
+		t.ipv6.daddr[1] = ctx->user_ip6[1];
+		t.ipv6.daddr[2] = ctx->user_ip6[2];
+		t.ipv6.daddr[3] = ctx->user_ip6[3];
+		t.ipv6.dport = ctx->user_port;
+		sk = bpf_sk_lookup_udp(ctx, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
+	}
+	if (!sk)
+		return 1;
+	struct uw_owner *o = owner_of(sk);
+	__u32 other = o ? o->uid : uid;
+	bpf_sk_release(sk);
+	if (other == uid)
+		return 1;
+	count(P_BIND, R_COBIND);
+	if (c->audit)
+		return 1;
+	struct uw_event e = {};
+	e.cuid = uid;
+	e.luid = other;
+	e.lgid = (__u32)-1;
+	e.dport = port;
+	e.proto = IPPROTO_UDP;
+	e.family = v4 ? 4 : 6;
+	e.rule = R_COBIND;
+	e.path = P_BIND;
+	e.has_connector = 1;
+	e.pid = bpf_get_current_pid_tgid() >> 32;
+	bpf_get_current_comm(e.comm, sizeof(e.comm));
+	emit(&e);
+	return 0;
+}
+
+SEC("cgroup/bind4")
+int uw_bind4(struct bpf_sock_addr *ctx)
+{
+	return bind_check(ctx, 1);
+}
+
+SEC("cgroup/bind6")
+int uw_bind6(struct bpf_sock_addr *ctx)
+{
+	return bind_check(ctx, 0);
+}
+
+/* ---------------------------------------------------------------------------
+ * Datagram peers: every destination a UDP socket of this namespace sends to
+ * (sendmsg) or connects to is noted on that socket; an answer from exactly
+ * that address and port may come back to it (R_UDP_REPLY), if the reverse
+ * direction is allowed too. The permission lives and dies with the socket.
+ */
+
+static __always_inline void note_peer(struct bpf_sock_addr *ctx, const __u8 *addr, __u16 port)
+{
+	if (bpf_get_netns_cookie(ctx) != netns_cookie || !ctx->sk)
+		return;
+	if (ctx->type != SOCK_DGRAM || !uw_cfg())
+		return;
+	struct uw_peers *ps = bpf_sk_storage_get(&udp_peers, ctx->sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!ps)
+		return;
+	__u32 now = bpf_ktime_get_boot_ns() >> 30;
+	int hit = -1;
+#pragma unroll
+	for (int i = 0; i < NPEERS; i++) {
+		if (ps->p[i].port == port && addr_eq(ps->p[i].addr, addr))
+			hit = i;
+	}
+	if (hit < 0) {
+		hit = ps->next % NPEERS;
+		ps->next = (ps->next + 1) % NPEERS;
+	}
+	if (hit >= 0 && hit < NPEERS) {
+		__builtin_memcpy(ps->p[hit].addr, addr, 16);
+		ps->p[hit].port = port;
+		ps->p[hit].t = now;
+	}
+}
+
+static __always_inline void note4(struct bpf_sock_addr *ctx)
+{
+	__u8 a[16];
+	map4(a, ctx->user_ip4);
+	note_peer(ctx, a, bpf_ntohs(ctx->user_port));
+}
+
+static __always_inline void note6(struct bpf_sock_addr *ctx)
+{
+	__u32 a[4] = {ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3]};
+	note_peer(ctx, (__u8 *)a, bpf_ntohs(ctx->user_port));
+}
+
+SEC("cgroup/connect4")
+int uw_connect4(struct bpf_sock_addr *ctx)
+{
+	note4(ctx);
+	return 1;
+}
+
+SEC("cgroup/connect6")
+int uw_connect6(struct bpf_sock_addr *ctx)
+{
+	note6(ctx);
+	return 1;
+}
+
+SEC("cgroup/sendmsg4")
+int uw_sendmsg4(struct bpf_sock_addr *ctx)
+{
+	note4(ctx);
+	return 1;
+}
+
+SEC("cgroup/sendmsg6")
+int uw_sendmsg6(struct bpf_sock_addr *ctx)
+{
+	note6(ctx);
+	return 1;
+}
+
+/* Did the socket send to src:sport lately? */
+static __always_inline int sent_to_peer(struct bpf_sock *sk, const struct pkt *p)
+{
+	if (test_mode) {
+		__u32 z = 0;
+		struct uw_test_sock *t = bpf_map_lookup_elem(&test_sock, &z);
+		return t && t->has_peer && t->peer_port == p->sport && addr_eq(t->peer, p->src);
+	}
+	struct uw_peers *ps = bpf_sk_storage_get(&udp_peers, sk, 0, 0);
+	if (!ps)
+		return 0;
+	__u32 now = bpf_ktime_get_boot_ns() >> 30;
+	int hit = 0;
+#pragma unroll
+	for (int i = 0; i < NPEERS; i++) {
+		if (ps->p[i].port == p->sport && now - ps->p[i].t <= PEER_TTL_S &&
+		    addr_eq(ps->p[i].addr, p->src))
+			hit = 1;
+	}
+	return hit;
+}
+
+/*
+ * decide: the verdict for packet p (stamp status st) delivered to a socket
+ * owned by l. The order is policy.Decide's; a datagram the rules refuse is
+ * still a reply if the socket sent to its source lately and the socket's
+ * owner could reach the sender (the reverse direction is allowed).
+ */
+static __always_inline __u32 decide(struct uw_config *c, struct pkt *p, __u8 st, struct uw_owner *l,
+				    struct bpf_sock *sk)
+{
+	if (p->dport <= c->system_port_max)
+		return R_SYSTEM_PORT;
+	__u32 rule;
+	if (st == S_VALID) {
+		rule = decide_ids(p->uid, p->gid, l->uid, l->gid);
+	} else if (!lpm_has(&local_addrs, p->src) && lpm_has(&unenforced_nets, p->src)) {
+		rule = R_UNVERIFIED;
+	} else {
+		rule = offcluster_port(p->dport) ? R_OFFCLUSTER_PORT : R_OFFCLUSTER_DENIED;
+	}
+	if (!allows(rule) && dgram_proto(p->proto) && sent_to_peer(sk, p)) {
+		/* Reverse: the socket's owner reaching the sender's socket. */
+		/* (anyone may reach a system port: a stamped answer from one is
+		 * a reply like an identity-less one) */
+		int rev = st != S_VALID || p->sport <= c->system_port_max ||
+			  allows(decide_ids(l->uid, l->gid, p->uid, p->gid));
+		if (rev)
+			rule = R_UDP_REPLY;
+	}
+	return rule;
+}
+
+/* ---------------------------------------------------------------------------
+ * THE check: cgroup_skb ingress, with the socket the packet is queued to.
+ * It runs for TCP in tcp_filter (a SYN on the listener, also after TIME_WAIT),
+ * for UDP/UDP-Lite in the socket's receive path (each multicast/broadcast
+ * copy on its own socket), and for every other protocol that reaches a
+ * socket. 1 delivers, 0 drops.
+ */
+
+static __always_inline __u32 path_of(struct __sk_buff *skb, __u8 proto)
+{
+	int local = skb->ifindex == 1;
+	if (proto == IPPROTO_TCP)
+		return local ? P_LOCAL_TCP : P_REMOTE_TCP;
+	if (dgram_proto(proto))
+		return local ? P_LOCAL_UDP : P_REMOTE_UDP;
+	return local ? P_LOCAL_OTHER : P_REMOTE_OTHER;
+}
+
+static __always_inline void report(struct pkt *p, __u32 rule, __u32 path, __u8 st, struct uw_owner *l,
+				   __u8 audit, __u8 polite)
+{
+	struct uw_event e = {};
+	e.cuid = p->uid;
+	e.cgid = p->gid;
+	e.has_connector = st == S_VALID;
+	e.luid = l->uid;
+	e.lgid = l->gid;
+	__builtin_memcpy(e.saddr, p->src, 16);
+	__builtin_memcpy(e.daddr, p->dst, 16);
+	e.sport = p->sport;
+	e.dport = p->dport;
+	e.proto = p->proto;
+	e.family = p->v4 ? 4 : 6;
+	e.rule = rule;
+	e.path = path;
+	e.audit = audit;
+	e.stamp = st;
+	e.polite = polite;
+	emit(&e);
+}
+
+SEC("cgroup_skb/ingress")
+int uw_skb_ingress(struct __sk_buff *skb)
+{
+	struct bpf_sock *sk = skb->sk;
+	if (!sk)
+		return 1;
+
+	/* Fast path (direct packet access, no helper call): a TCP segment that
+	 * is not a pure SYN belongs to a handshake or connection whose SYN was
+	 * checked. A pure SYN is checked whatever the socket's state (a listener,
+	 * or a connecting socket in a simultaneous open). */
+	void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
+	if (!test_mode && data + 40 <= end) {
+		__u8 *h = data;
+		int v4 = (h[0] >> 4) == 4;
+		__u8 proto = v4 ? h[9] : h[6];
+		if (proto == IPPROTO_TCP) {
+			__u32 hl = v4 ? (h[0] & 0xf) * 4 : 40;
+			if (hl > 60)
+				hl = 60;
+			__u8 *th = h + hl;
+			if ((void *)(th + 14) <= end && !TCP_SYN_ONLY(th[13]))
+				return 1;
+		}
+	}
+
+	struct uw_owner tl, *l;
+	if (test_mode) {
+		__u32 z = 0;
+		struct uw_test_sock *t = bpf_map_lookup_elem(&test_sock, &z);
+		if (!t)
+			return 1;
+		tl.uid = t->uid;
+		tl.gid = t->gid;
+		tl.set = 1;
+		l = &tl;
+	} else {
+		sk = bpf_sk_fullsock(sk);
+		if (!sk)
+			return 1;
+		l = owner_of(sk);
+		if (!l)
+			return 1; /* not a socket of this namespace */
+	}
+	struct uw_config *c = uw_cfg();
+	if (!c)
+		return 1;
+
+	struct pkt p;
+	if (!parse(skb, 0, &p)) {
+		/* Cannot classify: only exempt listeners (root) receive it. */
+		if (bpf_map_lookup_elem(&exempt_lis, &l->uid))
+			return 1;
+		count(P_REMOTE_OTHER, R_UNCLASSIFIED);
+		return c->audit ? 1 : 0;
+	}
+	if (p.proto == IPPROTO_TCP) {
+		if (!TCP_SYN_ONLY(p.flags))
+			return 1; /* the handshake's ACK, a cookie ACK, data, a RST */
+	} else if (p.proto == IPPROTO_ICMP || p.proto == IPPROTO_ICMPV6) {
+		/* Allow-list: ping sockets get only echo replies of their id. */
+		return 1;
+	} else if (!port_proto(p.proto)) {
+		if (bpf_map_lookup_elem(&exempt_lis, &l->uid))
+			return 1;
+		count(path_of(skb, p.proto), R_UNCLASSIFIED);
+		report(&p, R_UNCLASSIFIED, path_of(skb, p.proto), S_NONE, l, c->audit, 0);
+		return c->audit ? 1 : 0;
+	}
+
+	__u8 st = verify(c, &p);
+	if (st == S_VALID && !lpm_has(&cluster_nets, p.src) && !lpm_has(&local_addrs, p.src) &&
+	    !link_local(p.src))
+		st = S_UNTRUSTED_SOURCE;
+	__u32 rule = decide(c, &p, st, l, sk);
+	__u32 path = path_of(skb, p.proto);
+	count(path, rule);
+	if (allows(rule)) {
+		if (rule == R_UNVERIFIED)
+			report(&p, rule, path, st, l, 0, 0);
+		return 1;
+	}
+	report(&p, rule, path, st, l, c->audit, 0);
+	return c->audit ? 1 : 0;
+}
+
+/* ---------------------------------------------------------------------------
+ * tc: direct packet access for the per-packet fast path. The L2 header length
+ * of each managed interface comes from the ifaces map (set by the agent).
+ */
+
+/* l3 offset of a managed interface, or -1. */
+static __always_inline int l3_offset(struct __sk_buff *skb)
+{
+	__u32 idx = skb->ifindex;
+	__u8 *v = bpf_map_lookup_elem(&ifaces, &idx);
+	if (!v || !*v)
+		return -1;
+	return *v - 1;
+}
+
+/* Fast test: the IP protocol and, for TCP, whether it is a pure SYN.
+ * Returns 0 when the packet needs no further look (established TCP, ICMP,
+ * ...), 1 when it does, 2 when the headers are not in the linear area. */
+static __always_inline int needs_look(struct __sk_buff *skb, int l3)
+{
+	void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
+	if (l3 < 0 || l3 > 64)
+		return 0;
+	__u8 *ip = data + l3;
+	if ((void *)(ip + 40) > end)
+		return 2;
+	__u8 proto;
+	__u32 hl;
+	if (skb->protocol == bpf_htons(ETH_P_IP)) {
+		proto = ip[9];
+		hl = (ip[0] & 0xf) * 4;
+	} else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
+		proto = ip[6];
+		hl = 40;
+	} else {
+		return 0;
+	}
+	if (proto == IPPROTO_TCP) {
+		if (hl > 60)
+			return 2;
+		__u8 *th = ip + hl;
+		if ((void *)(th + 14) > end)
+			return 2;
+		return TCP_SYN_ONLY(th[13]);
+	}
+	if (proto == IPPROTO_ICMP || proto == IPPROTO_ICMPV6)
+		return 0;
+	return 1;
+}
+
+/*
+ * tc ingress (every managed interface, lo included): the polite path. A SYN
+ * or datagram to a local unicast user port that the rules refuse for the
+ * identity it claims is marked, and the nft table answers with a reset or
+ * ICMP admin-prohibited before the stack sees it. The stamp is not verified
+ * here: a forged one can only turn this early refusal into a later drop.
+ */
+SEC("tc")
+int uw_tc_ingress(struct __sk_buff *skb)
+{
+	int l3 = l3_offset(skb);
+	int look = needs_look(skb, l3);
+	if (!look)
+		return TC_ACT_OK;
+	struct uw_config *c = uw_cfg();
+	if (!c || c->audit)
+		return TC_ACT_OK;
+	struct pkt p;
+	if (!parse(skb, l3, &p) || !(p.proto == IPPROTO_TCP || dgram_proto(p.proto)))
+		return TC_ACT_OK;
+	if (p.proto == IPPROTO_TCP && !TCP_SYN_ONLY(p.flags))
+		return TC_ACT_OK;
+	if (p.dport <= c->system_port_max || group_addr(p.dst) || !lpm_has(&local_addrs, p.dst))
+		return TC_ACT_OK;
+
+	/* TCP: the listener itself (zero source: a SYN matching a TIME_WAIT
+	 * socket goes to the listener). Datagrams: the full tuple, so that a
+	 * socket connected to the sender is found, as delivery does. */
+	struct bpf_sock_tuple t = {};
+	struct bpf_sock *sk;
+	__u32 tlen;
+	int udp = p.proto != IPPROTO_TCP;
+	if (p.proto == IPPROTO_UDPLITE)
+		return TC_ACT_OK; /* no lookup helper: decided at delivery */
+	if (p.v4) {
+		if (udp) {
+			__builtin_memcpy(&t.ipv4.saddr, &p.src[12], 4);
+			t.ipv4.sport = bpf_htons(p.sport);
+		}
+		__builtin_memcpy(&t.ipv4.daddr, &p.dst[12], 4);
+		t.ipv4.dport = bpf_htons(p.dport);
+		tlen = sizeof(t.ipv4);
+	} else {
+		if (udp) {
+			__builtin_memcpy(t.ipv6.saddr, p.src, 16);
+			t.ipv6.sport = bpf_htons(p.sport);
+		}
+		__builtin_memcpy(t.ipv6.daddr, p.dst, 16);
+		t.ipv6.dport = bpf_htons(p.dport);
+		tlen = sizeof(t.ipv6);
+	}
+	if (udp)
+		sk = bpf_sk_lookup_udp(skb, &t, tlen, BPF_F_CURRENT_NETNS, 0);
+	else
+		sk = bpf_sk_lookup_tcp(skb, &t, tlen, BPF_F_CURRENT_NETNS, 0);
+	if (!sk)
+		return TC_ACT_OK;
+	struct uw_owner lo, *l = owner_of(sk);
+	if (!l) {
+		bpf_sk_release(sk);
+		return TC_ACT_OK;
+	}
+	lo = *l;
+	/* The claimed identity stands in for a verified one here. */
+	__u8 st = p.has_stamp ? S_VALID : S_NONE;
+	__u32 rule = decide(c, &p, st, &lo, sk);
+	bpf_sk_release(sk);
+	if (allows(rule))
+		return TC_ACT_OK;
+	__u32 path = path_of(skb, p.proto);
+	count(path, rule);
+	report(&p, rule, path, st, &lo, 0, 1);
+	skb->mark = udp ? UW_MARK_ICMP : UW_MARK_RST;
+	return TC_ACT_OK;
+}
+
+/*
+ * tc egress (every managed interface, lo included): stamp the sender's
+ * identity on each SYN and datagram to a user port — always on lo, and on
+ * other interfaces only toward cluster subnets, link-local, multicast and
+ * broadcast destinations (no identity leaves for off-cluster hosts).
+ */
+SEC("tc")
+int uw_tc_egress(struct __sk_buff *skb)
+{
+	int l3 = l3_offset(skb);
+	int look = needs_look(skb, l3);
+	if (!look)
+		return TC_ACT_OK;
+	struct uw_config *c = uw_cfg();
+	if (!c)
+		return TC_ACT_OK;
+	struct pkt p;
+	if (!parse(skb, l3, &p) || !port_proto(p.proto))
+		return TC_ACT_OK;
+	if (p.proto == IPPROTO_TCP && !TCP_SYN_ONLY(p.flags))
+		return TC_ACT_OK;
+	if (p.dport <= c->system_port_max || p.has_stamp || p.old_stamp)
+		return TC_ACT_OK;
+	if (skb->ifindex != 1 && !lpm_has(&cluster_nets, p.dst) && !link_local(p.dst) && !group_addr(p.dst))
+		return TC_ACT_OK;
+
+	struct bpf_sock *bsk = skb->sk;
+	if (!bsk)
+		return TC_ACT_OK;
+	bsk = bpf_sk_fullsock(bsk);
+	if (!bsk)
+		return TC_ACT_OK;
+	struct uw_owner *o = owner_of(bsk);
+	if (o) {
+		p.uid = o->uid;
+		p.gid = o->gid;
+	} else {
+		p.uid = bpf_get_socket_uid(skb);
+		p.gid = (__u32)-1;
+	}
+	__u32 slot = 0;
+	struct uw_key *k = bpf_map_lookup_elem(&keys, &slot);
+	if (!k || !k->valid)
+		return TC_ACT_OK;
+	p.ver = UW_STAMP_VER;
+	__u64 w = (__u64)wall_ns(c) >> UW_WINDOW_SHIFT;
+	p.meta = (k->id << 4) | (w & 0xf);
+	__u64 m[MAC_WORDS];
+	mac_msg(&p, w, m);
+	__u64 tag = siphash(k, m);
+	__u32 u = bpf_htonl(p.uid), g = bpf_htonl(p.gid);
+
+	if (p.v4) {
+		if (p.iphl != 20)
+			return TC_ACT_OK;
+		struct iphdr ip;
+		if (bpf_skb_load_bytes(skb, l3, &ip, sizeof(ip)))
+			return TC_ACT_OK;
+		__u32 mtu = 0;
+		if (skb->ifindex != 1 && bpf_check_mtu(skb, 0, &mtu, UW_IPOPT_LEN, 0))
+			return TC_ACT_OK; /* would exceed the MTU: unstamped, refused there */
+		if (bpf_skb_adjust_room(skb, UW_IPOPT_LEN, BPF_ADJ_ROOM_NET, 0))
+			return TC_ACT_OK;
+		__u8 o4[UW_IPOPT_LEN];
+		o4[0] = UW_IPOPT_TYPE;
+		o4[1] = UW_IPOPT_LEN;
+		o4[2] = p.ver;
+		o4[3] = p.meta;
+		__builtin_memcpy(&o4[4], &u, 4);
+		__builtin_memcpy(&o4[8], &g, 4);
+		__builtin_memcpy(&o4[12], &tag, 8);
+		if (bpf_skb_store_bytes(skb, l3 + 20, o4, sizeof(o4), 0))
+			return TC_ACT_SHOT;
+		__u16 oldw, neww;
+		oldw = *(__u16 *)&ip; /* version/ihl/tos */
+		ip.ihl = 5 + UW_IPOPT_LEN / 4;
+		neww = *(__u16 *)&ip;
+		__be16 oldlen = ip.tot_len;
+		__be16 newlen = bpf_htons(bpf_ntohs(oldlen) + UW_IPOPT_LEN);
+		bpf_skb_store_bytes(skb, l3, &neww, 2, 0);
+		bpf_skb_store_bytes(skb, l3 + 2, &newlen, 2, 0);
+		__u32 off = l3 + 10;
+		bpf_l3_csum_replace(skb, off, oldw, neww, 2);
+		bpf_l3_csum_replace(skb, off, oldlen, newlen, 2);
+		__s64 d = bpf_csum_diff(0, 0, (__be32 *)o4, sizeof(o4), 0);
+		bpf_l3_csum_replace(skb, off, 0, d, 0);
+	} else {
+		if (p.iphl != 40)
+			return TC_ACT_OK; /* extension headers present: unstamped */
+		struct ipv6hdr ip6;
+		if (bpf_skb_load_bytes(skb, l3, &ip6, sizeof(ip6)))
+			return TC_ACT_OK;
+		__u32 mtu = 0;
+		if (skb->ifindex != 1 && bpf_check_mtu(skb, 0, &mtu, UW_DSTOPT_LEN, 0))
+			return TC_ACT_OK;
+		if (bpf_skb_adjust_room(skb, UW_DSTOPT_LEN, BPF_ADJ_ROOM_NET, 0))
+			return TC_ACT_OK;
+		__u8 o6[UW_DSTOPT_LEN];
+		o6[0] = p.proto;
+		o6[1] = 2; /* (2+1)*8 = 24 bytes */
+		o6[2] = UW_IP6OPT_TYPE;
+		o6[3] = UW_IP6OPT_LEN;
+		o6[4] = p.ver;
+		o6[5] = p.meta;
+		__builtin_memcpy(&o6[6], &u, 4);
+		__builtin_memcpy(&o6[10], &g, 4);
+		__builtin_memcpy(&o6[14], &tag, 8);
+		o6[22] = 1; /* PadN, 0 bytes of data */
+		o6[23] = 0;
+		if (bpf_skb_store_bytes(skb, l3 + 40, o6, sizeof(o6), 0))
+			return TC_ACT_SHOT;
+		__u8 nh = IPPROTO_DSTOPTS;
+		__be16 plen = bpf_htons(bpf_ntohs(ip6.payload_len) + UW_DSTOPT_LEN);
+		bpf_skb_store_bytes(skb, l3 + 4, &plen, 2, 0);
+		bpf_skb_store_bytes(skb, l3 + 6, &nh, 1, 0);
+	}
+	return TC_ACT_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * Abstract Unix sockets (BPF LSM). Pathname sockets are guarded by file
+ * permissions; abstract names by nothing else. The caller's credentials come
+ * from its task (BTF).
+ */
+
+/* Is gid the caller's effective gid or one of its supplementary groups? */
+static __always_inline int current_has_group(__u32 gid)
+{
+	struct task_struct *t = bpf_get_current_task_btf();
+	const struct cred *cred = BPF_CORE_READ(t, cred);
+	if (BPF_CORE_READ(cred, egid.val) == gid)
+		return 1;
+	struct group_info *gi = BPF_CORE_READ(cred, group_info);
+	if (!gi)
+		return 0;
+	int n = BPF_CORE_READ(gi, ngroups);
+	__u64 base = (__u64)gi + bpf_core_field_offset(struct group_info, gid);
+	for (int i = 0; i < MAX_GROUPS; i++) {
+		if (i >= n)
+			break;
+		__u32 g = 0;
+		bpf_probe_read_kernel(&g, sizeof(g), (void *)(base + i * 4));
+		if (g == gid)
+			return 1;
+	}
+	return 0;
+}
+
+static __always_inline void current_ids(__u32 *uid, __u32 *gid)
+{
+	struct task_struct *t = bpf_get_current_task_btf();
+	const struct cred *cred = BPF_CORE_READ(t, cred);
+	*uid = BPF_CORE_READ(cred, euid.val);
+	*gid = BPF_CORE_READ(cred, egid.val);
+}
+
+
+
+static __always_inline int abstract_unix(struct sock *other)
+{
+	struct unix_sock *u = (struct unix_sock *)other;
+	struct unix_address *a = BPF_CORE_READ(u, addr);
+	if (!a)
+		return 0;
+	char first = 1;
+	bpf_probe_read_kernel(&first, 1, (void *)a + bpf_core_field_offset(struct unix_address, name) + 2);
+	return first == 0;
+}
+
+static __always_inline __u64 sock_ino(struct sock *sk)
+{
+	return BPF_CORE_READ(sk, sk_socket, file, f_inode, i_ino);
+}
+
+/* Did dst (a datagram socket) send to the socket with inode ino lately? */
+static __always_inline int sent_to(struct sock *dst, __u64 ino)
+{
+	struct uw_unix_peers *p = bpf_sk_storage_get(&unix_peers, dst, 0, 0);
+	if (!p || !ino)
+		return 0;
+	for (int i = 0; i < UNIX_PEERS; i++)
+		if (p->ino[i] == ino)
+			return 1;
+	return 0;
+}
+
+/* Remember on the sender that it sent to the socket with inode ino. */
+static __always_inline void note_sent(struct sock *src, __u64 ino)
+{
+	if (!ino)
+		return;
+	struct uw_unix_peers *p = bpf_sk_storage_get(&unix_peers, src, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!p)
+		return;
+	for (int i = 0; i < UNIX_PEERS; i++)
+		if (p->ino[i] == ino)
+			return;
+	p->ino[p->next % UNIX_PEERS] = ino;
+	p->next = (p->next + 1) % UNIX_PEERS;
+}
+
+/* sk connects or sends to other. Returns 0 or -EPERM. */
+static __always_inline int check_unix(struct sock *sk, struct sock *other, int stream)
+{
+	if (BPF_CORE_READ(sk, __sk_common.skc_net.net, net_cookie) != netns_cookie)
+		return 0;
+	if (!uw_cfg())
+		return 0;
+	if (!abstract_unix(other))
+		return 0;
+	/* A datagram socket connected to the sender accepts its replies. */
+	if (!stream && BPF_CORE_READ((struct unix_sock *)other, peer) == sk)
+		return 0;
+	__u32 luid = BPF_CORE_READ(other, sk_uid.val);
+	__u32 lgid = (__u32)-1;
+	struct socket *so = BPF_CORE_READ(other, sk_socket);
+	if (so)
+		lgid = BPF_CORE_READ(so, file, f_cred, egid.val);
+	__u32 cuid, cgid;
+	current_ids(&cuid, &cgid);
+	__u32 rule = decide_user(cuid, luid, cuid != luid && current_has_group(lgid));
+	/* The answer of a datagram server to a client that wrote to it (the
+	 * client's autobound or named socket belongs to the client, whom the
+	 * server may not otherwise reach, e.g. with a shared group). */
+	if (!stream && !allows(rule) && sent_to(other, sock_ino(sk)))
+		rule = R_UNIX_REPLY;
+	count(P_UNIX, rule);
+	if (allows(rule)) {
+		if (!stream)
+			note_sent(sk, sock_ino(other));
+		return 0;
+	}
+	struct uw_event e = {};
+	e.cuid = cuid;
+	e.cgid = cgid;
+	e.luid = luid;
+	e.lgid = lgid;
+	e.proto = 1;
+	e.family = 1;
+	e.rule = rule;
+	e.path = P_UNIX;
+	e.has_connector = 1;
+	e.pid = bpf_get_current_pid_tgid() >> 32;
+	bpf_get_current_comm(e.comm, sizeof(e.comm));
+	/* The abstract name (without the leading NUL) goes in daddr. */
+	struct unix_address *a = BPF_CORE_READ((struct unix_sock *)other, addr);
+	bpf_probe_read_kernel(e.daddr, sizeof(e.daddr),
+			      (void *)a + bpf_core_field_offset(struct unix_address, name) + 3);
+	emit(&e);
+	return -EPERM;
+}
+
+SEC("lsm/unix_stream_connect")
+int BPF_PROG(uw_unix_stream_connect, struct sock *sock, struct sock *other, struct sock *newsk, int ret)
+{
+	if (ret)
+		return ret;
+	return check_unix(sock, other, 1);
+}
+
+SEC("lsm/unix_may_send")
+int BPF_PROG(uw_unix_may_send, struct socket *sock, struct socket *other, int ret)
+{
+	if (ret)
+		return ret;
+	/* Direct loads (not probe reads): socket-local storage needs the
+	 * verifier to know these are struct sock pointers. */
+	struct sock *sk = sock->sk, *osk = other->sk;
+	if (!sk || !osk)
+		return 0;
+	return check_unix(sk, osk, 0);
+}

@@ -1,0 +1,36 @@
+package userwall
+
+import (
+	"sort"
+
+	"github.com/cilium/ebpf"
+)
+
+func readCounters(m *ebpf.Map) ([]Counter, error) {
+	var out []Counter
+	for p, pname := range pathNames {
+		for r := 1; r < numRules; r++ {
+			if _, ok := ruleNames[uwbpfUwRule(r)]; !ok {
+				continue
+			}
+			var per []uint64
+			if err := m.Lookup(uint32(int(p)*numRules+r), &per); err != nil {
+				return nil, err
+			}
+			var sum uint64
+			for _, v := range per {
+				sum += v
+			}
+			if sum > 0 {
+				out = append(out, Counter{Path: pname, Rule: ruleName(uint8(r)), Allowed: ruleAllows(uint8(r)), Count: sum})
+			}
+		}
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].Path != out[j].Path {
+			return out[i].Path < out[j].Path
+		}
+		return out[i].Rule < out[j].Rule
+	})
+	return out, nil
+}

@@ -1,0 +1,346 @@
+package userwall
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+)
+
+// Program names in the object (C function names).
+const (
+	progIngressSkb = "uw_skb_ingress"
+	progIngress    = "uw_tc_ingress"
+	progEgress     = "uw_tc_egress"
+	progUnixStream = "uw_unix_stream_connect"
+	progUnixDgram  = "uw_unix_may_send"
+	progIterTCP    = "uw_iter_tcp"
+	progIterUDP    = "uw_iter_udp"
+)
+
+// cgroupHooks are attached to the root of the cgroup v2 hierarchy, in this
+// order: the owner recorders first (so that every socket created from then
+// on has an owner), the check at delivery last.
+var cgroupHooks = []struct {
+	link, prog string
+	attach     ebpf.AttachType
+}{
+	{"sock_create", "uw_sock_create", ebpf.AttachCGroupInetSockCreate},
+	{"post_bind4", "uw_post_bind4", ebpf.AttachCGroupInet4PostBind},
+	{"post_bind6", "uw_post_bind6", ebpf.AttachCGroupInet6PostBind},
+	{"bind4", "uw_bind4", ebpf.AttachCGroupInet4Bind},
+	{"bind6", "uw_bind6", ebpf.AttachCGroupInet6Bind},
+	{"connect4", "uw_connect4", ebpf.AttachCGroupInet4Connect},
+	{"connect6", "uw_connect6", ebpf.AttachCGroupInet6Connect},
+	{"sendmsg4", "uw_sendmsg4", ebpf.AttachCGroupUDP4Sendmsg},
+	{"sendmsg6", "uw_sendmsg6", ebpf.AttachCGroupUDP6Sendmsg},
+	{"skb_ingress", progIngressSkb, ebpf.AttachCGroupInetIngress},
+}
+
+// staleLinks are pins of earlier versions that this one no longer uses.
+var staleLinks = []string{"sockops"}
+
+var lsmHooks = []struct{ link, prog string }{
+	{"lsm_unix_stream_connect", progUnixStream},
+	{"lsm_unix_may_send", progUnixDgram},
+}
+
+// Dataplane is the loaded programs and maps of one network namespace, pinned
+// under PinDir (maps directly, links under links/).
+type Dataplane struct {
+	PinDir string
+	Cookie uint64
+	coll   *ebpf.Collection
+	links  map[string]link.Link
+	// LSMErr says why abstract Unix sockets are not enforced (nil: they are).
+	LSMErr error
+}
+
+func (d *Dataplane) linkDir() string { return filepath.Join(d.PinDir, "links") }
+
+// Map returns one of the collection's maps.
+func (d *Dataplane) Map(name string) *ebpf.Map { return d.coll.Maps[name] }
+
+// Load loads the programs for the namespace with the given cookie, reusing
+// (adopting) maps already pinned in pinDir, so a restarted agent keeps the
+// state and the counters of its predecessor.
+func Load(pinDir string, cookie uint64, wantLSM bool) (*Dataplane, error) {
+	spec, err := loadUwbpf()
+	if err != nil {
+		return nil, err
+	}
+	if err := spec.Variables["netns_cookie"].Set(cookie); err != nil {
+		return nil, err
+	}
+	for name, m := range spec.Maps {
+		if !strings.HasPrefix(name, ".") {
+			m.Pinning = ebpf.PinByName
+		}
+	}
+	if err := os.MkdirAll(filepath.Join(pinDir, "links"), 0o700); err != nil {
+		return nil, err
+	}
+	d := &Dataplane{PinDir: pinDir, Cookie: cookie, links: map[string]link.Link{}}
+	if !wantLSM {
+		d.LSMErr = errors.New("disabled by configuration (unix_sockets = false)")
+	} else if ok, how := LSMActive(); !ok && !strings.HasPrefix(how, "unknown") {
+		d.LSMErr = fmt.Errorf("the bpf LSM is not enabled (%s); boot with lsm=...,bpf", how)
+	}
+	if d.LSMErr != nil {
+		for _, h := range lsmHooks {
+			delete(spec.Programs, h.prog)
+		}
+	}
+	opts := ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: pinDir}}
+	coll, err := ebpf.NewCollectionWithOptions(spec, opts)
+	if err != nil && d.LSMErr == nil {
+		// A kernel without CONFIG_BPF_LSM refuses LSM programs: enforce
+		// the rest and report it.
+		var verr *ebpf.VerifierError
+		lsmFailed := errors.As(err, &verr) || strings.Contains(err.Error(), "unix")
+		if lsmFailed {
+			for _, h := range lsmHooks {
+				delete(spec.Programs, h.prog)
+			}
+			c2, err2 := ebpf.NewCollectionWithOptions(spec, opts)
+			if err2 == nil {
+				d.LSMErr = fmt.Errorf("LSM programs not loaded: %w", err)
+				coll, err = c2, nil
+			} else {
+				err = err2 // the failure that matters: not the LSM's
+			}
+		}
+	}
+	if err != nil {
+		if errors.Is(err, ebpf.ErrMapIncompatible) {
+			return nil, fmt.Errorf("maps pinned in %s are from an incompatible version (run `palisade agent --uninstall` first): %w", pinDir, err)
+		}
+		return nil, fmt.Errorf("load eBPF programs: %w", err)
+	}
+	d.coll = coll
+	return d, nil
+}
+
+// attach attaches prog under the pinned link name, adopting an existing pin:
+// the pinned link is switched to the new program atomically (BPF_LINK_UPDATE),
+// or, for link types that cannot be updated, the new link is attached before
+// the old one is removed. Either way enforcement has no gap.
+func (d *Dataplane) attach(name string, prog *ebpf.Program, attach func() (link.Link, error)) error {
+	path := filepath.Join(d.linkDir(), name)
+	old, err := link.LoadPinnedLink(path, nil)
+	if err == nil {
+		if err := old.Update(prog); err == nil {
+			d.links[name] = old
+			return nil
+		}
+	}
+	nl, err := attach()
+	if err != nil {
+		if old != nil {
+			d.links[name] = old // keep the old program enforcing
+		}
+		return fmt.Errorf("attach %s: %w", name, err)
+	}
+	if old != nil {
+		_ = old.Unpin()
+		_ = old.Close()
+	}
+	if err := nl.Pin(path); err != nil {
+		nl.Close()
+		return fmt.Errorf("pin %s: %w", name, err)
+	}
+	d.links[name] = nl
+	return nil
+}
+
+// AttachCgroup attaches the socket hooks (and the LSM hooks) to the root of
+// the cgroup v2 hierarchy at cgroupRoot. Sockets that predate the owner
+// recorders get their owner from the socket iterators, run between the two.
+func (d *Dataplane) AttachCgroup(cgroupRoot string) error {
+	for _, n := range staleLinks {
+		d.detach(n)
+	}
+	for i, h := range cgroupHooks {
+		if h.prog == progIngressSkb {
+			if err := d.adoptSockets(); err != nil {
+				return err
+			}
+		}
+		p := d.coll.Programs[h.prog]
+		attachType := cgroupHooks[i].attach
+		err := d.attach(h.link, p, func() (link.Link, error) {
+			return link.AttachCgroup(link.CgroupOptions{Path: cgroupRoot, Attach: attachType, Program: p})
+		})
+		if err != nil {
+			return err
+		}
+	}
+	if d.LSMErr == nil {
+		for _, h := range lsmHooks {
+			p := d.coll.Programs[h.prog]
+			if err := d.attach(h.link, p, func() (link.Link, error) {
+				return link.AttachLSM(link.LSMOptions{Program: p})
+			}); err != nil {
+				d.LSMErr = err
+				d.detach(lsmHooks[0].link)
+				d.detach(lsmHooks[1].link)
+				break
+			}
+		}
+	}
+	return nil
+}
+
+// adoptSockets runs the TCP and UDP socket iterators once in this
+// namespace: every socket that exists now gets an owner record (a socket
+// created since already has one and keeps it).
+func (d *Dataplane) adoptSockets() error {
+	for _, name := range []string{progIterTCP, progIterUDP} {
+		it, err := link.AttachIter(link.IterOptions{Program: d.coll.Programs[name]})
+		if err != nil {
+			return fmt.Errorf("socket iterator %s: %w", name, err)
+		}
+		rd, err := it.Open()
+		if err == nil {
+			_, err = io.Copy(io.Discard, rd)
+			rd.Close()
+		}
+		it.Close()
+		if err != nil {
+			return fmt.Errorf("socket iterator %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+func tcxLinkName(dir, ifname string) string { return "tcx_" + dir + "_" + ifname }
+
+// AttachInterface attaches the tc programs to one interface with tcx links
+// (egress stamps, ingress refuses early). Every managed interface, lo too.
+func (d *Dataplane) AttachInterface(ifname string, ifindex int) error {
+	type dir struct {
+		name, prog string
+		at         ebpf.AttachType
+	}
+	dirs := []dir{{"eg", progEgress, ebpf.AttachTCXEgress}, {"in", progIngress, ebpf.AttachTCXIngress}}
+	for _, x := range dirs {
+		p := d.coll.Programs[x.prog]
+		at := x.at
+		if err := d.attach(tcxLinkName(x.name, ifname), p, func() (link.Link, error) {
+			return link.AttachTCX(link.TCXOptions{Interface: ifindex, Program: p, Attach: at})
+		}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Interfaces lists the interfaces with pinned tc links.
+func (d *Dataplane) Interfaces() []string {
+	seen := map[string]bool{}
+	for _, n := range pinnedNames(d.linkDir()) {
+		for _, p := range []string{"tcx_eg_", "tcx_in_"} {
+			if s, ok := strings.CutPrefix(n, p); ok {
+				seen[s] = true
+			}
+		}
+	}
+	var out []string
+	for s := range seen {
+		out = append(out, s)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// DetachInterface removes the tc links of one interface.
+func (d *Dataplane) DetachInterface(ifname string) {
+	d.detach(tcxLinkName("eg", ifname))
+	d.detach(tcxLinkName("in", ifname))
+}
+
+func (d *Dataplane) detach(name string) {
+	l := d.links[name]
+	if l == nil {
+		var err error
+		if l, err = link.LoadPinnedLink(filepath.Join(d.linkDir(), name), nil); err != nil {
+			_ = os.Remove(filepath.Join(d.linkDir(), name))
+			return
+		}
+	}
+	_ = l.Unpin()
+	_ = l.Close()
+	delete(d.links, name)
+}
+
+// Links returns the names of the attached links.
+func (d *Dataplane) Links() []string {
+	var out []string
+	for n := range d.links {
+		out = append(out, n)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// Close releases the agent's handles; the pins keep everything enforcing.
+// A second Close does nothing (a failed install closes before the deferred
+// Close runs).
+func (d *Dataplane) Close() {
+	for n, l := range d.links {
+		l.Close()
+		delete(d.links, n)
+	}
+	if d.coll != nil {
+		d.coll.Close()
+		d.coll = nil
+	}
+}
+
+func pinnedNames(dir string) []string {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil
+	}
+	var out []string
+	for _, e := range ents {
+		out = append(out, e.Name())
+	}
+	return out
+}
+
+// RemovePins detaches every pinned link and removes every pinned map of the
+// namespace (the kernel frees an object when its last pin and fd are gone).
+func RemovePins(pinDir string) error {
+	var errs []error
+	linkDir := filepath.Join(pinDir, "links")
+	for _, n := range pinnedNames(linkDir) {
+		p := filepath.Join(linkDir, n)
+		if l, err := link.LoadPinnedLink(p, nil); err == nil {
+			if err := l.Unpin(); err != nil {
+				errs = append(errs, err)
+			}
+			l.Close()
+		} else if err := os.Remove(p); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	_ = os.Remove(linkDir)
+	for _, n := range pinnedNames(pinDir) {
+		if err := os.Remove(filepath.Join(pinDir, n)); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := os.Remove(pinDir); err != nil && !os.IsNotExist(err) {
+		errs = append(errs, err)
+	}
+	// The shared parent goes only when no other namespace uses it.
+	_ = os.Remove(filepath.Dir(pinDir))
+	return errors.Join(errs...)
+}

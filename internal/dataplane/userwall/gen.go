@@ -1,0 +1,13 @@
+// Package userwall is Palisade's identity firewall in eBPF: per-user network
+// isolation enforced in the kernel at connect time (local TCP/UDP), on the
+// SYN (cross-node TCP, identity carried in a TCP option), per datagram
+// (cross-node UDP, identity in an IP option) and on abstract Unix sockets
+// (BPF LSM). The agent loads and pins the programs of one network namespace,
+// keeps their maps in step with the policy and the node's addresses, and
+// reports verdicts as events and metrics. See docs/userwall.md.
+package userwall
+
+// vmlinux.h is dumped from the running kernel's BTF at generate time (CO-RE
+// relocates field offsets at load time, so any BTF kernel will do).
+//go:generate sh -c "bpftool btf dump file /sys/kernel/btf/vmlinux format c > bpf/vmlinux.h"
+//go:generate go run github.com/cilium/ebpf/cmd/bpf2go -cc clang -cflags "-O2 -g -Wall -D__TARGET_ARCH_x86" -target bpfel -type uw_event -type uw_config -type uw_key -type uw_lpm_key -type uw_owner -type uw_member_key -type uw_test_sock -type uw_rule -type uw_path -type uw_stamp uwbpf bpf/userwall.c -- -I./bpf

@@ -1,0 +1,275 @@
+package userwall
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/cilium/ebpf/ringbuf"
+
+	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/lab/vm"
+)
+
+// lsmList puts bpf in the LSM list of the guest kernel: Debian's 6.1 has
+// CONFIG_BPF_LSM=y but leaves bpf out of its default list.
+const lsmList = "lsm=lockdown,capability,landlock,yama,apparmor,bpf"
+
+// TestLSMVM proves the abstract-Unix rules (BPF LSM hooks unix_stream_connect
+// and unix_may_send) on a kernel where BPF LSM works: one bare qemu guest
+// (package vm, Debian's 6.1 kernel booted with bpf in its LSM list, no
+// testbed). This machine kind's own kernel refuses every LSM program, so this
+// is the only place the hooks run. The full agent cannot load on 6.1 (its tc
+// programs need kfuncs and tcx links of >= 6.6), so in the guest this test
+// binary (TestLSMGuest) loads the object's two LSM programs with the agent's
+// own loader and policy code, in a scratch network namespace, and
+// testdata/lsm_guest.py makes listeners and connectors as different users
+// there and in a second namespace without programs. Needs root, qemu and a
+// prepared kernel in the VM cache (`palisade-lab vm kernel`); ~1.5 min under TCG.
+func TestLSMVM(t *testing.T) {
+	if testing.Short() {
+		t.Skip("boots a VM")
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("needs root")
+	}
+	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
+		t.Skip("no qemu-system-x86_64")
+	}
+	if m, _ := filepath.Glob(filepath.Join(vm.CacheDir(), "*", ".ready-v2")); len(m) == 0 {
+		t.Skipf("no prepared guest kernel in %s (run `palisade-lab vm kernel`)", vm.CacheDir())
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	// Not under /tmp: the guest mounts its own tmpfs there and sees the rest
+	// of the host's root read-only at the same paths.
+	dir, err := os.MkdirTemp("/var/tmp", "palulsm-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	os.Chmod(dir, 0o755)
+	// The product binary runs the agent in the guest; the lab binary is
+	// the VM's hub and guest agent.
+	bin, lab := filepath.Join(dir, "palisade"), filepath.Join(dir, "palisade-lab")
+	for out, pkg := range map[string]string{bin: "cmd/palisade", lab: "cmd/palisade-lab"} {
+		build := exec.CommandContext(ctx, "go", "build", "-o", out, "github.com/palisade-hpc/palisade/"+pkg)
+		build.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := build.CombinedOutput(); err != nil {
+			t.Fatalf("build: %v\n%s", err, out)
+		}
+	}
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(self); err != nil || os.WriteFile(filepath.Join(dir, "userwall.test"), b, 0o755) != nil {
+		t.Fatalf("copy the test binary: %v", err)
+	}
+	for _, f := range []string{"lsm_guest.py", "lsm_guest.sh"} {
+		b, err := os.ReadFile(filepath.Join("testdata", f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, f), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	vmDir := filepath.Join(dir, "vm")
+	start := time.Now()
+	if err := vm.Start(ctx, vmDir, lab, vm.AgentArgs{Name: "palulsm", Nodes: 0, KernelArgs: []string{lsmList}}); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := vm.Stop(context.Background(), vmDir); err != nil {
+			t.Errorf("stop VM: %v", err)
+		}
+	}()
+	rd, err := vm.WaitReady(ctx, vmDir, 3*time.Minute)
+	if err != nil {
+		t.Fatalf("VM: %v", err)
+	}
+	if rd.Error != "" {
+		t.Fatalf("VM: %s", rd.Error)
+	}
+	t.Logf("guest up in %.1f s", time.Since(start).Seconds())
+	var out strings.Builder
+	code, err := vm.Exec(ctx, vmDir, vm.Request{Op: "sh", Argv: []string{"bash", filepath.Join(dir, "lsm_guest.sh"), bin, dir}}, nil, &out, &out)
+	t.Logf("guest script (exit %d, %.1f s since boot):\n%s", code, time.Since(start).Seconds(), out.String())
+	if err != nil || code != 0 {
+		t.Fatalf("guest script: exit %d, %v", code, err)
+	}
+
+	res := map[string]string{}
+	got := map[string]bool{}
+	var lsm string
+	sc := bufio.NewScanner(strings.NewReader(out.String()))
+	for sc.Scan() {
+		l := sc.Text()
+		switch {
+		case strings.HasPrefix(l, "RESULT "):
+			f := strings.SplitN(l, " ", 3)
+			if len(f) == 3 {
+				res[f[1]] = f[2]
+			}
+		case strings.HasPrefix(l, "GOT "):
+			if f := strings.Fields(l); len(f) == 3 {
+				got[f[2]] = true
+			}
+		case strings.HasPrefix(l, "LSM "):
+			lsm = strings.TrimPrefix(l, "LSM ")
+		}
+	}
+	if !strings.Contains(","+lsm+",", ",bpf,") {
+		t.Fatalf("bpf not in the guest's LSM list %q", lsm)
+	}
+	if !strings.Contains(out.String(), "LSM-ATTACHED") {
+		t.Fatal("the LSM programs were not loaded and attached in the guest")
+	}
+
+	// Allowed: the message reached the listener and its answer came back.
+	// Refused: connect()/sendto() failed with EPERM and nothing arrived.
+	type want struct {
+		name, msg string
+		allow     bool
+	}
+	var cases []want
+	for _, k := range []string{"stream", "dgram"} {
+		cases = append(cases,
+			want{k + "-same-user", "m1", true},
+			want{k + "-other-user", "m2", false},
+			want{k + "-exempt-connector-svc", "m3", true},
+			want{k + "-exempt-connector-root", "m4", true},
+			want{k + "-shared-group", "m5", true},
+			want{k + "-group-nonmember", "m6", false},
+			want{k + "-group-not-listeners", "m7", false},
+			want{k + "-exempt-listener-root", "m8", true})
+	}
+	cases = append(cases,
+		want{"dgram-connect-other-user", "m9", false},
+		want{"dgram-connect-same-user", "m10", true},
+		// Pathname sockets are left to file permissions (here 0777).
+		want{"pathname-other-user", "m11", true},
+		// Netns scoping: no agent in palulB, the hooks there do nothing.
+		want{"other-netns-stream-other-user", "n1", true},
+		want{"other-netns-dgram-other-user", "n2", true})
+	for _, c := range cases {
+		r, ok := res[c.name]
+		switch {
+		case !ok:
+			t.Errorf("%s: no result", c.name)
+		case c.allow && r != "OK echo "+c.msg:
+			t.Errorf("%s: want allowed (answer %q), got %q", c.name, "echo "+c.msg, r)
+		case c.allow && !got[c.msg]:
+			t.Errorf("%s: the listener did not get %q", c.name, c.msg)
+		case !c.allow && r != "ERR EPERM":
+			t.Errorf("%s: want EPERM, got %q", c.name, r)
+		case !c.allow && got[c.msg]:
+			t.Errorf("%s: refused, yet the listener got %q", c.name, c.msg)
+		}
+	}
+	// The shared-group datagram's answer went through as a reply (the
+	// server may not otherwise write to the client's socket).
+	if !strings.Contains(out.String(), "Rule:unix-reply Allowed:true Count:1}") {
+		t.Errorf("no unix-reply counted for the shared-group datagram's answer")
+	}
+	// Every refusal is an event.
+	for _, name := range []string{"palul.alice.s", "palul.proj.d"} {
+		if !strings.Contains(out.String(), name) {
+			t.Errorf("no denial event naming %s", name)
+		}
+	}
+}
+
+// TestLSMGuest is the guest side of TestLSMVM (it runs only there, with
+// $PALISADE_LSM_GUEST set to the test's directory, as root in the scratch
+// namespace palulA): load the LSM programs for this namespace, apply the
+// policy with the agent's code, run the cases, print the denial events.
+func TestLSMGuest(t *testing.T) {
+	dir := os.Getenv("PALISADE_LSM_GUEST")
+	if dir == "" {
+		t.Skip("guest side of TestLSMVM")
+	}
+	cookie, err := NetnsCookie()
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec, err := loadUwbpf()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name := range spec.Programs {
+		if name != progUnixStream && name != progUnixDgram {
+			delete(spec.Programs, name)
+		}
+	}
+	if err := spec.Variables["netns_cookie"].Set(cookie); err != nil {
+		t.Fatal(err)
+	}
+	coll, err := ebpf.NewCollection(spec)
+	if err != nil {
+		var verr *ebpf.VerifierError
+		if errors.As(err, &verr) {
+			t.Fatalf("load: %+v", verr)
+		}
+		t.Fatalf("load: %v", err)
+	}
+	defer coll.Close()
+	d := &Dataplane{coll: coll, links: map[string]link.Link{}}
+	pol := &policy.Policy{SystemPortMax: 1023, ExemptConnectors: []uint32{0, 2004}, ExemptListeners: []uint32{0, 2004}}
+	if err := d.ApplyPolicy(pol, false); err != nil {
+		t.Fatal(err)
+	}
+	for _, h := range lsmHooks {
+		l, err := link.AttachLSM(link.LSMOptions{Program: coll.Programs[h.prog]})
+		if err != nil {
+			t.Fatalf("attach %s: %v", h.prog, err)
+		}
+		defer l.Close()
+	}
+	fmt.Printf("LSM-ATTACHED netns cookie %d\n", cookie)
+	events := filepath.Join(t.TempDir(), "events.jsonl")
+	sink, err := newEventSink(events, false, 1000, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rd, err := ringbuf.NewReader(d.Map("events"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { sink.run(rd); close(done) }()
+	for _, argv := range [][]string{
+		{"python3", filepath.Join(dir, "lsm_guest.py"), "enforced"},
+		{"nsenter", "--net=/run/netns/palulB", "--", "python3", filepath.Join(dir, "lsm_guest.py"), "other"},
+	} {
+		cmd := exec.Command(argv[0], argv[1:]...)
+		cmd.Stdout, cmd.Stderr = os.Stdout, os.Stdout
+		if err := cmd.Run(); err != nil {
+			t.Errorf("%v: %v", argv, err)
+		}
+	}
+	time.Sleep(200 * time.Millisecond)
+	rd.Close()
+	<-done
+	sink.close()
+	b, _ := os.ReadFile(events)
+	fmt.Printf("EVENTS-BEGIN\n%sEVENTS-END\n", b)
+	if c, err := d.ReadCounters(); err == nil {
+		for _, x := range c {
+			fmt.Printf("COUNTER %+v\n", x)
+		}
+	}
+}

@@ -1,0 +1,241 @@
+package userwall
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"syscall"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/palisade-hpc/palisade/internal/policy"
+)
+
+// Uninstall stops the namespace's running agent (if any) and removes every
+// program, link, map and nft table it made.
+func Uninstall(o AgentOptions) error {
+	cfg, err := o.LoadConfig()
+	bpffsDir, pidFile := "/sys/fs/bpf", ""
+	if err == nil {
+		bpffsDir, pidFile = cfg.Agent.BPFFS, cfg.Agent.PidFile
+	} else if o.PidFile != "" {
+		pidFile = o.PidFile
+	}
+	fs, fsOK := findBPFFS(bpffsDir, 0)
+	if pidFile != "" {
+		if pid := ReadPid(pidFile); pid != 0 && pid != os.Getpid() {
+			if !fsOK {
+				fs, fsOK = findBPFFS(bpffsDir, pid)
+			}
+			syscall.Kill(pid, syscall.SIGTERM)
+			for i := 0; i < 100 && ReadPid(pidFile) == pid; i++ {
+				time.Sleep(50 * time.Millisecond)
+			}
+			if ReadPid(pidFile) == pid {
+				syscall.Kill(pid, syscall.SIGKILL)
+				time.Sleep(100 * time.Millisecond)
+			}
+			os.Remove(pidFile)
+		}
+		os.Remove(pidFile + ".lock")
+	}
+	cookie, err := NetnsCookie()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	if fsOK {
+		errs = append(errs, RemovePins(PinDir(fs, cookie)))
+		CollectStale(fs)
+	}
+	errs = append(errs, RemoveNft())
+	return errors.Join(errs...)
+}
+
+// LinkStatus is one pinned attachment.
+type LinkStatus struct {
+	Name    string `json:"name"`
+	Type    string `json:"type"`
+	Program string `json:"program"`
+	ProgID  uint32 `json:"prog_id"`
+}
+
+// Status is what `palisade status` reports for this network namespace.
+type Status struct {
+	Mode        string       `json:"mode"` // "userwall" or "none"
+	NetnsCookie uint64       `json:"netns_cookie"`
+	PinDir      string       `json:"pin_dir"`
+	AgentPID    int          `json:"agent_pid"`
+	Links       []LinkStatus `json:"links"`
+	Nft         bool         `json:"nft_table"`
+	Enabled     bool         `json:"enabled"`
+	UnixLSM     bool         `json:"unix_enforced"`
+	// Audit: decisions are reported, nothing is refused.
+	Audit bool `json:"audit"`
+	// Keys are the ids of the cluster keys in force (the first seals);
+	// KeyError says why the configured key file is not usable.
+	Keys     []uint8   `json:"key_ids,omitempty"`
+	KeyError string    `json:"key_error,omitempty"`
+	Warnings []string  `json:"warnings,omitempty"`
+	Counters []Counter `json:"counters"`
+}
+
+// GetStatus inspects the pins of the caller's namespace.
+func GetStatus(o AgentOptions) (*Status, error) {
+	cfg, cfgErr := o.LoadConfig()
+	if cfgErr != nil {
+		// Still report what is in force, from the default locations.
+		cfg = &policy.Config{}
+		cfg.Agent.SetDefaults()
+		if o.PidFile != "" {
+			cfg.Agent.PidFile = o.PidFile
+		}
+	}
+	cookie, err := NetnsCookie()
+	if err != nil {
+		return nil, err
+	}
+	s := &Status{Mode: "none", NetnsCookie: cookie, AgentPID: ReadPid(cfg.Agent.PidFile), Nft: NftInstalled()}
+	if cfgErr != nil {
+		s.Warnings = append(s.Warnings, "configuration invalid (a reload would be refused): "+cfgErr.Error())
+	}
+	fs, _ := findBPFFS(cfg.Agent.BPFFS, s.AgentPID)
+	s.PinDir = PinDir(fs, cookie)
+	linkDir := filepath.Join(s.PinDir, "links")
+	names := pinnedNames(linkDir)
+	sort.Strings(names)
+	for _, n := range names {
+		l, err := link.LoadPinnedLink(filepath.Join(linkDir, n), nil)
+		if err != nil {
+			s.Warnings = append(s.Warnings, fmt.Sprintf("pinned link %s unreadable: %v", n, err))
+			continue
+		}
+		ls := LinkStatus{Name: n}
+		if info, err := l.Info(); err == nil {
+			ls.Type = linkTypeName(info.Type)
+			ls.ProgID = uint32(info.Program)
+			if p, err := ebpf.NewProgramFromID(info.Program); err == nil {
+				if pi, err := p.Info(); err == nil {
+					ls.Program = pi.Name
+				}
+				p.Close()
+			}
+		}
+		l.Close()
+		s.Links = append(s.Links, ls)
+		if n == lsmHooks[0].link {
+			s.UnixLSM = true
+		}
+	}
+	if m, err := ebpf.LoadPinnedMap(filepath.Join(s.PinDir, "settings"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
+		var c uwbpfUwConfig
+		if m.Lookup(uint32(0), &c) == nil {
+			s.Enabled = c.Enabled != 0
+			s.Audit = c.Audit != 0
+		}
+		m.Close()
+	}
+	if m, err := ebpf.LoadPinnedMap(filepath.Join(s.PinDir, "keys"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
+		for i := uint32(0); i < 2; i++ {
+			var k uwbpfUwKey
+			if m.Lookup(i, &k) == nil && k.Valid != 0 {
+				s.Keys = append(s.Keys, uint8(k.Id))
+			}
+		}
+		m.Close()
+	}
+	keyFile := cfg.Cluster.KeyFile
+	if keyFile == "" {
+		keyFile = policy.DefaultKeyFile
+	}
+	if _, err := LoadKeys(keyFile); err != nil {
+		s.KeyError = err.Error()
+	}
+	if m, err := ebpf.LoadPinnedMap(filepath.Join(s.PinDir, "counters"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
+		s.Counters, _ = readCounters(m)
+		m.Close()
+	}
+	if len(names) > 0 {
+		s.Mode = "userwall"
+		if s.AgentPID == 0 {
+			s.Warnings = append(s.Warnings, "agent not running: pinned programs enforce the last policy, but addresses, groups and events are not kept up to date")
+		}
+		if !s.Nft {
+			s.Warnings = append(s.Warnings, "nft table "+NftTable+" missing: refusals are silent drops instead of resets (the agent restores it)")
+		}
+		if s.Audit {
+			s.Warnings = append(s.Warnings, "audit mode: refusals are reported, NOT enforced")
+		}
+		if s.KeyError != "" {
+			s.Warnings = append(s.Warnings, "no usable cluster key ("+s.KeyError+"): identity from other nodes is not trusted, cross-node user traffic is refused")
+		}
+		if !s.UnixLSM {
+			why := "BPF LSM programs could not be loaded or attached"
+			if ok, how := LSMActive(); !ok && how != "" && how[0] == '/' {
+				why = "the bpf LSM is not enabled (" + how + "); boot with lsm=...,bpf"
+			}
+			s.Warnings = append(s.Warnings, "abstract Unix sockets are NOT isolated: "+why)
+		}
+	}
+	return s, nil
+}
+
+func linkTypeName(t link.Type) string {
+	switch t {
+	case link.CgroupType:
+		return "cgroup"
+	case link.TCXType:
+		return "tcx"
+	case link.TracingType:
+		return "lsm"
+	}
+	return fmt.Sprintf("type-%d", t)
+}
+
+// SignalReload sends SIGHUP to the namespace's running agent.
+func SignalReload(o AgentOptions) error {
+	cfg, err := o.LoadConfig()
+	if err != nil {
+		return fmt.Errorf("configuration refused, agent not signalled: %w", err)
+	}
+	pid := ReadPid(cfg.Agent.PidFile)
+	if pid == 0 {
+		return fmt.Errorf("no running agent (%s)", cfg.Agent.PidFile)
+	}
+	return syscall.Kill(pid, syscall.SIGHUP)
+}
+
+// NamespaceGone reports whether the namespace a pin directory belongs to no
+// longer exists: every agent attaches to lo, and lo lives exactly as long as
+// its namespace, so a tcx link on lo whose device is gone (ifindex 0) means
+// the namespace was deleted without `--uninstall`.
+func NamespaceGone(pinDir string) bool {
+	l, err := link.LoadPinnedLink(filepath.Join(pinDir, "links", tcxLinkName("eg", "lo")), nil)
+	if err != nil {
+		return false
+	}
+	defer l.Close()
+	info, err := l.Info()
+	if err != nil || info.TCX() == nil {
+		return false
+	}
+	return info.TCX().Ifindex == 0
+}
+
+// CollectStale removes the pins of namespaces that no longer exist (their
+// programs can never match a socket again but stay loaded while pinned).
+// Live namespaces, this one included, are never touched.
+func CollectStale(bpffs string) []string {
+	var removed []string
+	root := filepath.Join(bpffs, "palisade")
+	for _, n := range pinnedNames(root) {
+		dir := filepath.Join(root, n)
+		if NamespaceGone(dir) && RemovePins(dir) == nil {
+			removed = append(removed, n)
+		}
+	}
+	return removed
+}

@@ -1,0 +1,242 @@
+package userwall
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/cilium/ebpf"
+	"github.com/palisade-hpc/palisade/internal/identity"
+	"github.com/palisade-hpc/palisade/internal/policy"
+)
+
+// lpmKey is a prefix in the form of the C uw_lpm_key: IPv4 as IPv4-mapped
+// IPv6, so one trie holds both families and v4-mapped destinations of v6
+// sockets match their IPv4 entries.
+func lpmKey(p netip.Prefix) uwbpfUwLpmKey {
+	a := p.Addr()
+	bits := p.Bits()
+	if a.Is4() {
+		bits += 96
+		a = netip.AddrFrom16(a.As16())
+	}
+	return uwbpfUwLpmKey{Prefixlen: uint32(bits), Addr: a.As16()}
+}
+
+// syncSet makes the keys of m exactly want (value 1). New keys are added
+// before stale ones are removed, so a reload never opens a gap.
+func syncSet[K comparable](m *ebpf.Map, want map[K]bool) error {
+	one := uint8(1)
+	var errs []error
+	for k := range want {
+		if err := m.Update(k, one, ebpf.UpdateAny); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", m.String(), err))
+		}
+	}
+	var k K
+	var stale []K
+	var v uint8
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		if !want[k] {
+			stale = append(stale, k)
+		}
+	}
+	if err := it.Err(); err != nil {
+		errs = append(errs, err)
+	}
+	for _, k := range stale {
+		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// policySets are the keys of the exempt, cluster-subnet and unenforced-node
+// maps for p.
+func policySets(p *policy.Policy) (conn, lis map[uint32]bool, nets, unenf map[uwbpfUwLpmKey]bool) {
+	conn, lis, nets, unenf = map[uint32]bool{}, map[uint32]bool{}, map[uwbpfUwLpmKey]bool{}, map[uwbpfUwLpmKey]bool{}
+	for _, u := range p.ExemptConnectors {
+		conn[u] = true
+	}
+	for _, u := range p.ExemptListeners {
+		lis[u] = true
+	}
+	for _, s := range p.ClusterSubnets {
+		nets[lpmKey(s.Masked())] = true
+	}
+	for _, s := range p.UnenforcedNodes {
+		unenf[lpmKey(s.Masked())] = true
+	}
+	return conn, lis, nets, unenf
+}
+
+// Fits refuses a policy the maps cannot hold, before anything is written:
+// the config loader does not know these bounds, and a reload that ran out
+// of room half-way would enforce a mix of the old and the new policy.
+func (d *Dataplane) Fits(p *policy.Policy) error {
+	conn, lis, nets, unenf := policySets(p)
+	for _, c := range []struct {
+		key, m string
+		n      int
+	}{
+		{"policy.exempt_connectors", "exempt_conn", len(conn)},
+		{"policy.exempt_listeners", "exempt_lis", len(lis)},
+		{"cluster.subnets", "cluster_nets", len(nets)},
+		{"cluster.unenforced_nodes", "unenforced_nets", len(unenf)},
+	} {
+		if max := int(d.Map(c.m).MaxEntries()); c.n > max {
+			return fmt.Errorf("%s: %d entries, the data plane holds at most %d", c.key, c.n, max)
+		}
+	}
+	return nil
+}
+
+// ApplyPolicy writes the policy into the maps. The settings entry is
+// written last: on first install the programs stay idle ("enabled" 0) until
+// every other map is filled. audit makes the programs report refusals
+// without refusing.
+func (d *Dataplane) ApplyPolicy(p *policy.Policy, audit bool) error {
+	if err := d.Fits(p); err != nil {
+		return err
+	}
+	conn, lis, nets, unenf := policySets(p)
+	var errs []error
+	errs = append(errs, syncSet(d.Map("exempt_conn"), conn), syncSet(d.Map("exempt_lis"), lis))
+	errs = append(errs, syncSet(d.Map("cluster_nets"), nets), syncSet(d.Map("unenforced_nets"), unenf))
+
+	var words [1024]uint64
+	for _, r := range p.OffClusterPorts {
+		for port := uint32(r.First); port <= uint32(r.Last); port++ {
+			words[port/64] |= 1 << (port % 64)
+		}
+	}
+	ports := d.Map("offc_ports")
+	for i, w := range words {
+		var cur uint64
+		if err := ports.Lookup(uint32(i), &cur); err == nil && cur == w {
+			continue
+		}
+		if err := ports.Update(uint32(i), w, ebpf.UpdateAny); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	cfg := uwbpfUwConfig{SystemPortMax: uint32(p.SystemPortMax), Enabled: 1, ClockOffsetNs: ClockOffset()}
+	if audit {
+		cfg.Audit = 1
+	}
+	return d.Map("settings").Update(uint32(0), cfg, ebpf.UpdateAny)
+}
+
+// ClockOffset is the wall clock minus the boot clock (what the programs add
+// to bpf_ktime_get_boot_ns to get the time a stamp is sealed for).
+func ClockOffset() int64 {
+	var boot, wall unix.Timespec
+	unix.ClockGettime(unix.CLOCK_BOOTTIME, &boot)
+	unix.ClockGettime(unix.CLOCK_REALTIME, &wall)
+	return wall.Nano() - boot.Nano()
+}
+
+// RefreshClock keeps the clock offset current (NTP steps the wall clock).
+func (d *Dataplane) RefreshClock() error {
+	m := d.Map("settings")
+	var cfg uwbpfUwConfig
+	if err := m.Lookup(uint32(0), &cfg); err != nil {
+		return err
+	}
+	cfg.ClockOffsetNs = ClockOffset()
+	return m.Update(uint32(0), cfg, ebpf.UpdateAny)
+}
+
+// SetKeys loads the cluster keys: keys[0] seals stamps, every key verifies.
+// The new sealing key is written last, so a stamp sealed during the change
+// is always verifiable by this node.
+func (d *Dataplane) SetKeys(keys []Key) error {
+	m := d.Map("keys")
+	slot := func(k Key) uwbpfUwKey {
+		k0, k1 := k.halves()
+		return uwbpfUwKey{K0: k0, K1: k1, Id: uint32(k.ID()), Valid: 1}
+	}
+	second := uwbpfUwKey{}
+	if len(keys) > 1 {
+		second = slot(keys[1])
+	}
+	if err := m.Update(uint32(1), second, ebpf.UpdateAny); err != nil {
+		return err
+	}
+	first := uwbpfUwKey{}
+	if len(keys) > 0 {
+		first = slot(keys[0])
+	}
+	return m.Update(uint32(0), first, ebpf.UpdateAny)
+}
+
+// SetInterfaces records the L2 header length of each managed interface (the
+// tc programs find the IP header with it); others are zeroed.
+func (d *Dataplane) SetInterfaces(l2 map[int]int) error {
+	m := d.Map("ifaces")
+	var errs []error
+	var k uint32
+	var v uint8
+	var stale []uint32
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		if v != 0 {
+			if _, ok := l2[int(k)]; !ok {
+				stale = append(stale, k)
+			}
+		}
+	}
+	for idx, n := range l2 {
+		if idx <= 0 || idx >= int(m.MaxEntries()) || n < 0 || n > 64 {
+			errs = append(errs, fmt.Errorf("interface index %d (L2 header %d) cannot be managed", idx, n))
+			continue
+		}
+		if err := m.Update(uint32(idx), uint8(n+1), ebpf.UpdateAny); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	for _, k := range stale {
+		if err := m.Update(k, uint8(0), ebpf.UpdateAny); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// SetLocalAddrs makes the local-address trie exactly addrs plus the
+// addresses every node answers on (loopback, unspecified).
+func (d *Dataplane) SetLocalAddrs(addrs []netip.Addr) error {
+	want := map[uwbpfUwLpmKey]bool{}
+	for _, p := range []string{"127.0.0.0/8", "::1/128", "0.0.0.0/32", "::/128"} {
+		want[lpmKey(netip.MustParsePrefix(p))] = true
+	}
+	for _, a := range addrs {
+		a = a.Unmap().WithZone("")
+		want[lpmKey(netip.PrefixFrom(a, a.BitLen()))] = true
+	}
+	return syncSet(d.Map("local_addrs"), want)
+}
+
+// SetMembers loads NSS group membership (uid in gid) for the cross-node
+// group rule: the SYN carries only the connector's uid and effective gid.
+func (d *Dataplane) SetMembers(m identity.Membership) error {
+	want := map[uwbpfUwMemberKey]bool{}
+	for uid, gids := range m {
+		for _, g := range gids {
+			want[uwbpfUwMemberKey{Uid: uid, Gid: g}] = true
+		}
+	}
+	return syncSet(d.Map("members"), want)
+}
+
+// Disable stops enforcement without detaching (programs answer "allow").
+func (d *Dataplane) Disable() error {
+	return d.Map("settings").Update(uint32(0), uwbpfUwConfig{}, ebpf.UpdateAny)
+}

@@ -1,0 +1,80 @@
+package userwall
+
+import (
+	"net/http"
+
+	"github.com/cilium/ebpf"
+	"github.com/palisade-hpc/palisade/internal/version"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+var (
+	descBuildInfo = prometheus.NewDesc("palisade_build_info",
+		"Always 1; the labels say which build of Palisade the agent runs.",
+		[]string{"version", "commit", "build_date", "goversion", "cilium_ebpf"}, nil)
+	descDecisions = prometheus.NewDesc("palisade_userwall_decisions_total",
+		"Connection decisions taken in the kernel, by path and rule.", []string{"path", "rule", "verdict"}, nil)
+	descLinks = prometheus.NewDesc("palisade_userwall_programs_attached",
+		"eBPF program attachments (links) in force.", nil, nil)
+	descLSM = prometheus.NewDesc("palisade_userwall_unix_enforced",
+		"1 if abstract Unix sockets are enforced (BPF LSM), else 0.", nil, nil)
+	descEntries = prometheus.NewDesc("palisade_userwall_map_entries",
+		"Entries in the agent's eBPF maps.", []string{"map"}, nil)
+	descEvents = prometheus.NewDesc("palisade_userwall_events_total",
+		"Denial events logged or suppressed by the rate limit.", []string{"outcome"}, nil)
+)
+
+type collector struct{ a *agent }
+
+func (c collector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descBuildInfo, descDecisions, descLinks, descLSM, descEntries, descEvents} {
+		ch <- d
+	}
+}
+
+func countEntries(m *ebpf.Map) float64 {
+	var n float64
+	it := m.Iterate()
+	var k, v []byte
+	for it.Next(&k, &v) {
+		n++
+	}
+	return n
+}
+
+func (c collector) Collect(ch chan<- prometheus.Metric) {
+	v := version.Get()
+	ch <- prometheus.MustNewConstMetric(descBuildInfo, prometheus.GaugeValue, 1, v.Version, v.Commit, v.BuildDate, v.GoVersion, v.EBPF)
+	d := c.a.dp
+	if cs, err := d.ReadCounters(); err == nil {
+		for _, x := range cs {
+			v := "deny"
+			if x.Allowed {
+				v = "allow"
+			}
+			ch <- prometheus.MustNewConstMetric(descDecisions, prometheus.CounterValue, float64(x.Count), x.Path, x.Rule, v)
+		}
+	}
+	ch <- prometheus.MustNewConstMetric(descLinks, prometheus.GaugeValue, float64(len(d.Links())))
+	lsm := 0.0
+	if d.LSMErr == nil {
+		lsm = 1
+	}
+	ch <- prometheus.MustNewConstMetric(descLSM, prometheus.GaugeValue, lsm)
+	for _, m := range []string{"exempt_conn", "exempt_lis", "local_addrs", "cluster_nets", "unenforced_nets", "members"} {
+		ch <- prometheus.MustNewConstMetric(descEntries, prometheus.GaugeValue, countEntries(d.Map(m)), m)
+	}
+	if s := c.a.sink; s != nil {
+		ch <- prometheus.MustNewConstMetric(descEvents, prometheus.CounterValue, float64(s.Logged.Load()), "logged")
+		ch <- prometheus.MustNewConstMetric(descEvents, prometheus.CounterValue, float64(s.Suppressed.Load()), "suppressed")
+	}
+}
+
+func (a *agent) metricsHandler() http.Handler {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collector{a})
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	return mux
+}

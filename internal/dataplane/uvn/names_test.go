@@ -1,0 +1,212 @@
+package uvn
+
+import (
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/palisade-hpc/palisade/internal/policy"
+)
+
+var extremeUIDs = []uint32{256, 1000, 2001, 65535, 65536, 1<<22 - 1, 1 << 22, 1<<24 - 1, 1 << 24, 1<<31 + 7, 1<<32 - 2}
+
+func TestTableIDInjectiveAndClearOfKernelTables(t *testing.T) {
+	seen := map[uint32]uint32{}
+	for _, u := range extremeUIDs {
+		id := TableID(u)
+		if id == 0 || (id >= 253 && id <= 255) {
+			t.Errorf("uid %d -> table %d is a kernel table", u, id)
+		}
+		if o, dup := seen[id]; dup {
+			t.Errorf("uid %d and %d share table %d", u, o, id)
+		}
+		seen[id] = u
+	}
+	// prior art's uid<<16 collides from uid 65536 on: ours must not
+	if TableID(1) == TableID(65537) {
+		t.Fatal("collision")
+	}
+}
+
+func TestVNIAndPortPairUnique(t *testing.T) {
+	type key struct {
+		vni  uint32
+		port uint16
+	}
+	seen := map[key]uint32{}
+	for _, u := range extremeUIDs {
+		k := key{VNI(u), PortOffset(u)}
+		if k.vni >= 1<<24 {
+			t.Errorf("uid %d: VNI %d exceeds 24 bits", u, k.vni)
+		}
+		if o, dup := seen[k]; dup {
+			t.Errorf("uid %d and %d share (VNI, port offset) %v", u, o, k)
+		}
+		seen[k] = u
+	}
+	if VNI(2001) != 2001 || PortOffset(2001) != 0 {
+		t.Error("uids below 2^24 must map to VNI = uid on the base port")
+	}
+	if VNI(1<<24+5) != 5 || PortOffset(1<<24+5) != 1 {
+		t.Error("uid 2^24+5 must be VNI 5 on base port + 1")
+	}
+}
+
+func TestNamesFitIFNAMSIZ(t *testing.T) {
+	seen := map[string]bool{}
+	for _, u := range extremeUIDs {
+		names := []string{VRFName(u)}
+		for i := 0; i < policy.UVNMaxUnderlays; i++ {
+			names = append(names, VXLANName(i, u))
+		}
+		for _, n := range names {
+			if len(n) > ifNameMax {
+				t.Errorf("%q is %d bytes > 15", n, len(n))
+			}
+			if !strings.HasPrefix(n, "pal") || !isUVNDev(n) {
+				t.Errorf("%q is not recognised as a uvn device", n)
+			}
+			if seen[n] {
+				t.Errorf("duplicate name %q", n)
+			}
+			seen[n] = true
+		}
+	}
+	if VXLANName(35, 1<<32-2) != "palzx4294967294" {
+		t.Errorf("got %q", VXLANName(35, 1<<32-2))
+	}
+	// A long NIC name does not enter the name at all.
+	for _, nic := range []string{"enp175s0f0", "ib0", "enx0123456789ab"} {
+		if strings.Contains(VXLANName(0, 12345), nic) {
+			t.Error("NIC name leaked into the VXLAN name")
+		}
+	}
+	for _, n := range []string{"pal-br0", "pal-n1", "palisade0", "palv", "pal0y12", "eth0"} {
+		if isUVNDev(n) {
+			t.Errorf("%q wrongly taken for a uvn device", n)
+		}
+	}
+}
+
+func TestNATAddressesInPool(t *testing.T) {
+	pool := netip.MustParsePrefix("100.64.0.0/10")
+	seen := map[netip.Addr]uint32{}
+	for _, u := range []uint32{1000, 2001, 2002, 1<<22 - 2, 65536} {
+		a := addrInPrefix(pool, uint64(u), true)
+		if !pool.Contains(a) || a == pool.Addr() {
+			t.Errorf("uid %d -> %s outside pool or the base", u, a)
+		}
+		if o, dup := seen[a]; dup {
+			t.Errorf("uid %d and %d share %s", u, o, a)
+		}
+		seen[a] = u
+	}
+	// Above the pool size the address wraps (setup then probes for a free one).
+	if a := addrInPrefix(pool, 1<<32-2, true); !pool.Contains(a) {
+		t.Errorf("wrapped address %s outside the pool", a)
+	}
+	if a := addrInPrefix(netip.MustParsePrefix("100.64.0.0/10"), 2001, true); a.String() != "100.64.7.210" {
+		t.Errorf("uid 2001 -> %s", a)
+	}
+	v6 := netip.MustParsePrefix("2001:2:0:ff::/64")
+	if a := addrInPrefix(v6, 2001, true); a.String() != "2001:2:0:ff::7d2" {
+		t.Errorf("v6 -> %s", a)
+	}
+	g := netip.MustParsePrefix("239.192.0.0/16")
+	if a := GroupFor(g, 2001); a.String() != "239.192.7.209" {
+		t.Errorf("group -> %s", a)
+	}
+	if a := GroupFor(netip.MustParsePrefix("239.1.1.1/32"), 2001); a.String() != "239.1.1.1" {
+		t.Errorf("single group -> %s", a)
+	}
+}
+
+func TestJournalRollbackOrderAndIdempotentUndo(t *testing.T) {
+	dir := t.TempDir()
+	s := store{dir}
+	st := &UserState{UID: 2001}
+	m := &Manager{st: s, cfg: &policy.UVNConfig{StateDir: dir}}
+	for _, n := range []string{"palv2001", "pal0x2001", "pal1x2001"} {
+		if err := m.record(st, Undo{Kind: "link", Name: n}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, ok, err := s.loadUser(2001)
+	if err != nil || !ok || len(got.Undo) != 3 || got.Undo[2].Name != "pal1x2001" {
+		t.Fatalf("journal not persisted step by step: %+v %v %v", got, ok, err)
+	}
+	// Undoing links that were never created is a no-op, not an error:
+	// that is what makes a half-way failure roll back cleanly.
+	if err := m.undoAll(got.Undo); err != nil {
+		t.Fatalf("undo of absent objects: %v", err)
+	}
+	if err := undo(Undo{Kind: "bogus"}); err == nil {
+		t.Fatal("unknown journal record accepted")
+	}
+	uids, _ := s.users()
+	if len(uids) != 1 || uids[0] != 2001 {
+		t.Fatalf("users() = %v", uids)
+	}
+	if err := s.removeUser(2001); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := filepath.Glob(filepath.Join(dir, "*.json")); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestInjectedFailureStep(t *testing.T) {
+	m := &Manager{FailAt: "vxlan"}
+	if err := m.step("vrf"); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.step("vxlan"); err == nil {
+		t.Fatal("no injected failure")
+	}
+}
+
+func TestCheckUID(t *testing.T) {
+	cfg := &policy.UVNConfig{}
+	cfg.SetDefaults()
+	m := &Manager{cfg: cfg}
+	for _, c := range []struct {
+		uid uint32
+		ok  bool
+	}{{0, false}, {999, false}, {1000, true}, {1<<24 - 1, true}, {1 << 24, false}} {
+		if err := m.CheckUID(c.uid); (err == nil) != c.ok {
+			t.Errorf("uid %d: err %v", c.uid, err)
+		}
+	}
+}
+
+func TestHolders(t *testing.T) {
+	st := &UserState{Holders: []Holder{{PID: 1 << 30, Start: 1}}}
+	st.pruneHolders(0)
+	if len(st.Holders) != 0 {
+		t.Fatal("dead holder kept")
+	}
+}
+
+// TestUnderlayProgramsLoad loads the underlay-port programs into the
+// running kernel (verifier included); needs root (CAP_BPF).
+func TestUnderlayProgramsLoad(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root")
+	}
+	for _, sendmsg := range []bool{false, true} {
+		p, err := underlayProgram(sendmsg, []policy.PortRange{{First: 1, Last: 1023}, {First: 6817, Last: 6819}},
+			[]netip.Prefix{netip.MustParsePrefix("198.18.0.0/24"), netip.MustParsePrefix("198.19.0.0/24")},
+			[]netip.Addr{netip.MustParseAddr("198.18.0.1")}, netip.MustParseAddr("100.64.7.210"))
+		if err != nil {
+			t.Fatalf("sendmsg=%v: %v", sendmsg, err)
+		}
+		p.Close()
+	}
+	p, err := vrfProgram(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Close()
+}

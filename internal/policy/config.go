@@ -1,0 +1,582 @@
+package policy
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net/netip"
+	"os"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/BurntSushi/toml"
+
+	"github.com/palisade-hpc/palisade/internal/identity"
+)
+
+// Config is the whole configuration file, decoded and validated. The [policy],
+// [cluster] and [offcluster] tables are combined into Policy; the other tables
+// belong to the data planes that read them.
+type Config struct {
+	// Path is the file the configuration came from.
+	Path string
+	// Default is true when the file did not exist and LoadOrDefault used
+	// the built-in defaults.
+	Default bool
+	// SHA256 is the hex SHA-256 of the file's bytes (what sha256sum prints;
+	// of the empty input for the defaults): the configuration's identity in
+	// status and metrics, equal on nodes that run the same file.
+	SHA256 string
+	// data is the file's text (for the lines of Findings).
+	data []byte
+
+	// Policy is the validated rule set built from Rules, Cluster and OffCluster.
+	Policy *Policy
+	// Nodes is [cluster] nodes, parsed (may be empty).
+	Nodes []Node
+
+	Rules      PolicyConfig     `toml:"policy"`
+	Cluster    ClusterConfig    `toml:"cluster"`
+	OffCluster OffClusterConfig `toml:"offcluster"`
+	Agent      AgentConfig      `toml:"agent"`
+	UVN        UVNConfig        `toml:"uvn"`
+	Egress     EgressConfig     `toml:"egress"`
+}
+
+// PolicyConfig is the [policy] table as written.
+type PolicyConfig struct {
+	// SystemPortMax: ports <= it are system ports, reachable by everyone
+	// (default 1023). Nil when the key is absent.
+	SystemPortMax *int64 `toml:"system_port_max"`
+	// ExemptConnectors and ExemptListeners are user names or uids.
+	ExemptConnectors []Principal `toml:"exempt_connectors"`
+	ExemptListeners  []Principal `toml:"exempt_listeners"`
+}
+
+// ClusterConfig is the [cluster] table as written.
+type ClusterConfig struct {
+	// Subnets are the networks identity is trusted from (CIDR).
+	Subnets []string `toml:"subnets"`
+	// Nodes is an optional static node list, "name=address".
+	Nodes []string `toml:"nodes"`
+	// KeyFile holds the cluster key that seals every identity stamp (root
+	// only, like munge.key; `palisade key generate`). Without it, identity
+	// from other nodes is never trusted.
+	KeyFile string `toml:"key_file"`
+	// UnenforcedNodes are cluster nodes (CIDR) not yet running the agent
+	// during a staged rollout: their traffic, which carries no identity, is
+	// admitted as "unverified" and reported instead of refused.
+	UnenforcedNodes []string `toml:"unenforced_nodes"`
+}
+
+// DefaultKeyFile is where the cluster key is read from.
+const DefaultKeyFile = "/etc/palisade/cluster.key"
+
+// OffClusterConfig is the [offcluster] table as written.
+type OffClusterConfig struct {
+	// AllowPorts are ports ("8443", 8443) or ranges ("9000-9100") above the
+	// system ports that off-cluster sources may reach. Default none.
+	AllowPorts []PortSpec `toml:"allow_ports"`
+}
+
+// Node is one entry of [cluster] nodes.
+type Node struct {
+	Name string
+	Addr netip.Addr
+}
+
+// Principal is a user given as a name or a decimal uid; the config accepts a
+// TOML string or integer and keeps it as text.
+type Principal string
+
+// UnmarshalTOML implements toml.Unmarshaler.
+func (p *Principal) UnmarshalTOML(v any) error {
+	switch v := v.(type) {
+	case string:
+		*p = Principal(v)
+	case int64:
+		*p = Principal(strconv.FormatInt(v, 10))
+	default:
+		return fmt.Errorf("want a user name or uid, got %s", tomlType(v))
+	}
+	return nil
+}
+
+// PortSpec is a port or an inclusive range "first-last", from a TOML string or
+// integer, kept as text until validation.
+type PortSpec string
+
+// UnmarshalTOML implements toml.Unmarshaler.
+func (p *PortSpec) UnmarshalTOML(v any) error {
+	switch v := v.(type) {
+	case string:
+		*p = PortSpec(v)
+	case int64:
+		*p = PortSpec(strconv.FormatInt(v, 10))
+	default:
+		return fmt.Errorf("want a port or \"first-last\" range, got %s", tomlType(v))
+	}
+	return nil
+}
+
+func tomlType(v any) string {
+	switch v.(type) {
+	case string:
+		return "a string"
+	case int64:
+		return "an integer"
+	case float64:
+		return "a float"
+	case bool:
+		return "a boolean"
+	case []any:
+		return "an array"
+	case map[string]any, []map[string]any:
+		return "a table"
+	}
+	return "a date/time"
+}
+
+// KeyError is what a section's Validate returns to blame one key; the loader
+// turns it into a ConfigError with the file, the line and the full key.
+// Key is relative to the section ("metrics_addr"); Value, when set, is the
+// offending array element, used to find its line in a multi-line array.
+type KeyError struct {
+	Key   string
+	Value string
+	Err   error
+}
+
+func (e *KeyError) Error() string { return e.Key + ": " + e.Err.Error() }
+func (e *KeyError) Unwrap() error { return e.Err }
+
+// KeyErrorf builds a KeyError for key with a formatted message.
+func KeyErrorf(key, format string, args ...any) error {
+	return &KeyError{Key: key, Err: fmt.Errorf(format, args...)}
+}
+
+// ConfigError is one problem in a configuration file. Error() reads
+// "file:line: key: message" (line and key omitted when unknown).
+type ConfigError struct {
+	File string
+	Line int
+	Key  string // full dotted key, e.g. "policy.exempt_connectors"
+	Msg  string
+}
+
+func (e *ConfigError) Error() string {
+	var b strings.Builder
+	b.WriteString(e.File)
+	if e.Line > 0 {
+		fmt.Fprintf(&b, ":%d", e.Line)
+	}
+	b.WriteString(": ")
+	if e.Key != "" {
+		b.WriteString(e.Key + ": ")
+	}
+	b.WriteString(e.Msg)
+	return b.String()
+}
+
+// section is what a data plane's table type implements: Validate runs after
+// decoding (also when the table is absent, to check defaults) and returns a
+// *KeyError, or several joined with errors.Join, to name the bad keys.
+type section interface{ Validate() error }
+
+// clusterSection is a section whose validation needs the validated cluster
+// subnets (e.g. addresses that must lie inside or outside the cluster).
+type clusterSection interface {
+	Validate(cluster []netip.Prefix) error
+}
+
+// defaulter is optionally implemented by a section to set defaults before
+// the file's values are decoded over them.
+type defaulter interface{ SetDefaults() }
+
+// sections lists the tables in file order of the documentation. The three
+// policy tables are validated by the loader itself (they need the resolver).
+func (c *Config) sections() []struct {
+	name string
+	v    any
+} {
+	return []struct {
+		name string
+		v    any
+	}{
+		{"policy", &c.Rules}, {"cluster", &c.Cluster}, {"offcluster", &c.OffCluster},
+		{"agent", &c.Agent}, {"uvn", &c.UVN}, {"egress", &c.Egress},
+	}
+}
+
+// Load reads and validates the configuration file at path, resolving user
+// names through the node's NSS (identity.System). A missing file is an error:
+// a typo in --config must not silently mean "default policy".
+func Load(path string) (*Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil, fmt.Errorf("%s: configuration file does not exist", path)
+		}
+		return nil, err
+	}
+	return Parse(path, data, identity.System())
+}
+
+// LoadOrDefault is Load, except that a missing file yields the built-in
+// defaults (Config.Default is set): system ports below 1024 open, root exempt
+// both ways, no cluster subnets (only the node itself is trusted), nothing
+// open to off-cluster sources. It is for daemons that must start on a node
+// not yet configured; the defaults are strict for users and never block
+// system services. Any other error (unreadable or invalid file) is returned.
+func LoadOrDefault(path string) (*Config, error) {
+	c, err := Load(path)
+	if err == nil {
+		return c, nil
+	}
+	if _, serr := os.Stat(path); !errors.Is(serr, fs.ErrNotExist) {
+		return nil, err
+	}
+	c, err = Parse(path, nil, identity.System())
+	if err != nil {
+		return nil, err
+	}
+	c.Default = true
+	return c, nil
+}
+
+// Parse decodes and validates configuration data; name is used in errors
+// (usually the path). res resolves user names (nil: identity.System()).
+// Every problem found is reported (joined), each as a *ConfigError.
+func Parse(name string, data []byte, res identity.Resolver) (cfg *Config, err error) {
+	if res == nil {
+		res = identity.System()
+	}
+	sum := sha256.Sum256(data)
+	c := &Config{Path: name, SHA256: hex.EncodeToString(sum[:]), data: data}
+	loc := newLocator(data)
+	var errs []error
+	fail := func(line int, key, format string, args ...any) {
+		errs = append(errs, &ConfigError{File: name, Line: line, Key: key, Msg: fmt.Sprintf(format, args...)})
+	}
+	// blame turns a section's error into ConfigErrors with lines.
+	var blame func(sec string, err error)
+	blame = func(sec string, err error) {
+		if j, ok := err.(interface{ Unwrap() []error }); ok {
+			for _, e := range j.Unwrap() {
+				blame(sec, e)
+			}
+			return
+		}
+		var ke *KeyError
+		if errors.As(err, &ke) {
+			key := sec + "." + ke.Key
+			fail(loc.line(key, ke.Value), key, "%v", ke.Err)
+			return
+		}
+		fail(loc.line(sec, ""), sec, "%v", err)
+	}
+
+	var raw map[string]toml.Primitive
+	md, err := toml.Decode(string(data), &raw)
+	if err != nil {
+		return nil, decodeError(name, err)
+	}
+	known := map[string]bool{}
+	for _, s := range c.sections() {
+		known[s.name] = true
+		if d, ok := s.v.(defaulter); ok {
+			d.SetDefaults()
+		}
+		p, present := raw[s.name]
+		if !present {
+			continue
+		}
+		if err := md.PrimitiveDecode(p, s.v); err != nil {
+			errs = append(errs, decodeError(name, err))
+		}
+	}
+	// Keys of unknown sections are marked decoded by the Primitive map, so
+	// check the top level by name; Undecoded catches the rest.
+	var unknown []string
+	for k := range raw {
+		if !known[k] {
+			unknown = append(unknown, k)
+		}
+	}
+	slices.SortFunc(unknown, func(a, b string) int { return loc.line(a, "") - loc.line(b, "") })
+	for _, k := range unknown {
+		fail(loc.line(k, ""), k, "unknown section or key (known sections: policy, cluster, offcluster, agent, uvn, egress)")
+	}
+	if len(errs) > 0 {
+		// Values failed to decode: validating the rest would only add noise.
+		return nil, joinByLine(errs)
+	}
+	var reported []tomlKey
+	for _, k := range md.Undecoded() {
+		if !known[k[0]] || slices.ContainsFunc(reported, func(r tomlKey) bool { return hasPrefix(k, r) }) {
+			continue // one error for an unknown table, not one per key in it
+		}
+		reported = append(reported, k)
+		fail(loc.line(k.String(), ""), k.String(), "unknown key")
+	}
+	// Unknown keys do not stop validation: the report lists every problem.
+
+	c.Policy = &Policy{SystemPortMax: 1023}
+	c.buildPolicy(res, func(key, value string, err error) {
+		blame(strings.Split(key, ".")[0], &KeyError{strings.SplitN(key, ".", 2)[1], value, err})
+	})
+	for _, s := range c.sections()[3:] {
+		var err error
+		switch v := s.v.(type) {
+		case clusterSection:
+			err = v.Validate(c.Policy.ClusterSubnets)
+		case section:
+			err = v.Validate()
+		}
+		if err != nil {
+			blame(s.name, err)
+		}
+	}
+	if len(errs) > 0 {
+		return nil, joinByLine(errs)
+	}
+	return c, nil
+}
+
+// buildPolicy validates the three policy tables into c.Policy and c.Nodes,
+// reporting each problem through bad (key is "section.key").
+func (c *Config) buildPolicy(res identity.Resolver, bad func(key, value string, err error)) {
+	p := c.Policy
+	if v := c.Rules.SystemPortMax; v != nil {
+		if *v < 0 || *v > 65535 {
+			bad("policy.system_port_max", "", fmt.Errorf("port %d out of range (0-65535)", *v))
+		} else {
+			p.SystemPortMax = uint16(*v)
+		}
+	}
+	exempt := func(key string, list []Principal) []uint32 {
+		var uids []uint32
+		seen := map[uint32]string{}
+		for _, pr := range list {
+			uid, err := identity.UID(res, string(pr))
+			if err != nil {
+				bad(key, string(pr), err)
+				continue
+			}
+			if prev, dup := seen[uid]; dup {
+				bad(key, string(pr), fmt.Errorf("duplicate: %q is uid %d, already listed as %q", pr, uid, prev))
+				continue
+			}
+			seen[uid] = string(pr)
+			uids = append(uids, uid)
+		}
+		return uids
+	}
+	// Absent lists keep the default (root exempt); an explicit empty list
+	// means no exemptions at all.
+	p.ExemptConnectors, p.ExemptListeners = []uint32{0}, []uint32{0}
+	if c.Rules.ExemptConnectors != nil {
+		p.ExemptConnectors = exempt("policy.exempt_connectors", c.Rules.ExemptConnectors)
+	}
+	if c.Rules.ExemptListeners != nil {
+		p.ExemptListeners = exempt("policy.exempt_listeners", c.Rules.ExemptListeners)
+	}
+
+	for _, s := range c.Cluster.Subnets {
+		pfx, err := parseSubnet(s)
+		if err != nil {
+			bad("cluster.subnets", s, err)
+			continue
+		}
+		if i := slices.Index(p.ClusterSubnets, pfx); i >= 0 {
+			bad("cluster.subnets", s, fmt.Errorf("duplicate subnet %s", pfx))
+			continue
+		}
+		p.ClusterSubnets = append(p.ClusterSubnets, pfx)
+	}
+	names, addrs := map[string]bool{}, map[netip.Addr]string{}
+	for _, s := range c.Cluster.Nodes {
+		n, err := parseNode(s)
+		switch {
+		case err != nil:
+		case names[n.Name]:
+			err = fmt.Errorf("duplicate node name %q", n.Name)
+		case addrs[n.Addr] != "":
+			err = fmt.Errorf("duplicate address %s (also %s)", n.Addr, addrs[n.Addr])
+		case len(p.ClusterSubnets) > 0 && !p.InCluster(n.Addr):
+			err = fmt.Errorf("node %s address %s is outside cluster.subnets", n.Name, n.Addr)
+		}
+		if err != nil {
+			bad("cluster.nodes", s, err)
+			continue
+		}
+		names[n.Name], addrs[n.Addr] = true, n.Name
+		c.Nodes = append(c.Nodes, n)
+	}
+
+	for _, s := range c.Cluster.UnenforcedNodes {
+		pfx, err := parseSubnet(s)
+		if err == nil && len(p.ClusterSubnets) > 0 && !p.InCluster(pfx.Addr()) {
+			err = fmt.Errorf("%s is outside cluster.subnets", pfx)
+		}
+		if err != nil {
+			bad("cluster.unenforced_nodes", s, err)
+			continue
+		}
+		p.UnenforcedNodes = append(p.UnenforcedNodes, pfx)
+	}
+
+	for _, s := range c.OffCluster.AllowPorts {
+		r, err := ParsePortRange(string(s))
+		if err != nil {
+			bad("offcluster.allow_ports", string(s), err)
+			continue
+		}
+		if i := slices.IndexFunc(p.OffClusterPorts, r.Overlaps); i >= 0 {
+			bad("offcluster.allow_ports", string(s), fmt.Errorf("duplicate: %s overlaps %s", r, p.OffClusterPorts[i]))
+			continue
+		}
+		p.OffClusterPorts = append(p.OffClusterPorts, r)
+	}
+}
+
+func parseSubnet(s string) (netip.Prefix, error) {
+	pfx, err := netip.ParsePrefix(strings.TrimSpace(s))
+	if err != nil {
+		return pfx, fmt.Errorf("bad subnet %q: want an address/prefix-length such as 198.18.0.0/24 or 2001:2::/64", s)
+	}
+	if pfx.Addr().Is4In6() {
+		return pfx, fmt.Errorf("bad subnet %q: write IPv4-mapped networks as IPv4", s)
+	}
+	if pfx.Addr().Zone() != "" {
+		return pfx, fmt.Errorf("bad subnet %q: zones are not allowed", s)
+	}
+	if m := pfx.Masked(); m != pfx {
+		return pfx, fmt.Errorf("bad subnet %q: host bits set (did you mean %s?)", s, m)
+	}
+	return pfx, nil
+}
+
+var nodeName = regexp.MustCompile(`^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$`)
+
+func parseNode(s string) (Node, error) {
+	name, addr, ok := strings.Cut(s, "=")
+	name, addr = strings.TrimSpace(name), strings.TrimSpace(addr)
+	if !ok || !nodeName.MatchString(name) {
+		return Node{}, fmt.Errorf("bad node %q: want name=address", s)
+	}
+	a, err := netip.ParseAddr(addr)
+	if err != nil || a.Zone() != "" {
+		return Node{}, fmt.Errorf("bad node %q: %q is not an IP address", s, addr)
+	}
+	return Node{Name: name, Addr: a.Unmap()}, nil
+}
+
+// ParsePortRange parses "8443" or "9000-9100" (ports 1-65535, first <= last).
+func ParsePortRange(s string) (PortRange, error) {
+	first, last, isRange := strings.Cut(strings.TrimSpace(s), "-")
+	a, err := parsePort(first)
+	if err != nil {
+		return PortRange{}, err
+	}
+	b := a
+	if isRange {
+		if b, err = parsePort(last); err != nil {
+			return PortRange{}, err
+		}
+		if b < a {
+			return PortRange{}, fmt.Errorf("inverted range %q: first port above last", s)
+		}
+	}
+	return PortRange{a, b}, nil
+}
+
+func parsePort(s string) (uint16, error) {
+	s = strings.TrimSpace(s)
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("bad port %q: want a number or a first-last range", s)
+	}
+	if n < 1 || n > 65535 {
+		return 0, fmt.Errorf("port %d out of range (1-65535)", n)
+	}
+	return uint16(n), nil
+}
+
+// decodeErrLine matches the plain errors toml returns for type mismatches.
+var decodeErrLine = regexp.MustCompile(`^toml: (?:line (\d+) )?\(last key "([^"]*)"\): (.*)$`)
+
+var (
+	badTypeRe   = regexp.MustCompile(`^incompatible types: TOML value has type (\S+); destination has type (.+)$`)
+	tableTypeRe = regexp.MustCompile(`^type mismatch for \S+: expected table but found (\S+)$`)
+)
+
+// goTypeName names the Go type toml decoded a value to as its TOML kind.
+func goTypeName(t string) string {
+	switch {
+	case t == "string":
+		return "a string"
+	case t == "int64":
+		return "an integer"
+	case t == "float64":
+		return "a float"
+	case t == "bool":
+		return "a boolean"
+	case strings.HasPrefix(t, "[]map"):
+		return "an array of tables"
+	case strings.HasPrefix(t, "[]"):
+		return "an array"
+	case strings.HasPrefix(t, "map"):
+		return "a table"
+	}
+	return "a date/time"
+}
+
+// decodeError rewrites a toml error into our file:line: key: message form.
+func decodeError(file string, err error) error {
+	var pe toml.ParseError
+	if errors.As(err, &pe) {
+		msg := strings.TrimPrefix(pe.Message, "toml: ")
+		return &ConfigError{File: file, Line: pe.Position.Line, Key: pe.LastKey, Msg: msg}
+	}
+	if m := decodeErrLine.FindStringSubmatch(err.Error()); m != nil {
+		line, _ := strconv.Atoi(m[1])
+		msg := m[3]
+		if t := badTypeRe.FindStringSubmatch(msg); t != nil {
+			want := map[string]string{"slice": "an array", "map": "a table", "integer": "an integer",
+				"string": "a string", "float": "a float", "boolean": "a boolean"}[t[2]]
+			if want == "" {
+				want = t[2]
+			}
+			msg = fmt.Sprintf("wrong type: got %s, want %s", goTypeName(t[1]), want)
+		} else if t := tableTypeRe.FindStringSubmatch(msg); t != nil {
+			msg = fmt.Sprintf("wrong type: got %s, want a table", goTypeName(t[1]))
+		}
+		return &ConfigError{File: file, Line: line, Key: m[2], Msg: msg}
+	}
+	return &ConfigError{File: file, Msg: strings.TrimPrefix(err.Error(), "toml: ")}
+}
+
+// tomlKey is a dotted TOML key split into its parts.
+type tomlKey = toml.Key
+
+func hasPrefix(k, prefix tomlKey) bool {
+	return len(k) > len(prefix) && slices.Equal(k[:len(prefix)], prefix)
+}
+
+// joinByLine joins errors in file order, so the report reads top to bottom.
+func joinByLine(errs []error) error {
+	line := func(e error) int {
+		var ce *ConfigError
+		if errors.As(e, &ce) {
+			return ce.Line
+		}
+		return 0
+	}
+	slices.SortStableFunc(errs, func(a, b error) int { return line(a) - line(b) })
+	return errors.Join(errs...)
+}

@@ -1,0 +1,113 @@
+package policy
+
+import (
+	"errors"
+	"net"
+	"path/filepath"
+	"strings"
+	"time"
+)
+
+// AgentConfig is the [agent] table: settings of `palisade agent` (the
+// userwall data plane; the agent also runs the ident service).
+type AgentConfig struct {
+	// Interfaces get the tc programs (cross-node checks). Empty: every
+	// interface but lo (off-cluster traffic is checked wherever it arrives).
+	Interfaces []string `toml:"interfaces"`
+	// MetricsAddress is where Prometheus metrics are served ("" = off).
+	// Keep it local: the metrics name users.
+	MetricsAddress string `toml:"metrics_address"`
+	// EventLog receives one JSON line per denial ("" = off).
+	EventLog string `toml:"event_log"`
+	// Syslog also sends denials to /dev/log (skipped quietly if absent).
+	Syslog bool `toml:"syslog"`
+	// EventRate bounds the denials logged per second; the rest are counted.
+	EventRate int `toml:"event_rate"`
+	// BPFFS is the bpf filesystem the programs are pinned in.
+	BPFFS string `toml:"bpffs"`
+	// PidFile is written once enforcement is in place.
+	PidFile string `toml:"pid_file"`
+	// GroupRefresh is how often group membership is reloaded from NSS.
+	GroupRefresh string `toml:"group_refresh"`
+	// SocketStorage is accepted for compatibility and ignored: since data
+	// plane v2 every socket's owner is always recorded (the check at delivery
+	// needs it).
+	SocketStorage bool `toml:"socket_storage"`
+	// Audit decides and reports every connection but refuses none (a site
+	// measuring what enforcement would refuse). Switched by reload.
+	Audit bool `toml:"audit"`
+	// UnixSockets enforces the rules on abstract Unix sockets (BPF LSM).
+	UnixSockets bool `toml:"unix_sockets"`
+	// IdentPort is the ident service's UDP port (privileged; 0 = off).
+	IdentPort int `toml:"ident_port"`
+	// IdentSocket is the ident service's Unix API socket ("" = off).
+	IdentSocket string `toml:"ident_socket"`
+	// IdentSocketGroup may use the Unix API ("" = root only).
+	IdentSocketGroup string `toml:"ident_socket_group"`
+}
+
+// Agent defaults.
+const (
+	DefaultMetricsAddress = "127.0.0.1:9464"
+	DefaultEventLog       = "/var/log/palisade/userwall-events.jsonl"
+	DefaultAgentPidFile   = "/run/palisade/agent.pid"
+	DefaultIdentSocket    = "/run/palisade/ident.sock"
+)
+
+// SetDefaults fills in defaults before the file's values are decoded.
+func (a *AgentConfig) SetDefaults() {
+	*a = AgentConfig{
+		MetricsAddress: DefaultMetricsAddress,
+		EventLog:       DefaultEventLog,
+		Syslog:         true,
+		EventRate:      20,
+		BPFFS:          "/sys/fs/bpf",
+		PidFile:        DefaultAgentPidFile,
+		GroupRefresh:   "60s",
+		UnixSockets:    true,
+		IdentPort:      99,
+		IdentSocket:    DefaultIdentSocket,
+	}
+}
+
+// GroupRefreshInterval is GroupRefresh parsed (valid after Validate).
+func (a *AgentConfig) GroupRefreshInterval() time.Duration {
+	d, err := time.ParseDuration(a.GroupRefresh)
+	if err != nil || d <= 0 {
+		return time.Minute
+	}
+	return d
+}
+
+// Validate checks the table after decoding.
+func (a *AgentConfig) Validate() error {
+	var errs []error
+	for _, i := range a.Interfaces {
+		if i == "" || len(i) > 15 || strings.ContainsAny(i, "/ \t") {
+			errs = append(errs, &KeyError{Key: "interfaces", Value: i, Err: errors.New("not an interface name")})
+		}
+	}
+	if a.MetricsAddress != "" {
+		if _, _, err := net.SplitHostPort(a.MetricsAddress); err != nil {
+			errs = append(errs, KeyErrorf("metrics_address", "%q: want host:port: %v", a.MetricsAddress, err))
+		}
+	}
+	for key, p := range map[string]string{"event_log": a.EventLog, "pid_file": a.PidFile, "ident_socket": a.IdentSocket} {
+		if p != "" && !filepath.IsAbs(p) {
+			errs = append(errs, KeyErrorf(key, "%q: want an absolute path", p))
+		}
+	}
+	if !filepath.IsAbs(a.BPFFS) {
+		errs = append(errs, KeyErrorf("bpffs", "%q: want an absolute path", a.BPFFS))
+	}
+	if a.EventRate < 0 || a.EventRate > 100000 {
+		errs = append(errs, KeyErrorf("event_rate", "%d: want 0..100000", a.EventRate))
+	}
+	if d, err := time.ParseDuration(a.GroupRefresh); err != nil || d < time.Second {
+		errs = append(errs, KeyErrorf("group_refresh", "%q: want a duration of at least 1s (e.g. \"60s\")", a.GroupRefresh))
+	}
+	if a.IdentPort < 0 || a.IdentPort > 1023 {
+		errs = append(errs, KeyErrorf("ident_port", "%d: want a privileged port 1..1023, or 0 for off", a.IdentPort))
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,297 @@
+package policy
+
+import (
+	"errors"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/palisade-hpc/palisade/internal/identity"
+)
+
+// users is the testbed's account set as a fixture resolver.
+var users = &identity.Table{
+	Users: []identity.User{
+		{Name: "root", UID: 0, GID: 0}, {Name: "slurm", UID: 64030, GID: 64030},
+		{Name: "alice", UID: 2001, GID: 2001}, {Name: "bob", UID: 2002, GID: 2002},
+		{Name: "carol", UID: 2003, GID: 2003}, {Name: "svc", UID: 2004, GID: 2004},
+	},
+	Groups: []identity.Group{
+		{Name: "root", GID: 0}, {Name: "alice", GID: 2001}, {Name: "bob", GID: 2002},
+		{Name: "proj1", GID: 2100, Members: []string{"alice", "bob"}},
+	},
+}
+
+const goodConfig = `# Palisade policy for the test cluster
+[policy]
+system_port_max   = 1023
+exempt_connectors = ["root", "svc"]
+exempt_listeners  = ["root", "slurm", 2004]
+
+[cluster]
+subnets = ["198.18.0.0/24", "198.19.0.0/24", "2001:2::/64", "2001:2:0:1::/64"]
+nodes   = ["node1=198.18.0.1", "node2=198.18.0.2"]
+
+[offcluster]
+allow_ports = ["8443", "9000-9100", 10000]
+
+[agent]
+[uvn]
+[egress]
+`
+
+func TestParseGood(t *testing.T) {
+	c, err := Parse("good.toml", []byte(goodConfig), users)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := c.Policy
+	if p.SystemPortMax != 1023 {
+		t.Errorf("SystemPortMax = %d", p.SystemPortMax)
+	}
+	if !slices.Equal(p.ExemptConnectors, []uint32{0, 2004}) || !slices.Equal(p.ExemptListeners, []uint32{0, 64030, 2004}) {
+		t.Errorf("exempt = %v %v", p.ExemptConnectors, p.ExemptListeners)
+	}
+	if len(p.ClusterSubnets) != 4 || p.ClusterSubnets[3] != netip.MustParsePrefix("2001:2:0:1::/64") {
+		t.Errorf("subnets = %v", p.ClusterSubnets)
+	}
+	if !slices.Equal(p.OffClusterPorts, []PortRange{{8443, 8443}, {9000, 9100}, {10000, 10000}}) {
+		t.Errorf("ports = %v", p.OffClusterPorts)
+	}
+	if len(c.Nodes) != 2 || c.Nodes[1] != (Node{"node2", netip.MustParseAddr("198.18.0.2")}) {
+		t.Errorf("nodes = %v", c.Nodes)
+	}
+	// Describe's output is itself a valid configuration with the same policy.
+	c2, err := Parse("described", []byte(c.Describe(users)), users)
+	if err != nil {
+		t.Fatalf("Describe output does not parse: %v\n%s", err, c.Describe(users))
+	}
+	if !equalPolicy(c.Policy, c2.Policy) || !slices.Equal(c.Nodes, c2.Nodes) {
+		t.Errorf("Describe round trip: %+v != %+v", c2.Policy, c.Policy)
+	}
+}
+
+func equalPolicy(a, b *Policy) bool {
+	return a.SystemPortMax == b.SystemPortMax && slices.Equal(a.ExemptConnectors, b.ExemptConnectors) &&
+		slices.Equal(a.ExemptListeners, b.ExemptListeners) && slices.Equal(a.ClusterSubnets, b.ClusterSubnets) &&
+		slices.Equal(a.OffClusterPorts, b.OffClusterPorts)
+}
+
+func TestParseDefaults(t *testing.T) {
+	for _, data := range []string{"", "# nothing\n", "[policy]\n[cluster]\n[offcluster]\n"} {
+		c, err := Parse("empty.toml", []byte(data), users)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !equalPolicy(c.Policy, Default()) {
+			t.Errorf("%q: policy %+v, want Default() %+v", data, c.Policy, Default())
+		}
+	}
+	// An explicit empty list removes the default root exemption.
+	c, err := Parse("x", []byte("[policy]\nexempt_connectors = []\n"), users)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(c.Policy.ExemptConnectors) != 0 || !slices.Equal(c.Policy.ExemptListeners, []uint32{0}) {
+		t.Errorf("exempt = %v %v", c.Policy.ExemptConnectors, c.Policy.ExemptListeners)
+	}
+}
+
+// TestParseErrors checks that each kind of bad input is refused with the
+// file, the line and the key in the message.
+func TestParseErrors(t *testing.T) {
+	const f = "/etc/palisade/palisade.toml"
+	tests := []struct {
+		name, data string
+		want       []string // each a substring of the error, in order
+	}{
+		{"unknown user", "[policy]\n\n\n\n\n\nexempt_connectors = [\"root\", \"mallory\"]\n",
+			[]string{f + `:7: policy.exempt_connectors: unknown user "mallory"`}},
+		{"unknown user in multi-line array", "[policy]\nexempt_listeners = [\n  \"root\",\n  \"eve\",\n]\n",
+			[]string{f + `:4: policy.exempt_listeners: unknown user "eve"`}},
+		{"duplicate exempt by name and uid", "[policy]\nexempt_connectors = [\"svc\", 2004]\n",
+			[]string{f + `:2: policy.exempt_connectors: duplicate: "2004" is uid 2004, already listed as "svc"`}},
+		{"negative uid", "[policy]\nexempt_listeners = [-1]\n",
+			[]string{f + `:2: policy.exempt_listeners: unknown user "-1"`}},
+		{"uid out of range", "[policy]\nexempt_listeners = [4294967296]\n",
+			[]string{f + `:2: policy.exempt_listeners: id 4294967296 out of range`}},
+		{"wrong element type", "[policy]\nexempt_connectors = [\"root\", 1.5]\n",
+			[]string{f + `:2: policy.exempt_connectors: want a user name or uid, got a float`}},
+		{"unknown key", "[policy]\nsystem_port_max = 1023\nexempt_conectors = [\"root\"]\n",
+			[]string{f + `:3: policy.exempt_conectors: unknown key`}},
+		{"unknown section", "[polcy]\nsystem_port_max = 1\n",
+			[]string{f + `:1: polcy: unknown section`}},
+		{"unknown top-level key", "\nfoo = 1\n",
+			[]string{f + `:2: foo: unknown section`}},
+		{"unknown nested table", "[cluster]\nsubnets = []\n[cluster.extra]\na = 1\n",
+			[]string{f + `:3: cluster.extra: unknown key`}},
+		{"unknown nested table reported once", "[agent.x]\na = 1\nb = 2\n",
+			[]string{f + `:1: agent.x: unknown key`}},
+		{"unknown key in data plane section", "[agent]\nbogus = true\n",
+			[]string{f + `:2: agent.bogus: unknown key`}},
+		{"dotted unknown key", "[uvn]\na.b = 1\n",
+			[]string{f + `:2: uvn.a.b: unknown key`}},
+		{"system port out of range", "[policy]\nsystem_port_max = 65536\n",
+			[]string{f + `:2: policy.system_port_max: port 65536 out of range (0-65535)`}},
+		{"system port negative", "[policy]\nsystem_port_max = -1\n",
+			[]string{f + `:2: policy.system_port_max: port -1 out of range`}},
+		{"system port wrong type", "[policy]\nsystem_port_max = \"1023\"\n",
+			[]string{f + `:2: policy.system_port_max: wrong type: got a string, want an integer`}},
+		{"section wrong type", "policy = 3\n",
+			[]string{f + `:1: policy: wrong type: got an integer, want a table`}},
+		{"subnets wrong type", "[cluster]\nsubnets = \"198.18.0.0/24\"\n",
+			[]string{f + `:2: cluster.subnets: wrong type: got a string, want an array`}},
+		{"bad subnet", "[cluster]\nsubnets = [\"198.18.0.0/33\"]\n",
+			[]string{f + `:2: cluster.subnets: bad subnet "198.18.0.0/33"`}},
+		{"subnet without length", "[cluster]\nsubnets = [\"198.18.0.0\"]\n",
+			[]string{f + `:2: cluster.subnets: bad subnet "198.18.0.0"`}},
+		{"subnet host bits", "[cluster]\nsubnets = [\n\"198.18.0.0/24\",\n\"2001:2::1/64\"]\n",
+			[]string{f + `:4: cluster.subnets: bad subnet "2001:2::1/64": host bits set (did you mean 2001:2::/64?)`}},
+		{"subnet v4-mapped", "[cluster]\nsubnets = [\"::ffff:198.18.0.0/120\"]\n",
+			[]string{f + `:2: cluster.subnets: bad subnet "::ffff:198.18.0.0/120": write IPv4-mapped networks as IPv4`}},
+		{"duplicate subnet", "[cluster]\nsubnets = [\"198.18.0.0/24\", \"198.18.0.0/24\"]\n",
+			[]string{f + `:2: cluster.subnets: duplicate subnet 198.18.0.0/24`}},
+		{"bad node", "[cluster]\nnodes = [\"node1 198.18.0.1\"]\n",
+			[]string{f + `:2: cluster.nodes: bad node "node1 198.18.0.1": want name=address`}},
+		{"bad node address", "[cluster]\nnodes = [\"node1=198.18.0.300\"]\n",
+			[]string{f + `:2: cluster.nodes: bad node "node1=198.18.0.300"`}},
+		{"duplicate node", "[cluster]\nnodes = [\"node1=198.18.0.1\", \"node1=198.18.0.2\"]\n",
+			[]string{f + `:2: cluster.nodes: duplicate node name "node1"`}},
+		{"duplicate node address", "[cluster]\nnodes = [\"node1=198.18.0.1\", \"node2=198.18.0.1\"]\n",
+			[]string{f + `:2: cluster.nodes: duplicate address 198.18.0.1 (also node1)`}},
+		{"node outside cluster", "[cluster]\nsubnets = [\"198.18.0.0/24\"]\nnodes = [\"node1=198.19.0.1\"]\n",
+			[]string{f + `:3: cluster.nodes: node node1 address 198.19.0.1 is outside cluster.subnets`}},
+		{"port out of range", "[offcluster]\nallow_ports = [\"70000\"]\n",
+			[]string{f + `:2: offcluster.allow_ports: port 70000 out of range (1-65535)`}},
+		{"port zero", "[offcluster]\nallow_ports = [0]\n",
+			[]string{f + `:2: offcluster.allow_ports: port 0 out of range`}},
+		{"port not a number", "[offcluster]\nallow_ports = [\"https\"]\n",
+			[]string{f + `:2: offcluster.allow_ports: bad port "https"`}},
+		{"inverted range", "[offcluster]\nallow_ports = [\"9100-9000\"]\n",
+			[]string{f + `:2: offcluster.allow_ports: inverted range "9100-9000"`}},
+		{"overlapping ranges", "[offcluster]\nallow_ports = [\"9000-9100\",\n \"9100\"]\n",
+			[]string{f + `:3: offcluster.allow_ports: duplicate: 9100 overlaps 9000-9100`}},
+		{"port wrong type", "[offcluster]\nallow_ports = [true]\n",
+			[]string{f + `:2: offcluster.allow_ports: want a port or "first-last" range, got a boolean`}},
+		{"syntax error", "[policy]\nsystem_port_max = \n",
+			[]string{f + `:2: policy.system_port_max:`}},
+		{"duplicate key", "[policy]\nsystem_port_max = 1\nsystem_port_max = 2\n",
+			[]string{f + `:3:`, "system_port_max"}},
+		{"several errors, in file order", "[offcluster]\nallow_ports = [\"0\"]\n[policy]\nexempt_connectors = [\"mallory\"]\nextra = 1\n",
+			[]string{f + `:2: offcluster.allow_ports`, f + `:4: policy.exempt_connectors`, f + `:5: policy.extra: unknown key`}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c, err := Parse(f, []byte(tt.data), users)
+			if err == nil {
+				t.Fatalf("no error; policy %+v", c.Policy)
+			}
+			if c != nil {
+				t.Error("a config returned with an error")
+			}
+			msg := err.Error()
+			at := 0
+			for _, w := range tt.want {
+				i := strings.Index(msg[at:], w)
+				if i < 0 {
+					t.Fatalf("error %q\n  does not contain (after offset %d) %q", msg, at, w)
+				}
+				at += i + len(w)
+			}
+			if n := strings.Count(msg, "\n") + 1; n > len(tt.want) {
+				t.Errorf("%d errors reported, want %d: %s", n, len(tt.want), msg)
+			}
+			var ce *ConfigError
+			if !errors.As(err, &ce) || ce.File != f {
+				t.Errorf("not a *ConfigError naming the file: %#v", err)
+			}
+		})
+	}
+}
+
+func TestLoad(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "palisade.toml")
+	if _, err := Load(path); err == nil || !strings.Contains(err.Error(), path+": configuration file does not exist") {
+		t.Errorf("missing file: %v", err)
+	}
+	c, err := LoadOrDefault(path)
+	if err != nil || !c.Default || !equalPolicy(c.Policy, Default()) || c.Path != path {
+		t.Errorf("LoadOrDefault(missing) = %+v, %v", c, err)
+	}
+	if err := os.WriteFile(path, []byte("[policy]\nsystem_port_max = 2047\nexempt_connectors = [0]\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, load := range []func(string) (*Config, error){Load, LoadOrDefault} {
+		c, err := load(path)
+		if err != nil || c.Default || c.Policy.SystemPortMax != 2047 {
+			t.Errorf("load = %+v, %v", c, err)
+		}
+	}
+	if err := os.WriteFile(path, []byte("[policy]\nsystem_port_max = 99999\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// A present but invalid file is never replaced by defaults.
+	if _, err := LoadOrDefault(path); err == nil || !strings.Contains(err.Error(), path+":2: policy.system_port_max") {
+		t.Errorf("LoadOrDefault(invalid) = %v", err)
+	}
+	if _, err := Load(dir); err == nil {
+		t.Error("Load(directory) succeeded")
+	}
+}
+
+// sectionWithKeys stands in for a data plane's table to test the loader's
+// contract with section owners (defaults, strict decoding, KeyError lines).
+func TestKeyErrorLines(t *testing.T) {
+	loc := newLocator([]byte("[agent]\nmetrics = \"x\"\nlist = [\n  \"a\",\n  \"b\", # comment\n]\n[uvn]\n  vni_base = 7 # c\n"))
+	for _, tc := range []struct {
+		key, value string
+		want       int
+	}{
+		{"agent", "", 1}, {"agent.metrics", "", 2}, {"agent.list", "", 3}, {"agent.list", "b", 5},
+		{"agent.list", "zzz", 3}, {"agent.missing", "", 1}, {"uvn.vni_base", "", 8}, {"egress.x", "", 0},
+	} {
+		if got := loc.line(tc.key, tc.value); got != tc.want {
+			t.Errorf("line(%q, %q) = %d, want %d", tc.key, tc.value, got, tc.want)
+		}
+	}
+	e := &ConfigError{File: "f", Line: 3, Key: "agent.x", Msg: "bad"}
+	if e.Error() != "f:3: agent.x: bad" || (&ConfigError{File: "f", Msg: "m"}).Error() != "f: m" {
+		t.Error(e.Error())
+	}
+}
+
+func TestParsePortRange(t *testing.T) {
+	for s, want := range map[string]PortRange{"1": {1, 1}, "65535": {65535, 65535}, " 80 - 90 ": {80, 90}, "5-5": {5, 5}} {
+		if got, err := ParsePortRange(s); err != nil || got != want {
+			t.Errorf("ParsePortRange(%q) = %v, %v", s, got, err)
+		}
+	}
+	for _, s := range []string{"", "-", "1-", "-5", "0", "65536", "5-4", "1-2-3", "a", "1.5"} {
+		if r, err := ParsePortRange(s); err == nil {
+			t.Errorf("ParsePortRange(%q) = %v, want error", s, r)
+		}
+	}
+}
+
+func FuzzParse(f *testing.F) {
+	f.Add([]byte(goodConfig))
+	f.Add([]byte("[policy]\nexempt_connectors = [\"mallory\", 1, -1]\n"))
+	f.Add([]byte("[offcluster]\nallow_ports = [\"9-1\", 0, \"65535\"]\n[x.y]\nz=1"))
+	f.Add([]byte("[cluster]\nnodes = [\"a=::ffff:1.2.3.4\"]\nsubnets = [\"::/0\"]"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		c, err := Parse("fuzz.toml", data, users)
+		if (c == nil) == (err == nil) {
+			t.Fatalf("Parse returned config %v and error %v", c, err)
+		}
+		if err == nil {
+			// A valid config describes itself as a valid config.
+			if _, err := Parse("described", []byte(c.Describe(users)), users); err != nil {
+				t.Fatalf("Describe output invalid: %v\n%s", err, c.Describe(users))
+			}
+		}
+	})
+}

@@ -1,0 +1,182 @@
+package policy
+
+import (
+	"fmt"
+	"net/netip"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/BurntSushi/toml"
+
+	"github.com/palisade-hpc/palisade/internal/identity"
+)
+
+// Explain is ExplainWith without names: uids and gids are printed as numbers.
+func (p *Policy) Explain(c Conn) string { return p.ExplainWith(c, nil) }
+
+// ExplainWith returns one paragraph saying which rule decides c and why, in
+// the terms an administrator configures (for `palisade explain`). res, if not
+// nil, names uids and gids ("alice(2001)"). The verdict is Decide's.
+func (p *Policy) ExplainWith(c Conn, res identity.Resolver) string {
+	v := p.Decide(c)
+	user := func(uid uint32) string { return "uid " + identity.UserName(res, uid) }
+	group := func(gid uint32) string { return "gid " + identity.GroupName(res, gid) }
+	groups := func(id Identity) string {
+		s := "effective " + group(id.GID)
+		if len(id.Groups) > 0 {
+			var g []string
+			for _, x := range id.Groups {
+				g = append(g, identity.GroupName(res, x))
+			}
+			s += ", supplementary " + strings.Join(g, " ")
+		} else {
+			s += ", no supplementary groups"
+		}
+		return s
+	}
+	port := fmt.Sprintf("port %d/%s", c.Port, c.Proto)
+	system := fmt.Sprintf("the system ports (<= %d)", p.SystemPortMax)
+	verdict := "Denied"
+	if v.Allow {
+		verdict = "Allowed"
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "%s by rule %s: ", verdict, v.Rule)
+	switch v.Rule {
+	case RuleSystemPort:
+		fmt.Fprintf(&b, "%s is one of %s, which every user reaches from anywhere; identities are not consulted.", port, system)
+		return b.String()
+	case RuleOffClusterPort, RuleOffClusterDenied:
+		fmt.Fprintf(&b, "the source %s is outside the cluster subnets (%s), so the identity it claims is not trusted", c.Source, p.subnets())
+		if v.Allow {
+			r := p.OffClusterPorts[slices.IndexFunc(p.OffClusterPorts, func(r PortRange) bool { return r.Contains(c.Port) })]
+			fmt.Fprintf(&b, "; %s is opened to off-cluster sources by offcluster.allow_ports (%s).", port, r)
+		} else {
+			fmt.Fprintf(&b, ", and %s is neither one of %s nor in offcluster.allow_ports (%s).", port, system, p.offPorts())
+		}
+		return b.String()
+	case RuleSameUser:
+		fmt.Fprintf(&b, "the connector and the listener are the same user (%s)", user(c.Listener.UID))
+	case RuleSharedGroup:
+		how := "its effective group"
+		if c.Connector.GID != c.Listener.GID {
+			how = "one of its supplementary groups"
+		}
+		fmt.Fprintf(&b, "the listener (%s) runs with %s, which the connector (%s) holds as %s",
+			user(c.Listener.UID), group(c.Listener.GID), user(c.Connector.UID), how)
+	case RuleExemptConnector:
+		fmt.Fprintf(&b, "the connector (%s) is listed in policy.exempt_connectors, so it may reach any listener", user(c.Connector.UID))
+	case RuleExemptListener:
+		fmt.Fprintf(&b, "the listener (%s) is listed in policy.exempt_listeners, so anyone in the cluster may reach it", user(c.Listener.UID))
+	case RuleDenied:
+		fmt.Fprintf(&b, "the connector (%s; %s) is not the listener's user (%s), does not hold the listener's group (%s), neither is exempt, and %s is above %s",
+			user(c.Connector.UID), groups(c.Connector), user(c.Listener.UID), group(c.Listener.GID), port, system)
+	}
+	if v.Rule == RuleDenied {
+		fmt.Fprintf(&b, "; %s.", p.trust(c.Source))
+	} else {
+		fmt.Fprintf(&b, "; %s is above %s and %s.", port, system, p.trust(c.Source))
+	}
+	return b.String()
+}
+
+// trust says why the source's identity is believed.
+func (p *Policy) trust(src netip.Addr) string {
+	switch {
+	case !src.IsValid():
+		return "the connection is local to this node, so both identities are known"
+	case src.Unmap().IsLoopback():
+		return fmt.Sprintf("the source %s is loopback, so both identities are known", src)
+	}
+	for _, s := range p.ClusterSubnets {
+		if s.Contains(src.Unmap()) {
+			return fmt.Sprintf("the source %s is in cluster subnet %s, so its identity is trusted", src, s)
+		}
+	}
+	return fmt.Sprintf("the source %s is trusted", src)
+}
+
+func (p *Policy) subnets() string {
+	if len(p.ClusterSubnets) == 0 {
+		return "none configured"
+	}
+	var s []string
+	for _, n := range p.ClusterSubnets {
+		s = append(s, n.String())
+	}
+	return strings.Join(s, " ")
+}
+
+func (p *Policy) offPorts() string {
+	if len(p.OffClusterPorts) == 0 {
+		return "empty"
+	}
+	var s []string
+	for _, r := range p.OffClusterPorts {
+		s = append(s, r.String())
+	}
+	return strings.Join(s, " ")
+}
+
+// Describe renders the effective configuration as TOML (valid input for Parse),
+// with names resolved in comments when res is not nil. `palisade config
+// check` prints it.
+func (c *Config) Describe(res identity.Resolver) string {
+	p := c.Policy
+	var b strings.Builder
+	if c.Default {
+		fmt.Fprintf(&b, "# %s does not exist: built-in defaults\n", c.Path)
+	} else {
+		fmt.Fprintf(&b, "# effective policy from %s\n", c.Path)
+	}
+	uids := func(list []uint32) string {
+		var ids, names []string
+		for _, u := range list {
+			ids = append(ids, strconv.FormatUint(uint64(u), 10))
+			names = append(names, identity.UserName(res, u))
+		}
+		s := "[" + strings.Join(ids, ", ") + "]"
+		if res != nil && len(list) > 0 {
+			s += "  # " + strings.Join(names, " ")
+		}
+		return s
+	}
+	quoted := func(items []string) string {
+		for i, s := range items {
+			items[i] = strconv.Quote(s)
+		}
+		return "[" + strings.Join(items, ", ") + "]"
+	}
+	fmt.Fprintf(&b, "[policy]\nsystem_port_max   = %d\n", p.SystemPortMax)
+	fmt.Fprintf(&b, "exempt_connectors = %s\n", uids(p.ExemptConnectors))
+	fmt.Fprintf(&b, "exempt_listeners  = %s\n", uids(p.ExemptListeners))
+	var subnets, nodes, ports []string
+	for _, s := range p.ClusterSubnets {
+		subnets = append(subnets, s.String())
+	}
+	for _, n := range c.Nodes {
+		nodes = append(nodes, n.Name+"="+n.Addr.String())
+	}
+	for _, r := range p.OffClusterPorts {
+		ports = append(ports, r.String())
+	}
+	fmt.Fprintf(&b, "\n[cluster]\nsubnets = %s\n", quoted(subnets))
+	if len(subnets) == 0 {
+		b.WriteString("# no cluster subnets: only connections from this node are trusted\n")
+	}
+	if len(nodes) > 0 {
+		fmt.Fprintf(&b, "nodes   = %s\n", quoted(nodes))
+	}
+	fmt.Fprintf(&b, "\n[offcluster]\nallow_ports = %s\n", quoted(ports))
+	// The data planes' tables, defaults filled in, as their owners typed them.
+	for _, s := range c.sections()[3:] {
+		var t strings.Builder
+		if err := toml.NewEncoder(&t).Encode(s.v); err != nil {
+			fmt.Fprintf(&b, "\n# [%s]: cannot render: %v\n", s.name, err)
+			continue
+		}
+		fmt.Fprintf(&b, "\n[%s]\n%s", s.name, t.String())
+	}
+	return b.String()
+}

@@ -1,0 +1,171 @@
+// Package policy is Palisade's policy core: the user-based firewall rules of
+// the MIT LLSC design (reference 001), decided in pure Go so that every data
+// plane, the isolation matrix and `palisade explain` agree on one answer.
+//
+// A connection to a listener is allowed iff the connector's uid equals the
+// listener's; or the listener's effective gid is among the connector's
+// groups; or the destination port is a system port; or the connector is an
+// exempt connector or the listener an exempt listener. Identity is only
+// trusted from the cluster's subnets (and from the node itself); an
+// off-cluster source reaches only system ports and the ports the site opens
+// to it explicitly.
+package policy
+
+import (
+	"net/netip"
+	"slices"
+	"strconv"
+)
+
+// Proto is a transport protocol the policy distinguishes.
+type Proto uint8
+
+const (
+	TCP Proto = 6
+	UDP Proto = 17
+)
+
+func (p Proto) String() string {
+	if p == UDP {
+		return "udp"
+	}
+	return "tcp"
+}
+
+// Identity is what is known of one end of a connection.
+type Identity struct {
+	UID uint32
+	// GID is the effective gid (what newgrp/sg changes).
+	GID uint32
+	// Groups are the supplementary groups (the connector's; ignored for listeners).
+	Groups []uint32
+}
+
+// HasGroup reports whether gid is the effective gid or a supplementary group.
+func (id Identity) HasGroup(gid uint32) bool {
+	return id.GID == gid || slices.Contains(id.Groups, gid)
+}
+
+// Conn is one connection attempt as a data plane sees it.
+type Conn struct {
+	// Source is the connector's address. A zero Source means a local
+	// connection (same node), whose identity is always trusted.
+	Source    netip.Addr
+	Connector Identity
+	Listener  Identity
+	Port      uint16
+	Proto     Proto
+}
+
+// Rule names the rule that decided a verdict.
+type Rule string
+
+const (
+	RuleSameUser         Rule = "same-user"
+	RuleSharedGroup      Rule = "shared-group"
+	RuleSystemPort       Rule = "system-port"
+	RuleExemptConnector  Rule = "exempt-connector"
+	RuleExemptListener   Rule = "exempt-listener"
+	RuleOffClusterPort   Rule = "off-cluster-port"
+	RuleOffClusterDenied Rule = "off-cluster-denied"
+	RuleDenied           Rule = "default-deny"
+)
+
+// Verdict is the decision for one Conn.
+type Verdict struct {
+	Allow bool
+	Rule  Rule
+}
+
+// PortRange is an inclusive range of ports.
+type PortRange struct{ First, Last uint16 }
+
+// Contains reports whether p is in the range.
+func (r PortRange) Contains(p uint16) bool { return p >= r.First && p <= r.Last }
+
+// Overlaps reports whether the two ranges share a port.
+func (r PortRange) Overlaps(o PortRange) bool { return r.First <= o.Last && o.First <= r.Last }
+
+// String renders "8443" or "9000-9100", the config syntax.
+func (r PortRange) String() string {
+	if r.First == r.Last {
+		return strconv.Itoa(int(r.First))
+	}
+	return strconv.Itoa(int(r.First)) + "-" + strconv.Itoa(int(r.Last))
+}
+
+// Policy is a validated policy. Build it with Load or Parse, or by hand in tests.
+type Policy struct {
+	// SystemPortMax is the highest system port: ports <= it are always reachable.
+	SystemPortMax uint16
+	// ExemptConnectors and ExemptListeners are uids.
+	ExemptConnectors []uint32
+	ExemptListeners  []uint32
+	// ClusterSubnets are the networks identity is trusted from.
+	ClusterSubnets []netip.Prefix
+	// OffClusterPorts are the non-system ports off-cluster sources may reach.
+	OffClusterPorts []PortRange
+	// UnenforcedNodes are cluster nodes without the agent yet (staged
+	// rollout): identity-less traffic from them is admitted, and reported.
+	UnenforcedNodes []netip.Prefix
+}
+
+// Default returns the policy used when the configuration says nothing:
+// system ports below 1024, root exempt both ways, no cluster subnets.
+func Default() *Policy {
+	return &Policy{SystemPortMax: 1023, ExemptConnectors: []uint32{0}, ExemptListeners: []uint32{0}}
+}
+
+// InCluster reports whether identity from addr is trusted. Loopback and the
+// zero address (a local connection) are always trusted.
+func (p *Policy) InCluster(addr netip.Addr) bool {
+	if !addr.IsValid() || addr.IsLoopback() {
+		return true
+	}
+	addr = addr.Unmap()
+	for _, s := range p.ClusterSubnets {
+		if s.Contains(addr) {
+			return true
+		}
+	}
+	return false
+}
+
+// Decide applies the rules in a fixed order and reports the first that
+// decides:
+//
+//  1. system-port: Port <= SystemPortMax, for everyone from anywhere (in the
+//     original, ports below 1024 never reach the daemon at all);
+//  2. off-cluster-port / off-cluster-denied: a source outside ClusterSubnets
+//     carries no trusted identity, so only OffClusterPorts decide for it;
+//  3. same-user: connector uid == listener uid;
+//  4. shared-group: the listener's effective gid is one of the connector's
+//     groups (effective or supplementary) — how newgrp/sg shares a listener;
+//  5. exempt-connector, 6. exempt-listener;
+//  7. default-deny.
+//
+// Among 3-6 the order only changes which allowing rule is reported.
+func (p *Policy) Decide(c Conn) Verdict {
+	if c.Port <= p.SystemPortMax {
+		return Verdict{true, RuleSystemPort}
+	}
+	if !p.InCluster(c.Source) {
+		for _, r := range p.OffClusterPorts {
+			if r.Contains(c.Port) {
+				return Verdict{true, RuleOffClusterPort}
+			}
+		}
+		return Verdict{false, RuleOffClusterDenied}
+	}
+	switch {
+	case c.Connector.UID == c.Listener.UID:
+		return Verdict{true, RuleSameUser}
+	case c.Connector.HasGroup(c.Listener.GID):
+		return Verdict{true, RuleSharedGroup}
+	case slices.Contains(p.ExemptConnectors, c.Connector.UID):
+		return Verdict{true, RuleExemptConnector}
+	case slices.Contains(p.ExemptListeners, c.Listener.UID):
+		return Verdict{true, RuleExemptListener}
+	}
+	return Verdict{false, RuleDenied}
+}

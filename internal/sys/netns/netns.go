@@ -1,0 +1,52 @@
+// Package netns runs code inside another network namespace: the one helper
+// for "enter a netns on a locked thread". Namespace membership belongs to an
+// OS thread, so the goroutine is locked to its thread while it is switched;
+// if the thread cannot be switched back it stays locked, and the Go runtime
+// discards it when the goroutine ends instead of running other goroutines
+// in the wrong namespace.
+package netns
+
+import (
+	"fmt"
+	"runtime"
+
+	"github.com/vishvananda/netns"
+)
+
+// Do runs fn with the calling goroutine's thread in the network namespace
+// target. Things that keep the namespace they were created in (sockets,
+// netlink handles) may be used afterwards from any thread.
+func Do(target netns.NsHandle, fn func() error) error {
+	runtime.LockOSThread()
+	cur, err := netns.Get()
+	if err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("current netns: %w", err)
+	}
+	defer cur.Close()
+	if cur.Equal(target) {
+		defer runtime.UnlockOSThread()
+		return fn()
+	}
+	if err := netns.Set(target); err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("enter netns: %w", err)
+	}
+	ferr := fn()
+	if err := netns.Set(cur); err != nil {
+		return fmt.Errorf("return from netns: %w", err) // thread stays locked: discarded
+	}
+	runtime.UnlockOSThread()
+	return ferr
+}
+
+// DoPath is Do with the namespace named by a file (e.g. /run/netns/NAME or
+// /proc/PID/ns/net).
+func DoPath(path string, fn func() error) error {
+	target, err := netns.GetFromPath(path)
+	if err != nil {
+		return fmt.Errorf("netns %s: %w", path, err)
+	}
+	defer target.Close()
+	return Do(target, fn)
+}

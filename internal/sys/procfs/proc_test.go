@@ -1,0 +1,91 @@
+package procfs
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"syscall"
+	"testing"
+	"time"
+)
+
+func TestAliveAndCmdline(t *testing.T) {
+	if !Alive(os.Getpid()) {
+		t.Fatal("this process is not alive")
+	}
+	if s, ok := Read(os.Getpid()); !ok || s.PPID != os.Getppid() {
+		t.Fatalf("Read(self) ppid = %d, %v; want %d", s.PPID, ok, os.Getppid())
+	}
+	// A command name (comm in /proc/PID/stat) with a space and a ')'.
+	bin, err := os.ReadFile("/bin/sleep")
+	if err != nil {
+		t.Fatal(err)
+	}
+	exe := filepath.Join(t.TempDir(), "x) y")
+	if err := os.WriteFile(exe, bin, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{exe, "30"}
+	cmd := exec.Command(exe, "30")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	pid := cmd.Process.Pid
+	defer cmd.Process.Kill()
+	deadline := time.Now().Add(5 * time.Second)
+	for !slices.Equal(Cmdline(pid), want) && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if got := Cmdline(pid); !slices.Equal(got, want) {
+		t.Fatalf("Cmdline = %q", got)
+	}
+	if s, ok := Read(pid); !ok || s.PPID != os.Getpid() || s.Zombie() || s.Comm != "x) y" {
+		t.Fatalf("Read(child) = %+v %v", s, ok)
+	}
+	if !Alive(pid) {
+		t.Fatal("running child not alive")
+	}
+	// Exited but not reaped: a zombie counts as dead.
+	cmd.Process.Signal(syscall.SIGKILL)
+	for {
+		if s, _ := Read(pid); s.State == 'Z' || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if Alive(pid) {
+		t.Fatal("zombie child counted as alive")
+	}
+	cmd.Wait()
+	if Alive(pid) || Cmdline(pid) != nil {
+		t.Fatal("reaped child still seen")
+	}
+	if Alive(0) || Alive(-1) {
+		t.Fatal("pid <= 0 counted as alive")
+	}
+}
+
+func TestDescendantsMemoryStart(t *testing.T) {
+	cmd := exec.Command("sleep", "30")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { cmd.Process.Kill(); cmd.Wait() }()
+	d := Descendants(os.Getpid())
+	if !d[os.Getpid()] || !d[cmd.Process.Pid] || d[os.Getppid()] {
+		t.Fatalf("Descendants(self) = %v (child %d, parent %d)", d, cmd.Process.Pid, os.Getppid())
+	}
+	rss, hwm, ok := Memory(os.Getpid())
+	if !ok || rss == 0 || hwm < rss {
+		t.Fatalf("Memory(self) = %d, %d, %v", rss, hwm, ok)
+	}
+	self, _ := Read(os.Getpid())
+	child, _ := Read(cmd.Process.Pid)
+	if self.Start == 0 || child.Start < self.Start {
+		t.Fatalf("start times: self %d, child %d", self.Start, child.Start)
+	}
+	if _, _, ok := Memory(-1); ok {
+		t.Fatal("Memory(-1) ok")
+	}
+}

@@ -1,0 +1,83 @@
+package bench
+
+import (
+	"math"
+	"strings"
+	"testing"
+)
+
+func TestRatioCI(t *testing.T) {
+	if lo, hi := ratioCI([]float64{1.1}); !math.IsNaN(lo) || !math.IsNaN(hi) {
+		t.Fatalf("one pair must give no interval, got %v–%v", lo, hi)
+	}
+	lo, hi := ratioCI([]float64{1.04, 1.04, 1.04})
+	if math.Abs(lo-1.04) > 1e-9 || math.Abs(hi-1.04) > 1e-9 {
+		t.Fatalf("identical pairs: %v–%v", lo, hi)
+	}
+	// log-ratios ±0.1 around 0, n = 2: mean 0, sd 0.1414, t = 12.706.
+	lo, hi = ratioCI([]float64{math.Exp(0.1), math.Exp(-0.1)})
+	h := 12.706 * 0.1 * math.Sqrt2 / math.Sqrt2
+	if math.Abs(math.Log(hi)-h) > 1e-3 || math.Abs(math.Log(lo)+h) > 1e-3 {
+		t.Fatalf("n=2: %v–%v, want ±%v in log", lo, hi, h)
+	}
+}
+
+func TestCIVerdict(t *testing.T) {
+	f := func(r, lo, hi float64) Figure {
+		return Figure{Series: "s", Ratio: r, CILo: lo, CIHi: hi}
+	}
+	for _, c := range []struct {
+		fs    []Figure
+		upper bool
+		want  string
+	}{
+		{[]Figure{f(1.01, 1.00, 1.03), f(1.02, 1.01, 1.04)}, true, VerdictMet},
+		{[]Figure{f(1.01, 1.00, 1.03), f(1.2, 1.1, 1.3)}, true, VerdictNotMet},
+		{[]Figure{f(1.01, 0.8, 1.3), f(1.02, 1.01, 1.04)}, true, VerdictUnresolved},
+		{[]Figure{f(1.0, math.NaN(), math.NaN())}, true, VerdictUnresolved},
+	} {
+		if got, m := ciVerdict(c.fs, 1.05, c.upper); got != c.want {
+			t.Errorf("%v upper=%v: %s (%s), want %s", c.fs, c.upper, got, m, c.want)
+		}
+	}
+	if v, _ := ciVerdict([]Figure{f(1.0, 0.995, 1.01)}, 0.99, false); v != VerdictMet {
+		t.Errorf("lower limit: %s", v)
+	}
+	if v, _ := ciVerdict([]Figure{f(0.9, 0.85, 0.95)}, 0.99, false); v != VerdictNotMet {
+		t.Errorf("lower limit below: %s", v)
+	}
+}
+
+// TestSingleCopy: on a shared hook every invocation runs every node's
+// copy; the work nodes' early exits are removed using an uninvolved node's
+// copy, per-interface programs are taken as counted.
+func TestSingleCopy(t *testing.T) {
+	c := Cost{Ops: 100, Progs: []ProgCost{
+		// connect: 100 invocations, each runs all three copies; node1's is
+		// the real check (300 ns), node2's and node3's exit (50 ns).
+		{Node: "node1", Work: true, Name: "p_connect", Type: "CGroupSockAddr", RunNS: 100 * 300, RunCnt: 100},
+		{Node: "node2", Work: true, Name: "p_connect", Type: "CGroupSockAddr", RunNS: 100 * 50, RunCnt: 100},
+		{Node: "node3", Work: false, Name: "p_connect", Type: "CGroupSockAddr", RunNS: 100 * 50, RunCnt: 100},
+		// tc: per interface, 4 packets per op on each work node.
+		{Node: "node1", Work: true, Name: "p_tc", Type: "SchedCLS", RunNS: 400 * 100, RunCnt: 400},
+		{Node: "node2", Work: true, Name: "p_tc", Type: "SchedCLS", RunNS: 400 * 120, RunCnt: 400},
+		{Node: "node3", Work: false, Name: "p_tc", Type: "SchedCLS", RunNS: 0, RunCnt: 0},
+	}}
+	got := map[string]progCost{}
+	for _, p := range singleCopy(c) {
+		got[p.name] = p
+	}
+	if p := got["p_connect"]; math.Abs(p.nsOp-300) > 1e-9 || p.runsOp != 1 || !p.shared || p.otherNSOp != 50 {
+		t.Errorf("shared hook: %+v, want 300 ns/op, 1 run/op, other 50", p)
+	}
+	if p := got["p_tc"]; math.Abs(p.nsOp-880) > 1e-9 || p.runsOp != 8 || p.shared {
+		t.Errorf("tc: %+v, want 880 ns/op over 8 runs", p)
+	}
+	u := summarizeCosts([]Cost{c})
+	if math.Abs(u.single.Median-1180) > 1e-9 || math.Abs(u.measured.Median-1230) > 1e-9 || u.other.Median != 50 {
+		t.Errorf("unit: single %v measured %v other %v", u.single.Median, u.measured.Median, u.other.Median)
+	}
+	if !strings.HasPrefix(u.perPacketBy, "p_") {
+		t.Errorf("per-packet hook not found: %+v", u)
+	}
+}

@@ -1,0 +1,249 @@
+package bench
+
+// In-kernel accounting: the run time and run count the kernel keeps for
+// every eBPF program while BPF_ENABLE_STATS is in force, read around each
+// measured unit. Programs are found through the data plane's own processes
+// (every program or link descriptor an agent holds), never by name, so the
+// accounting follows whatever the data plane loads; each program is
+// attributed to the node of the agent that loaded it.
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+)
+
+// ProgCost is one program's run time and run count during one unit.
+type ProgCost struct {
+	Node string `json:"node"` // node of the agent that loaded it
+	// Work: the program belongs to a node the operation ran on (client or
+	// server); the testbed's other nodes' copies are reported apart.
+	Work   bool   `json:"work"`
+	ID     uint32 `json:"id"`
+	Name   string `json:"name"`
+	Type   string `json:"type"`
+	RunNS  uint64 `json:"run_ns"`
+	RunCnt uint64 `json:"run_cnt"`
+}
+
+// ProcCPU is the CPU time (user + system) of one process involved in a unit.
+type ProcCPU struct {
+	Node    string  `json:"node"`
+	Process string  `json:"process"` // "client", "server"
+	CPUNS   float64 `json:"cpu_ns"`
+}
+
+// Cost is the exact accounting of one measured unit (one series and x of
+// one round and variant): the operations it performed, the eBPF run time of
+// the data plane's programs and the CPU time of the processes involved.
+type Cost struct {
+	Mode    string     `json:"mode"`
+	Variant string     `json:"variant"`
+	Round   int        `json:"round"`
+	Bench   string     `json:"bench"`
+	Series  string     `json:"series"`
+	X       float64    `json:"x"`
+	Ops     float64    `json:"ops"`
+	OpUnit  string     `json:"op_unit"` // connection, round trip, datagram, MiB
+	WallSec float64    `json:"wall_seconds"`
+	Progs   []ProgCost `json:"programs,omitempty"`
+	CPU     []ProcCPU  `json:"cpu,omitempty"`
+}
+
+// WorkNS is the eBPF run time on the nodes that did the work (other=false)
+// or on the other nodes (other=true).
+func (c Cost) WorkNS(other bool) float64 {
+	t := 0.0
+	for _, p := range c.Progs {
+		if p.Work != other {
+			t += float64(p.RunNS)
+		}
+	}
+	return t
+}
+
+// CPUNS is the CPU time of the processes involved.
+func (c Cost) CPUNS() float64 {
+	t := 0.0
+	for _, p := range c.CPU {
+		t += p.CPUNS
+	}
+	return t
+}
+
+// bpfStats keeps the kernel's run-time statistics on while it is open.
+// BPF_ENABLE_STATS is preferred (the statistics stop when our descriptor
+// closes, even if we crash); the sysctl is the fallback and is restored.
+type bpfStats struct {
+	fd      io.Closer
+	sysctl  string // previous sysctl value to restore ("" = not touched)
+	Method  string
+	Problem error
+}
+
+const statsSysctl = "/proc/sys/kernel/bpf_stats_enabled"
+
+func enableBPFStats() *bpfStats {
+	s := &bpfStats{}
+	fd, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
+	if err == nil {
+		s.fd, s.Method = fd, "BPF_ENABLE_STATS"
+		return s
+	}
+	prev, rerr := os.ReadFile(statsSysctl)
+	if rerr != nil {
+		s.Problem = fmt.Errorf("BPF_ENABLE_STATS: %v; sysctl: %v", err, rerr)
+		return s
+	}
+	if werr := os.WriteFile(statsSysctl, []byte("1\n"), 0o644); werr != nil {
+		s.Problem = fmt.Errorf("BPF_ENABLE_STATS: %v; sysctl: %v", err, werr)
+		return s
+	}
+	s.sysctl, s.Method = strings.TrimSpace(string(prev)), "kernel.bpf_stats_enabled"
+	return s
+}
+
+func (s *bpfStats) Close() {
+	if s.fd != nil {
+		s.fd.Close()
+	}
+	if s.sysctl != "" {
+		_ = os.WriteFile(statsSysctl, []byte(s.sysctl+"\n"), 0o644)
+	}
+}
+
+// progRef is one program of a data-plane process, held open for a set.
+type progRef struct {
+	node      string
+	id        uint32
+	name, typ string
+	prog      *ebpf.Program
+}
+
+// progIDs lists the eBPF programs a process holds, directly or through a
+// link (both descriptors carry prog_id in their fdinfo).
+func progIDs(pid int) []uint32 {
+	dir := fmt.Sprintf("/proc/%d/fdinfo", pid)
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil
+	}
+	var ids []uint32
+	for _, e := range ents {
+		f, err := os.Open(filepath.Join(dir, e.Name()))
+		if err != nil {
+			continue
+		}
+		sc := bufio.NewScanner(f)
+		for sc.Scan() {
+			if v, ok := strings.CutPrefix(sc.Text(), "prog_id:"); ok {
+				if id, err := strconv.ParseUint(strings.TrimSpace(v), 10, 32); err == nil && id > 0 {
+					ids = append(ids, uint32(id))
+				}
+			}
+		}
+		f.Close()
+	}
+	slices.Sort(ids)
+	return slices.Compact(ids)
+}
+
+// fullName is the program's function name from its BTF (the kernel keeps
+// only 15 characters of the object name).
+func fullName(info *ebpf.ProgramInfo) string {
+	if fis, err := info.FuncInfos(); err == nil {
+		for _, fi := range fis {
+			if fi.Offset == 0 && fi.Func != nil && fi.Func.Name != "" {
+				return fi.Func.Name
+			}
+		}
+	}
+	return info.Name
+}
+
+// progSet is the programs of a mode's processes during one measured set.
+type progSet struct{ refs []*progRef }
+
+// progCounters is a snapshot of every program's run time and count.
+type progCounters map[uint32][2]uint64
+
+// openProgs opens the programs the processes hold.
+func openProgs(procs []Proc) *progSet {
+	ps := &progSet{}
+	seen := map[uint32]bool{}
+	for _, p := range procs {
+		for _, id := range progIDs(p.PID) {
+			if seen[id] {
+				continue
+			}
+			seen[id] = true
+			prog, err := ebpf.NewProgramFromID(ebpf.ProgramID(id))
+			if err != nil {
+				continue // unloaded meanwhile
+			}
+			r := &progRef{node: p.Node, id: id, prog: prog}
+			if info, err := prog.Info(); err == nil {
+				r.name, r.typ = fullName(info), info.Type.String()
+			}
+			ps.refs = append(ps.refs, r)
+		}
+	}
+	return ps
+}
+
+// snap reads every program's counters.
+func (ps *progSet) snap() progCounters {
+	c := progCounters{}
+	if ps == nil {
+		return c
+	}
+	for _, r := range ps.refs {
+		if st, err := r.prog.Stats(); err == nil {
+			c[r.id] = [2]uint64{uint64(st.Runtime), st.RunCount}
+		}
+	}
+	return c
+}
+
+// delta returns what each program did between two snapshots; work names
+// the nodes the operation ran on.
+func (ps *progSet) delta(a, b progCounters, work []string) []ProgCost {
+	if ps == nil {
+		return nil
+	}
+	var out []ProgCost
+	for _, r := range ps.refs {
+		x, okA := a[r.id]
+		y, okB := b[r.id]
+		if !okA || !okB {
+			continue
+		}
+		out = append(out, ProgCost{Node: r.node, Work: slices.Contains(work, r.node), ID: r.id,
+			Name: r.name, Type: r.typ, RunNS: y[0] - x[0], RunCnt: y[1] - x[1]})
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].Node != out[j].Node {
+			return out[i].Node < out[j].Node
+		}
+		return out[i].Name < out[j].Name
+	})
+	return out
+}
+
+func (ps *progSet) close() {
+	if ps == nil {
+		return
+	}
+	for _, r := range ps.refs {
+		r.prog.Close()
+	}
+}

@@ -1,0 +1,140 @@
+package attack
+
+import (
+	"encoding/json"
+	"io"
+	"os"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// SinkSpec is a victim socket: bound, listening, reporting.
+type SinkSpec struct {
+	Sock
+	// Echo answers every nonce ("PALATK <nonce>" back to the sender): the
+	// victim service's replies create whatever reply state the data plane
+	// keeps.
+	Echo bool `json:"echo,omitempty"`
+	// CloseFirst closes a stream right after the echo, so that the
+	// victim's side of the connection ends in TIME_WAIT.
+	CloseFirst bool `json:"close_first,omitempty"`
+}
+
+// SinkLine is one line of sink output: "ready" once bound (with the bound
+// address), then "got" per nonce received.
+type SinkLine struct {
+	Type  string `json:"type"`
+	PID   int    `json:"pid,omitempty"`
+	UID   int    `json:"uid,omitempty"`
+	GID   int    `json:"gid,omitempty"`
+	Addr  string `json:"addr,omitempty"`
+	Nonce string `json:"nonce,omitempty"`
+	From  string `json:"from,omitempty"`
+	Error string `json:"error,omitempty"`
+	Errno string `json:"errno,omitempty"`
+}
+
+// Serve binds spec's socket, prints a ready line (or an error line, and
+// returns the error) and then one line per nonce received until the
+// process ends.
+func Serve(spec SinkSpec, out io.Writer) error {
+	var mu sync.Mutex
+	enc := json.NewEncoder(out)
+	emit := func(l SinkLine) {
+		mu.Lock()
+		enc.Encode(l)
+		mu.Unlock()
+	}
+	fd, err := bindSock(spec.Sock)
+	if err != nil {
+		emit(SinkLine{Type: "error", Error: err.Error(), Errno: Errno(err)})
+		return err
+	}
+	if spec.stream() {
+		if err := unix.Listen(fd, 128); err != nil {
+			emit(SinkLine{Type: "error", Error: at("listen", err).Error(), Errno: Errno(err)})
+			return err
+		}
+	}
+	local, _ := unix.Getsockname(fd)
+	emit(SinkLine{Type: "ready", PID: os.Getpid(), UID: os.Getuid(), GID: os.Getegid(), Addr: sockString(local)})
+	buf := make([]byte, 2048)
+	if !spec.stream() {
+		for {
+			n, from, err := unix.Recvfrom(fd, buf, 0)
+			if err != nil {
+				if err == unix.EINTR {
+					continue
+				}
+				return err
+			}
+			for _, nc := range nonces(buf[:n]) {
+				emit(SinkLine{Type: "got", Nonce: nc, From: sockString(from)})
+				if spec.Echo && from != nil {
+					sendtoFD(fd, Payload(nc), 0, from)
+				}
+			}
+		}
+	}
+	for {
+		cfd, from, err := unix.Accept4(fd, unix.SOCK_CLOEXEC)
+		if err != nil {
+			if err == unix.EINTR || err == unix.ECONNABORTED {
+				continue
+			}
+			return err
+		}
+		go func() {
+			defer unix.Close(cfd)
+			tv := unix.NsecToTimeval(int64(3 * time.Second))
+			unix.SetsockoptTimeval(cfd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
+			var got []byte
+			b := make([]byte, 512)
+			for len(got) < 4096 {
+				n, err := readFD(cfd, b)
+				if n <= 0 || err != nil {
+					break
+				}
+				got = append(got, b[:n]...)
+				if ns := nonces(got); len(ns) > 0 {
+					for _, nc := range ns {
+						emit(SinkLine{Type: "got", Nonce: nc, From: sockString(from)})
+						if spec.Echo {
+							writeFD(cfd, Payload(nc))
+						}
+					}
+					if spec.CloseFirst {
+						return
+					}
+					got = nil
+				}
+			}
+		}()
+	}
+}
+
+// bindSock opens spec's socket and binds it (and joins its groups).
+func bindSock(s Sock) (int, error) {
+	fd, err := s.open()
+	if err != nil {
+		return -1, err
+	}
+	if s.Bind != "" {
+		sa, err := sockaddr(s, s.Bind)
+		if err != nil {
+			unix.Close(fd)
+			return -1, at("bind", err)
+		}
+		if err := unix.Bind(fd, sa); err != nil {
+			unix.Close(fd)
+			return -1, at("bind", err)
+		}
+	}
+	if err := join(fd, s); err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
+	return fd, nil
+}

@@ -1,0 +1,39 @@
+package cli
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strings"
+
+	"github.com/palisade-hpc/palisade/internal/cli"
+	"github.com/palisade-hpc/palisade/lab/check/attack"
+	"github.com/palisade-hpc/palisade/lab/testbed"
+)
+
+// runAttacks is `palisade-lab check --attacks`: the attack suite on a userwall
+// testbed, a line per case and "N passed, M failed" last.
+func runAttacks(ctx context.Context, tb *testbed.Testbed, only string, verbose, quiet bool) error {
+	if tb.Mode != "userwall" {
+		return fmt.Errorf("the attack suite needs a userwall testbed (%s runs mode %q)", tb.Name, tb.Mode)
+	}
+	opts := attack.Options{}
+	if only != "" {
+		opts.Only = strings.Split(only, ",")
+	}
+	if !quiet {
+		opts.Log = func(f string, a ...any) { fmt.Fprintf(os.Stderr, "attacks: "+f+"\n", a...) }
+	}
+	res, err := attack.RunSuite(ctx, tb, opts)
+	if err != nil {
+		return err
+	}
+	_, failed, _ := attack.WriteReport(os.Stdout, res, verbose)
+	if ctx.Err() != nil {
+		return &cli.ExitError{Code: 130, Msg: "interrupted"}
+	}
+	if failed > 0 {
+		return &cli.ExitError{Code: 1, Msg: fmt.Sprintf("%d attack cases failed", failed)}
+	}
+	return nil
+}

@@ -1,0 +1,150 @@
+// Package userwall is the userwall data plane's lab adapter: the testbed mode
+// that runs `palisade agent` on every node, and the behaviour tests that drive
+// it; the data plane itself is internal/dataplane/userwall.
+package userwall
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/lab/testbed"
+)
+
+// TestbedMode is the "userwall" testbed mode: `palisade agent` on every node,
+// started as a site would run it (a daemon in the node's network namespace
+// with the node's configuration, pid file and event log), and uninstalled
+// on down.
+type TestbedMode struct{}
+
+// ModeName is the testbed mode (and check and bench mode) of userwall.
+const ModeName = "userwall"
+
+// Up starts the agents.
+func (TestbedMode) Up(ctx context.Context, tb *testbed.Testbed) error { return StartAgents(ctx, tb) }
+
+// Down stops the agents and removes everything they made.
+func (TestbedMode) Down(ctx context.Context, tb *testbed.Testbed) error { return StopAgents(ctx, tb) }
+
+// nodeCommand runs the palisade binary in a node's network and UTS
+// namespaces but in the caller's mount namespace: `ip netns exec` would give
+// it a fresh sysfs without the host's bpffs and cgroup2 mounts, where pins
+// would be invisible to the next command (restart, uninstall).
+func nodeCommand(ctx context.Context, tb *testbed.Testbed, n testbed.Node, args ...string) *exec.Cmd {
+	argv := append([]string{"--net=/run/netns/" + n.NetNS, "--uts=" + n.UTS, "--", tb.Binary}, args...)
+	argv = append(argv, "--config", tb.ConfigPath(n.Name))
+	cmd := exec.CommandContext(ctx, "nsenter", argv...)
+	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"}
+	return cmd
+}
+
+// AgentPidFile is the node's agent pid file (from its configuration).
+func AgentPidFile(tb *testbed.Testbed, node string) string {
+	if c, err := policy.Load(tb.ConfigPath(node)); err == nil {
+		return c.Agent.PidFile
+	}
+	return filepath.Join(tb.RunDir(), node, "agent.pid")
+}
+
+// StartAgent starts the agent of one node and waits until it enforces.
+func StartAgent(ctx context.Context, tb *testbed.Testbed, n testbed.Node) error {
+	pidFile := AgentPidFile(tb, n.Name)
+	if pid := uw.ReadPid(pidFile); pid != 0 {
+		return nil // already running
+	}
+	if err := os.MkdirAll(filepath.Dir(pidFile), 0o755); err != nil {
+		return err
+	}
+	logPath := filepath.Join(tb.LogDir(), n.Name+"-agent.log")
+	logf, err := os.OpenFile(logPath, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o644)
+	if err != nil {
+		return err
+	}
+	defer logf.Close()
+	// Not tied to ctx: the daemon outlives `testbed up`.
+	cmd := nodeCommand(context.Background(), tb, n, "agent")
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("%s: start agent: %w", n.Name, err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	deadline := time.NewTimer(30 * time.Second)
+	defer deadline.Stop()
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case err := <-exited:
+			return fmt.Errorf("%s: agent exited (%v): %s", n.Name, err, tail(logPath))
+		case <-deadline.C:
+			_ = cmd.Process.Kill()
+			return fmt.Errorf("%s: agent not ready after 30 s: %s", n.Name, tail(logPath))
+		case <-ctx.Done():
+			_ = cmd.Process.Kill()
+			return ctx.Err()
+		case <-tick.C:
+			if uw.ReadPid(pidFile) == cmd.Process.Pid {
+				return nil
+			}
+		}
+	}
+}
+
+func tail(path string) string {
+	b, _ := os.ReadFile(path)
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	if len(lines) > 5 {
+		lines = lines[len(lines)-5:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+// StopAgent stops one node's agent and removes its programs, pins and nft
+// table (`palisade agent --uninstall` in the node).
+func StopAgent(ctx context.Context, tb *testbed.Testbed, n testbed.Node) error {
+	out, err := nodeCommand(ctx, tb, n, "agent", "--uninstall").CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("%s: uninstall: %v: %s", n.Name, err, out)
+	}
+	return nil
+}
+
+func eachNode(tb *testbed.Testbed, f func(testbed.Node) error) error {
+	var wg sync.WaitGroup
+	errs := make([]error, len(tb.Nodes))
+	for i, n := range tb.Nodes {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = f(n)
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// StartAgents starts the agent on every node; on failure the ones started
+// are removed again.
+func StartAgents(ctx context.Context, tb *testbed.Testbed) error {
+	err := eachNode(tb, func(n testbed.Node) error { return StartAgent(ctx, tb, n) })
+	if err != nil {
+		_ = StopAgents(context.Background(), tb)
+	}
+	return err
+}
+
+// StopAgents uninstalls the agent on every node.
+func StopAgents(ctx context.Context, tb *testbed.Testbed) error {
+	return eachNode(tb, func(n testbed.Node) error { return StopAgent(ctx, tb, n) })
+}

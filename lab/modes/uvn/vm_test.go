@@ -1,0 +1,364 @@
+package uvn
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/palisade-hpc/palisade/lab/testbed"
+	"github.com/palisade-hpc/palisade/lab/vm"
+)
+
+// The VM test boots one VM (Debian's 6.1 kernel under qemu, TCG here) with a
+// 3-node uvn testbed inside and proves, with real traffic, what uvn claims.
+// It needs root, qemu and the kernel package (downloaded into the cache on
+// first use); -short skips it. About 4-6 minutes under TCG on 2 cores.
+
+type vmEnv struct {
+	tb  *testbed.Testbed
+	ctx context.Context
+}
+
+// run runs a shell script on node as user and returns its combined output.
+func (e *vmEnv) run(t *testing.T, node, user, script string) string {
+	t.Helper()
+	out, err := e.tb.Command(e.ctx, node, user, "sh", "-c", script).CombinedOutput()
+	if err != nil {
+		t.Logf("%s@%s: %v\n%s", user, node, err, out)
+	}
+	return string(out)
+}
+
+// bg starts a long-running command (a listener) and returns its output
+// buffer; it ends when the test ends.
+type bgProc struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+	cmd *exec.Cmd
+	in  io.WriteCloser
+}
+
+func (p *bgProc) Write(b []byte) (int, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.buf.Write(b)
+}
+func (p *bgProc) String() string { p.mu.Lock(); defer p.mu.Unlock(); return p.buf.String() }
+
+func (e *vmEnv) bg(t *testing.T, node, user, script string) *bgProc {
+	t.Helper()
+	p := &bgProc{}
+	p.cmd = e.tb.Command(e.ctx, node, user, "sh", "-c", script)
+	p.cmd.Stdout, p.cmd.Stderr = p, p
+	in, err := p.cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.in = in
+	if err := p.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		p.in.Close()
+		p.cmd.Process.Kill()
+		p.cmd.Wait()
+	})
+	return p
+}
+
+func TestVM(t *testing.T) {
+	if testing.Short() {
+		t.Skip("boots a VM")
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("needs root")
+	}
+	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
+		t.Skip("qemu-system-x86_64 not installed")
+	}
+	ctx := context.Background()
+	name := fmt.Sprintf("paluv%d", os.Getpid()%10000)
+	t0 := time.Now()
+	tb, err := testbed.Up(ctx, testbed.Options{Name: name, Nodes: 3, Mode: ModeName, VM: true})
+	if err != nil {
+		t.Fatalf("testbed up --vm --mode uvn: %v", err)
+	}
+	t.Logf("VM testbed %s up in %v", name, time.Since(t0).Round(time.Second))
+	t.Cleanup(func() {
+		if err := testbed.Down(context.Background(), name); err != nil {
+			t.Errorf("testbed down: %v", err)
+		}
+		if _, err := os.Stat(vm.Dir(tb)); err == nil {
+			t.Errorf("VM directory %s left behind", vm.Dir(tb))
+		}
+	})
+	e := &vmEnv{tb: tb, ctx: ctx}
+
+	// First, before the test's own listeners take the matrix's ports.
+	t.Run("check-matrix", func(t *testing.T) { checkMatrix(t, ctx, tb) })
+
+	// Listeners: alice on node2 (TCP dual-stack + UDP), root on node3 (a
+	// system service on a node where the connectors have no overlay), and a
+	// host off-subnet that echoes the source address it sees.
+	alice := e.bg(t, "node2", "alice", `exec socat TCP6-LISTEN:29101,ipv6only=0,reuseaddr,fork SYSTEM:'echo alice-node2'`)
+	aliceUDP := e.bg(t, "node2", "alice", `exec socat -u UDP-RECV:29104 -`)
+	e.bg(t, "node3", "", `exec socat TCP-LISTEN:590,reuseaddr,fork SYSTEM:'echo root-node3'`)
+	e.bg(t, "outside", "carol", `exec socat TCP-LISTEN:29102,reuseaddr,fork SYSTEM:'echo outside-saw-$SOCAT_PEERADDR'`)
+	// A Go listener (palisade-lab probe, MPTCP by default since Go 1.24): its
+	// kernel TCP subflow would escape the VRF binding if MPTCP were allowed.
+	e.bg(t, "node2", "alice", "exec "+tb.LabBinary+" probe listen --ports 29103 --exit-on-stdin-eof --lifetime 1h")
+	waitFor(t, e, "node2", "29103")
+	if out := e.run(t, "node2", "", "ss -Htln | grep ':29103 '"); strings.Count(out, "%palv2001:29103") != 2 {
+		t.Errorf("Go (MPTCP-default) listener not bound to alice's VRF:\n%s", out)
+	}
+	waitFor(t, e, "node2", "29101")
+	waitFor(t, e, "node2", "29104")
+	waitFor(t, e, "node3", "590")
+	waitFor(t, e, "outside", "29102")
+	_ = alice
+
+	t.Run("isolation", func(t *testing.T) {
+		// Each probe prints "name: <first line received>". Positive probes
+		// run one after the other (TCG is slow to start processes); negative
+		// ones run in the background (a missing overlay shows as a connect
+		// timeout).
+		probe := func(name, addr string, bg bool) string {
+			p := fmt.Sprintf("echo \"%s: $(timeout 25 socat -t15 - TCP:%s </dev/null 2>&1 | head -1)\"", name, addr)
+			if bg {
+				return "(" + p + ") &\n"
+			}
+			return p + "\n"
+		}
+		script := func(bg map[string]bool, probes ...[2]string) string {
+			var b strings.Builder
+			for _, p := range probes {
+				b.WriteString(probe(p[0], p[1], bg[p[0]]))
+			}
+			return b.String() + "wait\n"
+		}
+		overlay := [][2]string{{"eth0-v4", "198.18.0.2:29101"}, {"ib0-v4", "198.19.0.2:29101"},
+			{"eth0-v6", "[2001:2::2]:29101"}, {"ib0-v6", "[2001:2:0:1::2]:29101"}}
+		common := [][2]string{{"system-node3", "198.18.0.3:590"}, {"outside", "198.18.200.1:29102"},
+			{"sshd-localhost", "127.0.0.1:22"}, {"sshd-v6-localhost", "[::1]:22"}}
+		negative := map[string]bool{"eth0-v4": true, "ib0-v4": true, "eth0-v6": true, "ib0-v6": true,
+			"root-eth0-v4": true, "root-ib0-v6": true}
+		aOut := e.run(t, "node1", "alice", script(nil, append(overlay, common...)...))
+		bOut := e.run(t, "node1", "bob", script(negative, append(overlay, common...)...))
+		rOut := e.run(t, "node1", "", script(negative, [2]string{"root-eth0-v4", "198.18.0.2:29101"}, [2]string{"root-ib0-v6", "[2001:2:0:1::2]:29101"}))
+		lOut := e.run(t, "node2", "", script(nil, [2]string{"root-local", "127.0.0.1:29101"}))
+		oOut := e.run(t, "outside", "", script(nil, [2]string{"outside-in", "198.18.0.2:29101"}))
+		want := func(out, key, sub string, yes bool) {
+			t.Helper()
+			line := ""
+			for _, l := range strings.Split(out, "\n") {
+				if strings.HasPrefix(l, key+":") {
+					line = l
+				}
+			}
+			if line == "" {
+				t.Errorf("%s: no result in\n%s", key, out)
+				return
+			}
+			if strings.Contains(line, sub) != yes {
+				t.Errorf("%s: want contains(%q)=%v, got %q", key, sub, yes, line)
+			}
+		}
+		for _, k := range []string{"eth0-v4", "ib0-v4", "eth0-v6", "ib0-v6"} {
+			want(aOut, k, "alice-node2", true)  // same user across nodes, both underlays, v4+v6
+			want(bOut, k, "alice-node2", false) // another user: VRFs do not meet
+		}
+		want(aOut, "system-node3", "root-node3", true) // system service, no overlay needed
+		want(bOut, "system-node3", "root-node3", true)
+		want(aOut, "outside", "outside-saw-198.18.0.1", true) // off-subnet through SNAT
+		want(aOut, "sshd-localhost", "SSH-2.0", true)
+		want(aOut, "sshd-v6-localhost", "SSH-2.0", true)
+		want(rOut, "root-eth0-v4", "alice-node2", false) // default VRF → user VRF
+		want(rOut, "root-ib0-v6", "alice-node2", false)
+		want(lOut, "root-local", "alice-node2", false)
+		want(oOut, "outside-in", "alice-node2", false) // off-cluster → user listener
+		if t.Failed() {
+			t.Logf("alice:\n%s\nbob:\n%s\nroot:\n%s", aOut, bOut, rOut)
+		}
+	})
+
+	t.Run("injection", func(t *testing.T) {
+		// bob, unprivileged, outside any VRF (a stray process) and the
+		// off-cluster host craft VXLAN frames into alice's VNI on node2.
+		inj := func(tag string) string {
+			return fmt.Sprintf("setpriv --reuid=2002 --regid=2002 --init-groups %s vm inject --to 198.18.0.2:%d --vni 2001 --src 198.18.0.1 --dst 198.18.0.2 --dport 29104 --payload INJ-%s-bob 2>&1",
+				tb.LabBinary, TestbedPortEth, tag)
+		}
+		injOut := func(tag string) string {
+			return fmt.Sprintf("%s vm inject --to 198.18.0.2:%d --vni 2001 --src 198.18.0.1 --dst 198.18.0.2 --dport 29104 --payload INJ-%s-outside 2>&1",
+				tb.LabBinary, TestbedPortEth, tag)
+		}
+		out := e.run(t, "node1", "", inj("guarded"))
+		e.run(t, "outside", "", injOut("guarded"))
+		time.Sleep(3 * time.Second)
+		if strings.Contains(aliceUDP.String(), "INJ-guarded") {
+			t.Errorf("injection through the guard reached alice: %q (sender: %s)", aliceUDP.String(), out)
+		}
+		// Control: the same attack without the guard succeeds, so the test
+		// can fail.
+		for _, n := range []string{"node1", "node2"} {
+			e.run(t, n, "", "nft delete table inet palisade_uvn")
+		}
+		e.run(t, "node1", "", inj("open"))
+		e.run(t, "outside", "", injOut("open"))
+		deadline := time.Now().Add(10 * time.Second)
+		for time.Now().Before(deadline) && !(strings.Contains(aliceUDP.String(), "INJ-open-bob") && strings.Contains(aliceUDP.String(), "INJ-open-outside")) {
+			time.Sleep(200 * time.Millisecond)
+		}
+		if !strings.Contains(aliceUDP.String(), "INJ-open-bob") || !strings.Contains(aliceUDP.String(), "INJ-open-outside") {
+			t.Errorf("control failed: without the guard the injections should reach alice; got %q", aliceUDP.String())
+		}
+		// A setup restores the guard in place.
+		for _, n := range []string{"node1", "node2"} {
+			e.run(t, n, "", tb.Binary+" uvn setup --uid alice >/dev/null")
+			if out := e.run(t, n, "", "nft list table inet palisade_uvn >/dev/null && echo guard-back"); !strings.Contains(out, "guard-back") {
+				t.Errorf("%s: guard not restored: %s", n, out)
+			}
+		}
+		e.run(t, "node1", "", inj("restored"))
+		time.Sleep(2 * time.Second)
+		if strings.Contains(aliceUDP.String(), "INJ-restored") {
+			t.Errorf("injection reached alice after the guard was restored")
+		}
+	})
+
+	t.Run("ssh-pam-and-srun", func(t *testing.T) {
+		// ssh: the session (sshd with UsePAM yes and the pam_exec line) runs
+		// in alice's VRF on node3 and reaches her listener on node2.
+		out := e.run(t, "node1", "alice", `ssh node3 'cat /proc/self/cgroup; timeout 8 socat -t6 - TCP:198.18.0.2:29101 </dev/null'`)
+		if !strings.Contains(out, "pal-uvn-2001-") || !strings.Contains(out, "alice-node2") {
+			t.Errorf("ssh session not in alice's VRF:\n%s", out)
+		}
+		// close_session released the holder: no alice network left on node3.
+		time.Sleep(2 * time.Second)
+		if st := e.run(t, "node3", "", tb.Binary+" uvn status"); strings.Contains(st, "palv2001") {
+			t.Errorf("alice's network on node3 outlived her ssh session:\n%s", st)
+		}
+		// srun from inside alice's VRF (node1) to node2+node3: slurmstepd and
+		// the tasks are moved by the SPANK plugin.
+		out = e.run(t, "node1", "alice", `srun -N2 -w node2,node3 sh -c 'echo "$(hostname) $(cat /proc/self/cgroup) $(timeout 8 socat -t6 - TCP:198.18.0.2:29101 </dev/null)"'`)
+		for _, n := range []string{"node2", "node3"} {
+			ok := false
+			for _, l := range strings.Split(out, "\n") {
+				ok = ok || (strings.HasPrefix(l, n+" ") && strings.Contains(l, "pal-uvn-2001-") && strings.Contains(l, "alice-node2"))
+			}
+			if !ok {
+				t.Errorf("srun task on %s not in alice's VRF or listener unreachable:\n%s", n, out)
+			}
+		}
+	})
+
+	t.Run("rollback", func(t *testing.T) {
+		for _, step := range []string{"vrf-addr", "routes", "vxlan", "complete", "attach"} {
+			out := e.run(t, "node1", "", fmt.Sprintf(`PALISADE_UVN_FAIL_AT=%s %s uvn setup --uid carol --pid $$; echo "rc=$?"; ip -br link | grep -c 2003; ip route show table 2003 | wc -l`, step, tb.Binary))
+			lines := strings.Fields(out)
+			if len(lines) < 2 || strings.Contains(out, "rc=0") || lines[len(lines)-2] != "0" || lines[len(lines)-1] != "0" {
+				t.Errorf("injected failure at %s did not roll back completely:\n%s", step, out)
+			}
+		}
+	})
+
+	t.Run("teardown", func(t *testing.T) {
+		for _, n := range []string{"node1", "node2", "node3"} {
+			out := e.run(t, n, "", tb.Binary+` uvn teardown --all && `+tb.Binary+` uvn leftovers && echo CLEAN; ip rule; sysctl -n net.ipv4.tcp_l3mdev_accept`)
+			if !strings.Contains(out, "CLEAN") || !strings.Contains(out, "0:\tfrom all lookup local") {
+				t.Errorf("%s: objects left after teardown:\n%s", n, out)
+			}
+		}
+	})
+}
+
+// waitFor waits until something listens on port on node.
+func waitFor(t *testing.T, e *vmEnv, node, port string) {
+	t.Helper()
+	deadline := time.Now().Add(90 * time.Second)
+	for time.Now().Before(deadline) {
+		out, _ := e.tb.Command(e.ctx, node, "", "sh", "-c", "ss -Htuln | grep -c ':"+port+" '").Output()
+		if strings.TrimSpace(string(out)) != "0" && len(bytes.TrimSpace(out)) > 0 {
+			return
+		}
+		time.Sleep(time.Second)
+	}
+	t.Fatalf("nothing listens on %s port %s", node, port)
+}
+
+// CheckSubset is the part of the isolation matrix CI runs in the VM (the
+// full matrix: `palisade-lab check --name NAME --mode uvn`, ≈ 10 min under TCG).
+// bob and root connect; bob's own listener, alice's under sg proj1 and
+// root's system port listen. That exercises every rule of the uvn
+// expectation — same user, another user sharing a project group, default
+// VRF to a user, a user to a system service (TCP, and UDP replies outside
+// the VRF), off-cluster to a user, SNAT and no IPv6 NAT out — under every
+// launcher, path, protocol and family.
+var CheckSubset = []string{"--connectors=bob,root", "--listeners=bob,alice+proj1,root"}
+
+// checkMatrix runs the subset through the host's relay, as `palisade-lab check
+// --name NAME --mode uvn` does, and requires every case to match.
+func checkMatrix(t *testing.T, ctx context.Context, tb *testbed.Testbed) {
+	t0 := time.Now()
+	var stdout, stderr bytes.Buffer
+	args := append([]string{"check", "--mode=uvn", "--json"}, CheckSubset...)
+	code, err := vm.RelayCheck(ctx, tb, args, &stdout, &stderr)
+	if err != nil {
+		t.Fatalf("relay: %v\n%s", err, stderr.String())
+	}
+	var rep struct {
+		Passed, Failed int
+		Warnings       []string
+		Cases          []struct {
+			ID, Launcher, Path, Proto, Connector, Listener, Expected, Rule, Observed, Kind, Error string
+			Family                                                                                int
+			Pass                                                                                  bool
+		}
+	}
+	if err := json.Unmarshal(stdout.Bytes(), &rep); err != nil {
+		t.Fatalf("check exited %d, output is not a report: %v\n%s\n%s", code, err, stdout.String(), stderr.String())
+	}
+	t.Logf("check %v: %d passed, %d failed in %v (exit %d); warnings %v", CheckSubset, rep.Passed, rep.Failed,
+		time.Since(t0).Round(time.Second), code, rep.Warnings)
+	if rep.Failed != 0 || code != 0 || rep.Passed != len(rep.Cases) || rep.Passed < 700 {
+		t.Errorf("want all of ≥700 cases passed and exit 0: %d passed, %d failed of %d, exit %d", rep.Passed, rep.Failed, len(rep.Cases), code)
+		n := 0
+		for _, c := range rep.Cases {
+			if !c.Pass && n < 40 {
+				n++
+				t.Logf("%s %s %s→%s %s%d %s: expected %s (%s), observed %s %s %s", c.ID, c.Launcher, c.Connector, c.Listener,
+					c.Proto, c.Family, c.Path, c.Expected, c.Rule, c.Observed, c.Kind, c.Error)
+			}
+		}
+		t.Logf("stderr:\n%s", stderr.String())
+	}
+	// Every launcher ran and saw both outcomes; every rule was exercised.
+	seen := map[string]bool{}
+	for _, c := range rep.Cases {
+		if c.Pass {
+			seen[c.Launcher+"/"+c.Observed] = true
+			seen[c.Rule] = true
+		}
+	}
+	for _, l := range []string{"plain", "ssh", "srun", "sbatch", "mpirun"} {
+		for _, o := range []string{"allowed", "refused"} {
+			if !seen[l+"/"+o] {
+				t.Errorf("no passing %s case observed %s", l, o)
+			}
+		}
+	}
+	for _, r := range []string{"same-user-vrf", "other-user-vrf", "default-vrf-service", "default-vrf-to-user-vrf",
+		"udp-reply-outside-vrf", "off-cluster-to-vrf", "off-subnet-snat", "no-ipv6-nat"} {
+		if !seen[r] {
+			t.Errorf("rule %s not exercised", r)
+		}
+	}
+}

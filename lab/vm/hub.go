@@ -1,0 +1,237 @@
+package vm
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// Files of a running VM in its directory on the host.
+const (
+	fileQemuArgs = "qemu.json"
+	fileQemuPID  = "qemu.pid"
+	fileHubPID   = "hub.pid"
+	fileCtl      = "ctl.sock" // qemu's end of the virtio-serial port
+	fileHub      = "hub.sock" // clients (vm exec, Up, Down)
+	fileConsole  = "console.log"
+	fileHubLog   = "hub.log"
+	fileReady    = "ready.json"
+)
+
+// hub owns qemu and multiplexes client connections onto the serial port.
+type hub struct {
+	dir    string
+	serial *frameWriter
+	mu     sync.Mutex
+	next   uint32
+	conns  map[uint32]*hubClient
+	ready  *Ready
+	readyC chan struct{}
+	log    *os.File
+}
+
+type hubClient struct {
+	c      net.Conn
+	w      *frameWriter
+	exited bool
+}
+
+func (h *hub) logf(format string, args ...any) {
+	fmt.Fprintf(h.log, time.Now().Format("15:04:05.000 ")+format+"\n", args...)
+}
+
+// RunHub is `palisade-lab vm hub --dir DIR`: start qemu with the arguments in
+// DIR/qemu.json, connect to its control port and serve clients on
+// DIR/hub.sock until qemu exits.
+func RunHub(dir string) error {
+	lf, err := os.OpenFile(filepath.Join(dir, fileHubLog), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return err
+	}
+	h := &hub{dir: dir, conns: map[uint32]*hubClient{}, readyC: make(chan struct{}), log: lf, next: 1}
+	b, err := os.ReadFile(filepath.Join(dir, fileQemuArgs))
+	if err != nil {
+		return err
+	}
+	var argv []string
+	if err := json.Unmarshal(b, &argv); err != nil {
+		return err
+	}
+	os.Remove(filepath.Join(dir, fileCtl))
+	os.Remove(filepath.Join(dir, fileHub))
+	ql, err := os.Create(filepath.Join(dir, "qemu.log"))
+	if err != nil {
+		return err
+	}
+	q := exec.Command(argv[0], argv[1:]...)
+	q.Stdout, q.Stderr = ql, ql
+	q.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := q.Start(); err != nil {
+		return fmt.Errorf("start qemu: %w", err)
+	}
+	os.WriteFile(filepath.Join(dir, fileQemuPID), []byte(strconv.Itoa(q.Process.Pid)), 0o644)
+	h.logf("qemu pid %d: %v", q.Process.Pid, argv)
+	qdone := make(chan error, 1)
+	go func() { qdone <- q.Wait() }()
+
+	var sc net.Conn
+	for start := time.Now(); ; {
+		sc, err = net.Dial("unix", filepath.Join(dir, fileCtl))
+		if err == nil {
+			break
+		}
+		select {
+		case err := <-qdone:
+			return fmt.Errorf("qemu exited before its control socket appeared: %v (see %s)", err, filepath.Join(dir, "qemu.log"))
+		case <-time.After(20 * time.Millisecond):
+		}
+		if time.Since(start) > 30*time.Second {
+			q.Process.Kill()
+			return fmt.Errorf("qemu control socket: %w", err)
+		}
+	}
+	h.serial = &frameWriter{w: sc}
+	ln, err := net.Listen("unix", filepath.Join(dir, fileHub))
+	if err != nil {
+		q.Process.Kill()
+		return err
+	}
+	go h.readSerial(sc)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go h.serve(c)
+		}
+	}()
+	err = <-qdone
+	h.logf("qemu exited: %v", err)
+	ln.Close()
+	sc.Close()
+	h.mu.Lock()
+	for _, c := range h.conns {
+		if !c.exited {
+			c.w.write(fStderr, 0, []byte("palisade-lab vm: the VM stopped\n"))
+			c.w.write(fExit, 0, exitPayload(-1))
+		}
+		c.c.Close()
+	}
+	h.mu.Unlock()
+	os.Remove(filepath.Join(dir, fileHub))
+	os.Remove(filepath.Join(dir, fileCtl))
+	return nil
+}
+
+func exitPayload(code int32) []byte {
+	b := make([]byte, 4)
+	binary.BigEndian.PutUint32(b, uint32(code))
+	return b
+}
+
+func (h *hub) readSerial(r io.Reader) {
+	for {
+		f, err := readFrame(r)
+		if err != nil {
+			h.logf("serial: %v", err)
+			return
+		}
+		if f.id == 0 {
+			switch f.typ {
+			case fReady:
+				var rd Ready
+				json.Unmarshal(f.payload, &rd)
+				os.WriteFile(filepath.Join(h.dir, fileReady), f.payload, 0o644)
+				h.mu.Lock()
+				if h.ready == nil {
+					h.ready = &rd
+					close(h.readyC)
+				}
+				h.mu.Unlock()
+				h.logf("guest ready: %s", f.payload)
+			case fLog:
+				h.logf("guest: %s", f.payload)
+			}
+			continue
+		}
+		h.mu.Lock()
+		c := h.conns[f.id]
+		if c != nil && f.typ == fExit {
+			c.exited = true
+		}
+		h.mu.Unlock()
+		if c == nil {
+			continue
+		}
+		if err := c.w.write(f.typ, 0, f.payload); err != nil || f.typ == fExit {
+			c.c.Close()
+		}
+	}
+}
+
+// serve handles one client: its first frame is an Open; op "wait" waits for
+// the guest's Ready without involving the guest.
+func (h *hub) serve(c net.Conn) {
+	defer c.Close()
+	f, err := readFrame(c)
+	if err != nil || f.typ != fOpen {
+		return
+	}
+	w := &frameWriter{w: c}
+	var req Request
+	if err := json.Unmarshal(f.payload, &req); err != nil {
+		return
+	}
+	if req.Op == "wait" {
+		<-h.readyC
+		h.mu.Lock()
+		b, _ := json.Marshal(h.ready)
+		h.mu.Unlock()
+		w.write(fReady, 0, b)
+		return
+	}
+	h.mu.Lock()
+	id := h.next
+	h.next++
+	hc := &hubClient{c: c, w: w}
+	h.conns[id] = hc
+	h.mu.Unlock()
+	defer func() {
+		h.mu.Lock()
+		delete(h.conns, id)
+		exited := hc.exited
+		h.mu.Unlock()
+		if !exited {
+			// The client went away (killed with its context): kill the command.
+			h.serial.write(fKill, id, []byte{byte(syscall.SIGKILL)})
+		}
+	}()
+	if err := h.serial.write(fOpen, id, f.payload); err != nil {
+		return
+	}
+	for {
+		f, err := readFrame(c)
+		if err != nil {
+			return
+		}
+		if f.typ == fStdin || f.typ == fStdinEOF || f.typ == fKill {
+			if err := h.serial.write(f.typ, id, f.payload); err != nil {
+				return
+			}
+		}
+	}
+}
+
+// ErrNoVM is returned when no hub answers in the directory.
+var ErrNoVM = errors.New("no VM is running there")
