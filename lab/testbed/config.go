@@ -122,6 +122,13 @@ func (tb *Testbed) slurmConf() string {
 	w("SrunPortRange", "61000-62999")
 	// Nodes share /tmp; PMIx's per-job directories would collide (pitfall 4).
 	w("TmpFS", d+"/nodetmp/%n")
+	if m, ok := lookupMode(tb.Mode); ok {
+		if c, ok := m.(SlurmConfer); ok {
+			for _, l := range c.SlurmConf(tb) {
+				b.WriteString(l + "\n")
+			}
+		}
+	}
 	for _, n := range tb.Nodes {
 		// Never more than the real machine: a node claiming more is drained.
 		fmt.Fprintf(&b, "NodeName=%s NodeAddr=%s CPUs=2 RealMemory=1000 State=UNKNOWN\n", n.Name, n.Eth0V4)

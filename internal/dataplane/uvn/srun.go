@@ -12,8 +12,8 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
-	"github.com/palisade-hpc/palisade/internal/sys/nldump"
 	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/sys/nldump"
 )
 
 // Slurm's callbacks into users' VRFs (bpf/srun.c): slurmctld, slurmd and a

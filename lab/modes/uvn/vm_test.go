@@ -260,6 +260,8 @@ func TestVM(t *testing.T) {
 		}
 	})
 
+	slurmSuite(t, e)
+
 	t.Run("rollback", func(t *testing.T) {
 		for _, step := range []string{"vrf-addr", "routes", "vxlan", "complete", "attach"} {
 			out := e.run(t, "node1", "", fmt.Sprintf(`PALISADE_UVN_FAIL_AT=%s %s uvn setup --uid carol --pid $$; echo "rc=$?"; ip -br link | grep -c 2003; ip route show table 2003 | wc -l`, step, tb.Binary))
@@ -348,7 +350,7 @@ func checkMatrix(t *testing.T, ctx context.Context, tb *testbed.Testbed) {
 			seen[c.Rule] = true
 		}
 	}
-	for _, l := range []string{"plain", "ssh", "srun", "sbatch", "mpirun"} {
+	for _, l := range []string{"plain", "ssh", "srun", "sbatch", "mpirun", "queued"} {
 		for _, o := range []string{"allowed", "refused"} {
 			if !seen[l+"/"+o] {
 				t.Errorf("no passing %s case observed %s", l, o)

@@ -313,13 +313,14 @@ static int _run_palisade(const char *action, uid_t uid, pid_t pid, pid_t holder,
 	return -1;
 }
 
-/* _oneline turns the helper's output into one line: its "palisade: …" error. */
+/* _oneline turns the helper's output into one line: its error message
+ * (after "palisade: "). */
 static void _oneline(char *s)
 {
 	char *p = strstr(s, "palisade: ");
 
-	if (p && p != s)
-		memmove(s, p, strlen(p) + 1);
+	if (p)
+		memmove(s, p + 10, strlen(p + 10) + 1);
 	for (p = s; *p; p++)
 		if (*p == '\n')
 			*p = ' ';
