@@ -212,6 +212,11 @@ salloc -N2 -w node2,node3 mpirun -np 2 --map-by node hostname | sed 's/^/mpi-sal
 	t.Logf("carol's steps and sessions ran in %v", time.Since(t0).Round(time.Second))
 	// Nothing of carol's is left anywhere: no state (holders), no links, no
 	// routes, no cgroups, no process in a VRF cgroup.
+	// node1 is where the test's own login shells for carol ran (`palisade
+	// uvn login` execs the command and registers no release): prune those
+	// dead holders there first. Steps and sessions ran on node2 and node3
+	// and must have released by themselves.
+	e.run(t, "node1", "", tb.Binary+" uvn release --uid carol")
 	for _, n := range tb.NodeNames() {
 		check := fmt.Sprintf(`%s uvn status | grep '^2003 ' || echo no-state
 echo "links=$(ip -br link | grep -c '2003\b')" "routes=$(ip route show table 2003 | wc -l)$(ip -6 route show table 2003 | wc -l)"
