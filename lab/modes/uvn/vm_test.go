@@ -248,7 +248,7 @@ func TestVM(t *testing.T) {
 		}
 		// srun from inside alice's VRF (node1) to node2+node3: slurmstepd and
 		// the tasks are moved by the SPANK plugin.
-		out = e.run(t, "node1", "alice", `srun -N2 -w node2,node3 sh -c 'echo "$(hostname) $(cat /proc/self/cgroup) $(timeout 8 socat -t6 - TCP:198.18.0.2:29101 </dev/null)"'`)
+		out = e.run(t, "node1", "alice", `srun -N2 -w node2,node3 sh -c 'echo "$(hostname) $(cat /proc/self/cgroup) $(timeout 40 socat -t30 - TCP:198.18.0.2:29101 </dev/null)"'`)
 		for _, n := range []string{"node2", "node3"} {
 			ok := false
 			for _, l := range strings.Split(out, "\n") {
