@@ -184,7 +184,7 @@ func stepsRelease(t *testing.T, e *vmEnv) {
 	for end := time.Now().Add(30 * time.Second); time.Now().Before(end) && !strings.Contains(e.run(t, "node2", "", "test -S /dev/log && echo bound"), "bound"); {
 		time.Sleep(500 * time.Millisecond)
 	}
-	ssh := e.run(t, "node1", "carol", `for i in 1 2 3 4 5; do ssh node2 'echo "session $(grep -o "pal-uvn-2003-[0-9]*" /proc/self/cgroup || echo NOT-IN-VRF)"'; done`)
+	ssh := e.run(t, "node1", "carol", `for i in 1 2 3 4 5; do ssh -o ConnectTimeout=90 node2 'echo "session $(grep -o "pal-uvn-2003-[0-9]*" /proc/self/cgroup || echo NOT-IN-VRF)"'; done`)
 	if strings.Count(ssh, "session pal-uvn-2003-") != 5 {
 		t.Errorf("adopted ssh sessions not in carol's VRF:\n%s", ssh)
 	}
@@ -265,7 +265,7 @@ func brokenConfig(t *testing.T, e *vmEnv) {
 	if hasLine(out, "node3") || !strings.Contains(out, "Palisade: node3:") || !strings.Contains(out, "configuration") || strings.Contains(out, "exit=0") || d == 0 || d > 30*time.Second {
 		t.Errorf("srun: want a failure naming Palisade and the configuration within 30 s, got (%v):\n%s", d, out)
 	}
-	out, d = timed("ssh node3 hostname")
+	out, d = timed("ssh -o ConnectTimeout=90 node3 hostname")
 	t.Logf("ssh with a broken config on node3: %v:\n%s", d, out)
 	if hasLine(out, "node3") || !strings.Contains(out, "Palisade: node3:") || !strings.Contains(out, "configuration") || d == 0 || d > 30*time.Second {
 		t.Errorf("ssh: want a refusal naming Palisade and the configuration within 30 s, got (%v):\n%s", d, out)
