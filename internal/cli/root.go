@@ -25,6 +25,7 @@ func New() *cobra.Command {
 	root.AddCommand(
 		agentCommand(),
 		statusCommand(),
+		doctorCommand(),
 		explainCommand(),
 		whoCommand(),
 		configCommand(),

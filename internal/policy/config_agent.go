@@ -33,6 +33,10 @@ type AgentConfig struct {
 	// plane v2 every socket's owner is always recorded (the check at delivery
 	// needs it).
 	SocketStorage bool `toml:"socket_storage"`
+	// TCAttach is how the tc programs attach: "auto" (tcx links where the
+	// kernel has them, ≥ 6.6; else clsact + cls_bpf), "tcx" or "tc" (refuse
+	// to start without that one).
+	TCAttach string `toml:"tc_attach"`
 	// Audit decides and reports every connection but refuses none (a site
 	// measuring what enforcement would refuse). Switched by reload.
 	Audit bool `toml:"audit"`
@@ -65,6 +69,7 @@ func (a *AgentConfig) SetDefaults() {
 		PidFile:        DefaultAgentPidFile,
 		GroupRefresh:   "60s",
 		UnixSockets:    true,
+		TCAttach:       "auto",
 		IdentPort:      99,
 		IdentSocket:    DefaultIdentSocket,
 	}
@@ -105,6 +110,11 @@ func (a *AgentConfig) Validate() error {
 	}
 	if d, err := time.ParseDuration(a.GroupRefresh); err != nil || d < time.Second {
 		errs = append(errs, KeyErrorf("group_refresh", "%q: want a duration of at least 1s (e.g. \"60s\")", a.GroupRefresh))
+	}
+	switch a.TCAttach {
+	case "auto", "tcx", "tc":
+	default:
+		errs = append(errs, KeyErrorf("tc_attach", "%q: want auto, tcx or tc", a.TCAttach))
 	}
 	if a.IdentPort < 0 || a.IdentPort > 1023 {
 		errs = append(errs, KeyErrorf("ident_port", "%d: want a privileged port 1..1023, or 0 for off", a.IdentPort))

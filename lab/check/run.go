@@ -117,6 +117,13 @@ func Run(ctx context.Context, tb *testbed.Testbed, opts Options) (*Report, error
 		len(m.listeners)*len(m.listenerHosts()), len(m.listenerHosts()))
 	r.startListeners(ctx)
 	defer r.stopListeners()
+	if settle := lookupSettler(opts.Mode); settle != nil {
+		t := time.Now()
+		if err := settle(ctx, tb, m.cases); err != nil {
+			r.warn("the data plane did not settle: %v", err)
+		}
+		r.logf("settled in %v", time.Since(t).Round(time.Millisecond))
+	}
 
 	// Without Slurm first (quick, and the same nodes as Slurm's would
 	// otherwise compete for two cores), then every Slurm and MPI launcher

@@ -64,6 +64,7 @@ func testbedCommand() *cobra.Command {
 	up.Flags().BoolVar(&opts.VM, "vm", false, "run the testbed inside a VM (VRF-capable kernel)")
 	up.Flags().StringVar(&opts.Directory, "directory", "", "where the nodes' accounts come from: \"\" (the host's /etc files) or \"ldap\" (slapd + SSSD per node, no enumeration)")
 	up.Flags().IntVar(&opts.DirectoryUsers, "directory-users", 0, "with --directory ldap: add N synthetic users in N/5 groups (10 memberships each)")
+	up.Flags().StringVar(&opts.Kernel, "kernel", "", "with --vm: the guest's Debian kernel series, 6.1 (default) or 6.12 (`palisade-lab vm kernel --version`)")
 
 	down := &cobra.Command{
 		Use:   "down",

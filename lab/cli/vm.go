@@ -3,6 +3,7 @@ package cli
 import (
 	"net/netip"
 	"os"
+	"strings"
 
 	"github.com/spf13/cobra"
 
@@ -62,12 +63,13 @@ func vmCommand() *cobra.Command {
 	execCmd.Flags().StringVar(&node, "node", "", "node")
 	execCmd.Flags().StringVar(&user, "user", "", "user (default root)")
 	execCmd.Flags().BoolVar(&sh, "sh", false, "run in the guest's root namespaces, not on a node")
+	var series string
 	kernel := &cobra.Command{
-		Use:   "kernel",
+		Use:   "kernel [--version 6.1|6.12]",
 		Short: "Download and prepare the guest kernel into the cache (" + vm.CacheDir() + ")",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			k, err := vm.PrepareKernel(cmd.Context())
+			k, err := vm.PrepareKernel(cmd.Context(), series)
 			if err != nil {
 				return err
 			}
@@ -75,6 +77,7 @@ func vmCommand() *cobra.Command {
 			return nil
 		},
 	}
+	kernel.Flags().StringVar(&series, "version", vm.DefaultKernel, "guest kernel series: "+strings.Join(vm.KernelSeries(), ", "))
 	var to, src, dst, payload string
 	var vni uint32
 	var dport uint16

@@ -262,7 +262,7 @@ key_file = "%[7]s"
 pid_file = "%[5]s/%[1]s/agent.pid"
 ident_socket = "%[5]s/%[1]s/ident.sock"
 event_log = "%[6]s/%[1]s-userwall.jsonl"
-`, n.Name, tb.Name, q(subnets), q(nodes), tb.RunDir(), tb.LogDir(), tb.ClusterKeyPath())
+`, n.Name, tb.Name, q(subnets), q(nodes), tb.RunDir(), tb.LogDir(), tb.ClusterKeyPath()) + tb.directoryPolicy()
 }
 
 // ClusterKeyPath is the testbed's Palisade cluster key (every node's).

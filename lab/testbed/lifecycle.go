@@ -42,6 +42,9 @@ func validate(opts *Options) error {
 			return errors.New("--egress: no egress extension is registered in this binary")
 		}
 	}
+	if opts.Kernel != "" && !opts.VM {
+		return errors.New("--kernel needs --vm (the host runs its own kernel)")
+	}
 	if err := validateDirectory(opts); err != nil {
 		return err
 	}
@@ -118,7 +121,7 @@ func Up(ctx context.Context, opts Options) (*Testbed, error) {
 	if s, err := readState(opts.Name); err == nil {
 		old := build(s)
 		if s.Phase == "up" && old.alive() {
-			if (explicitNodes && opts.Nodes != s.Nodes) || (explicitMode && opts.Mode != old.Mode) || (opts.VM && !s.VM) ||
+			if (explicitNodes && opts.Nodes != s.Nodes) || (explicitMode && opts.Mode != old.Mode) || (opts.VM && !s.VM) || (opts.Kernel != "" && opts.Kernel != s.Kernel) ||
 				(opts.Egress && !slices.Contains(s.Extensions, "egress")) ||
 				(opts.Directory != "" && (opts.Directory != s.Directory || opts.DirectoryUsers != s.DirUsers)) {
 				return nil, fmt.Errorf("testbed %s is already up with %d nodes, mode %s: run `palisade-lab testbed down --name %s` first",
@@ -153,7 +156,7 @@ func Up(ctx context.Context, opts Options) (*Testbed, error) {
 		}
 	}
 
-	s := &state{Name: opts.Name, Nodes: opts.Nodes, Mode: opts.Mode, VM: opts.VM, Phase: "starting",
+	s := &state{Name: opts.Name, Nodes: opts.Nodes, Mode: opts.Mode, VM: opts.VM, Kernel: opts.Kernel, Phase: "starting",
 		Directory: opts.Directory, DirUsers: opts.DirectoryUsers}
 	if opts.Egress {
 		s.Extensions = append(s.Extensions, "egress")

@@ -67,6 +67,9 @@ func (tb *Testbed) Status(ctx context.Context) string {
 	}
 	if tb.VM {
 		b.WriteString(", in a VM")
+		if tb.Kernel != "" {
+			b.WriteString(" (kernel " + tb.Kernel + ")")
+		}
 	}
 	fmt.Fprintf(&b, "\ndir %s  binary %s\n", tb.Dir, tb.Binary)
 	sinfo, serr := tb.Sinfo(ctx)

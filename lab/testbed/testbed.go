@@ -46,6 +46,9 @@ type Options struct {
 	Egress bool
 	// VM delegates the whole instance to the registered VMHandler.
 	VM bool
+	// Kernel is the VM's guest kernel series ("6.1", "6.12"; "" = the
+	// handler's default). Only with VM.
+	Kernel string
 	// Directory is "" (users in the host's /etc files) or "ldap": a real
 	// slapd and an SSSD per node as the nodes' NSS source (directory.go).
 	Directory string
@@ -72,9 +75,10 @@ type Node struct {
 	Eth0V6 netip.Addr
 	IBV4   netip.Addr // zero for the outside host
 	IBV6   netip.Addr // zero for the outside host
-	// SSS is the node's own /var/lib/sss with a directory ("" otherwise),
-	// bound inside the node's mount namespace by enter.
-	SSS string
+	// With a directory, Etc is the node's /etc layer and SSS its own
+	// /var/lib/sss, both mounted by enter in the node's mount namespace
+	// (nodeView); "" otherwise.
+	Etc, SSS string
 }
 
 // Testbed is a running instance.
@@ -89,6 +93,7 @@ type Testbed struct {
 	// Directory is "" or "ldap" (Options.Directory).
 	Directory      string
 	DirectoryUsers int
+	Kernel         string // guest kernel series of a VM testbed
 	Nodes          []Node
 	Outside        Node
 	Router         string // router netns
@@ -225,6 +230,7 @@ type state struct {
 	VM         bool     `json:"vm,omitempty"`
 	Directory  string   `json:"directory,omitempty"`
 	DirUsers   int      `json:"directory_users,omitempty"`
+	Kernel     string   `json:"kernel,omitempty"`
 	// Phase is "starting" until bring-up (mode included) completed, then "up".
 	Phase    string `json:"phase"`
 	MPIHello string `json:"mpi_hello,omitempty"`
@@ -268,6 +274,7 @@ func build(s *state) *Testbed {
 		Mode:       s.Mode,
 		Extensions: s.Extensions,
 		VM:         s.VM,
+		Kernel:     s.Kernel,
 		Router:     s.Name + "-rtr",
 		MPIHello:   s.MPIHello,
 		Directory:  s.Directory,
@@ -288,6 +295,7 @@ func build(s *state) *Testbed {
 			IBV6:   netip.AddrFrom16([16]byte{0x20, 0x01, 0, 2, 0, 0, 0, 1, 15: b}),
 		})
 		if s.Directory != "" {
+			tb.Nodes[i-1].Etc = tb.NodeEtc(tb.Nodes[i-1].Name)
 			tb.Nodes[i-1].SSS = tb.SSSDir(tb.Nodes[i-1].Name)
 		}
 	}

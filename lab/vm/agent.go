@@ -27,6 +27,8 @@ type AgentArgs struct {
 	Nodes int
 	Mode  string
 	Spank string // plugin built on the host
+	// Kernel is the guest kernel series (host side only; "" = DefaultKernel).
+	Kernel string
 	// KernelArgs are extra kernel command-line words (host side only), e.g.
 	// an lsm= list.
 	KernelArgs []string

@@ -47,6 +47,10 @@ func Accel() []string {
 
 var tcgAccel = []string{"-accel", "tcg,thread=multi", "-cpu", "max"}
 
+// LSMList enables the bpf LSM (abstract Unix sockets): Debian's 6.1 has
+// CONFIG_BPF_LSM=y but leaves bpf out of its default list.
+const LSMList = "lsm=lockdown,capability,landlock,yama,apparmor,bpf"
+
 // QemuArgs is the qemu command line for a guest running the agent.
 func QemuArgs(k *Kernel, dir, agentBin string, a AgentArgs, memMB int) []string {
 	cmdline := []string{"console=ttyS0", "panic=-1", "quiet", "loglevel=3",
@@ -74,7 +78,7 @@ func QemuArgs(k *Kernel, dir, agentBin string, a AgentArgs, memMB int) []string 
 // Start boots a VM in dir running the agent (binary bin) and returns once
 // the hub is running; WaitReady then waits for the guest.
 func Start(ctx context.Context, dir, bin string, a AgentArgs) error {
-	k, err := PrepareKernel(ctx)
+	k, err := PrepareKernel(ctx, a.Kernel)
 	if err != nil {
 		return err
 	}
@@ -114,7 +118,8 @@ func Start(ctx context.Context, dir, bin string, a AgentArgs) error {
 // Up boots the VM and waits for the guest's testbed.
 func (Handler) Up(ctx context.Context, tb *testbed.Testbed, opts testbed.Options) error {
 	dir := Dir(tb)
-	a := AgentArgs{Name: tb.Name, Nodes: len(tb.Nodes), Mode: tb.Mode}
+	a := AgentArgs{Name: tb.Name, Nodes: len(tb.Nodes), Mode: tb.Mode, Kernel: opts.Kernel,
+		KernelArgs: []string{LSMList}}
 	if a.Nodes == 0 {
 		a.Nodes = opts.Nodes
 	}

@@ -19,7 +19,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sort"
 	"strings"
+	"syscall"
 )
 
 // CacheDir holds downloaded packages and the prepared kernel; override with
@@ -61,20 +63,98 @@ func run(ctx context.Context, dir string, name string, args ...string) error {
 	return nil
 }
 
-// kernelPackage resolves the ABI-specific package behind linux-image-amd64.
-func kernelPackage(ctx context.Context) (string, error) {
-	if p := os.Getenv("PALISADE_VM_KERNEL_PKG"); p != "" {
+// DefaultKernel is the guest kernel series when none is asked for: Debian
+// 12's own.
+const DefaultKernel = "6.1"
+
+// Kernels are the series `--kernel` accepts, each with the Debian package
+// whose dependency is the ABI-specific image: 6.1 is bookworm's
+// linux-image-amd64, 6.12 its backport linux-image-6.12-amd64 (RHEL 10 and
+// Debian 13 run 6.12).
+var Kernels = map[string]string{
+	"6.1":  "linux-image-amd64",
+	"6.12": "linux-image-6.12-amd64",
+	// Below userwall's floor: proves the agent refuses cleanly there.
+	// Debian 11's kernel, from bullseye-security (foreignSuites).
+	"5.10": "linux-image-amd64",
+}
+
+// foreignSuites are series from another Debian release: apt reads them
+// from a private sources list and package lists under the cache, never
+// from (or into) the host's apt configuration.
+var foreignSuites = map[string]string{
+	"5.10": "deb http://deb.debian.org/debian-security bullseye-security main",
+}
+
+// aptOpts are the apt options for series (none for the host's own suites).
+func aptOpts(ctx context.Context, series string) ([]string, error) {
+	line, ok := foreignSuites[series]
+	if !ok {
+		return nil, nil
+	}
+	dir := filepath.Join(CacheDir(), "apt-"+series)
+	if err := os.MkdirAll(filepath.Join(dir, "lists", "partial"), 0o755); err != nil {
+		return nil, err
+	}
+	if err := os.WriteFile(filepath.Join(dir, "sources.list"), []byte(line+"\n"), 0o644); err != nil {
+		return nil, err
+	}
+	opts := []string{"-o", "Dir::Etc::SourceList=" + filepath.Join(dir, "sources.list"), "-o", "Dir::Etc::SourceParts=/dev/null",
+		"-o", "Dir::State::Lists=" + filepath.Join(dir, "lists")}
+	if m, _ := filepath.Glob(filepath.Join(dir, "lists", "*_Packages*")); len(m) == 0 {
+		if err := run(ctx, "/", "apt-get", append(append([]string{}, opts...), "update", "-qq")...); err != nil {
+			return nil, err
+		}
+	}
+	return opts, nil
+}
+
+// readyStamp marks a prepared kernel directory (v3: the init script mounts
+// securityfs, 6.12 support).
+const readyStamp = ".ready-v3"
+
+// seriesOf is "6.1" for "6.1.0-56-amd64", "6.12" for "6.12.117+deb12-amd64".
+func seriesOf(kver string) string {
+	f := strings.SplitN(kver, ".", 3)
+	if len(f) < 3 {
+		return kver
+	}
+	return f[0] + "." + f[1]
+}
+
+// Prepared reports whether a kernel of series is ready in the cache (tests
+// skip without one rather than download 100 MB).
+func Prepared(series string) bool {
+	if series == "" {
+		series = DefaultKernel
+	}
+	m, _ := filepath.Glob(filepath.Join(CacheDir(), series+".*", readyStamp))
+	return len(m) > 0
+}
+
+// kernelPackage resolves the ABI-specific package of a kernel series (the
+// dependency of its meta package).
+func kernelPackage(ctx context.Context, series string) (string, error) {
+	if p := os.Getenv("PALISADE_VM_KERNEL_PKG"); p != "" && series == DefaultKernel {
 		return p, nil
 	}
+	meta, ok := Kernels[series]
+	if !ok {
+		return "", fmt.Errorf("unknown guest kernel %q: want one of %s", series, strings.Join(KernelSeries(), ", "))
+	}
+	opts, err := aptOpts(ctx, series)
+	if err != nil {
+		return "", err
+	}
 	depends := func() string {
-		out, err := exec.CommandContext(ctx, "apt-cache", "depends", "linux-image-amd64").Output()
+		out, err := exec.CommandContext(ctx, "apt-cache", append(append([]string{}, opts...), "depends", meta)...).Output()
 		if err != nil {
 			return ""
 		}
 		sc := bufio.NewScanner(bytes.NewReader(out))
 		for sc.Scan() {
 			f := strings.Fields(sc.Text())
-			if len(f) == 2 && f[0] == "Depends:" && strings.HasPrefix(f[1], "linux-image-") {
+			if len(f) == 2 && f[0] == "Depends:" && strings.HasPrefix(f[1], "linux-image-") && seriesOf(strings.TrimPrefix(f[1], "linux-image-")) == series {
 				return f[1]
 			}
 		}
@@ -85,10 +165,10 @@ func kernelPackage(ctx context.Context) (string, error) {
 	}
 	// No package lists: use a kernel already prepared or downloaded, else
 	// fetch the lists once.
-	if m, _ := filepath.Glob(filepath.Join(CacheDir(), "*", ".ready-v2")); len(m) > 0 {
+	if m, _ := filepath.Glob(filepath.Join(CacheDir(), series+".*", readyStamp)); len(m) > 0 {
 		return "linux-image-" + filepath.Base(filepath.Dir(m[len(m)-1])), nil
 	}
-	if m, _ := filepath.Glob(filepath.Join(CacheDir(), "linux-image-6.*-amd64_*.deb")); len(m) > 0 {
+	if m, _ := filepath.Glob(filepath.Join(CacheDir(), "linux-image-"+series+".*-amd64_*.deb")); len(m) > 0 {
 		return strings.SplitN(filepath.Base(m[len(m)-1]), "_", 2)[0], nil
 	}
 	if err := run(ctx, "/", "apt-get", "update", "-qq"); err == nil {
@@ -96,17 +176,31 @@ func kernelPackage(ctx context.Context) (string, error) {
 			return p, nil
 		}
 	}
-	return "", errors.New("cannot resolve the kernel package: `apt-cache depends linux-image-amd64` found nothing (run apt-get update)")
+	return "", fmt.Errorf("cannot resolve the kernel package: `apt-cache depends %s` found nothing (run apt-get update)", meta)
+}
+
+// KernelSeries lists the accepted --kernel values.
+func KernelSeries() []string {
+	out := make([]string, 0, len(Kernels))
+	for k := range Kernels {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out
 }
 
 // PrepareKernel downloads (apt-get download, never install) and prepares the
-// guest kernel once; later calls reuse the cache.
-func PrepareKernel(ctx context.Context) (*Kernel, error) {
+// guest kernel of a series ("" = DefaultKernel) once; later calls reuse the
+// cache.
+func PrepareKernel(ctx context.Context, series string) (*Kernel, error) {
+	if series == "" {
+		series = DefaultKernel
+	}
 	cache := CacheDir()
 	if err := os.MkdirAll(cache, 0o755); err != nil {
 		return nil, err
 	}
-	pkg, err := kernelPackage(ctx)
+	pkg, err := kernelPackage(ctx, series)
 	if err != nil {
 		return nil, err
 	}
@@ -114,15 +208,32 @@ func PrepareKernel(ctx context.Context) (*Kernel, error) {
 	dir := filepath.Join(cache, kver)
 	k := &Kernel{Version: kver, Image: filepath.Join(dir, "vmlinux"), Initrd: filepath.Join(dir, "initrd.img"),
 		Modules: filepath.Join(dir, "root", "lib", "modules")}
-	stamp := filepath.Join(dir, ".ready-v2")
+	stamp := filepath.Join(dir, readyStamp)
 	if _, err := os.Stat(stamp); err == nil {
 		return k, nil
 	}
+	// One preparer at a time (parallel test packages boot VMs).
+	lock, err := os.OpenFile(filepath.Join(cache, kver+".lock"), os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	defer lock.Close()
+	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
+		return nil, err
+	}
+	if _, err := os.Stat(stamp); err == nil {
+		return k, nil // prepared while we waited
+	}
 	debs, _ := filepath.Glob(filepath.Join(cache, pkg+"_*.deb"))
 	if len(debs) == 0 {
-		if err := run(ctx, cache, "apt-get", "download", "-q", pkg); err != nil {
-			if err2 := run(ctx, "/", "apt-get", "update", "-qq"); err2 == nil {
-				err = run(ctx, cache, "apt-get", "download", "-q", pkg)
+		opts, err := aptOpts(ctx, series)
+		if err != nil {
+			return nil, err
+		}
+		download := append(append([]string{}, opts...), "download", "-q", pkg)
+		if err := run(ctx, cache, "apt-get", download...); err != nil {
+			if err2 := run(ctx, "/", "apt-get", append(append([]string{}, opts...), "update", "-qq")...); err2 == nil {
+				err = run(ctx, cache, "apt-get", download...)
 			}
 			if err != nil {
 				return nil, fmt.Errorf("download %s: %w", pkg, err)
@@ -145,6 +256,11 @@ func PrepareKernel(ctx context.Context) (*Kernel, error) {
 	if err != nil {
 		return nil, err
 	}
+	// 6.12's modules are xz-compressed; busybox modprobe loads plain .ko
+	// files only, so decompress the tree once here.
+	if err := decompressModules(ctx, root); err != nil {
+		return nil, err
+	}
 	// The .deb ships no modules.dep (postinst makes it).
 	if err := run(ctx, "/", busybox, "depmod", "-b", root, kver); err != nil {
 		return nil, err
@@ -164,6 +280,25 @@ func PrepareKernel(ctx context.Context) (*Kernel, error) {
 		return nil, err
 	}
 	return k, nil
+}
+
+// decompressModules turns every .ko.xz under root/lib/modules into a .ko.
+func decompressModules(ctx context.Context, root string) error {
+	var xz []string
+	filepath.WalkDir(filepath.Join(root, "lib", "modules"), func(p string, d os.DirEntry, err error) error {
+		if err == nil && !d.IsDir() && strings.HasSuffix(p, ".ko.xz") {
+			xz = append(xz, p)
+		}
+		return nil
+	})
+	for len(xz) > 0 {
+		n := min(len(xz), 500)
+		if err := run(ctx, "/", "xz", append([]string{"-d", "-T0"}, xz[:n]...)...); err != nil {
+			return err
+		}
+		xz = xz[n:]
+	}
+	return nil
 }
 
 // loadKernel returns the cached kernel's paths (after PrepareKernel).
@@ -190,12 +325,19 @@ func extractVmlinux(ctx context.Context, bz, dst string) error {
 	if err != nil {
 		return err
 	}
-	i := bytes.Index(b, []byte{0xfd, '7', 'z', 'X', 'Z', 0})
-	if i < 0 {
-		return errors.New("no XZ payload in bzImage")
+	// 6.1 compresses with XZ, 6.12 with zstd.
+	var cmd *exec.Cmd
+	if i := bytes.Index(b, []byte{0xfd, '7', 'z', 'X', 'Z', 0}); i >= 0 {
+		cmd = exec.CommandContext(ctx, "xz", "-dc", "--single-stream")
+		cmd.Stdin = bytes.NewReader(b[i:])
+	} else if i := bytes.Index(b, []byte{0x28, 0xb5, 0x2f, 0xfd}); i >= 0 {
+		// zstd -d stops at the end of the frame but complains about the
+		// trailing bytes; the output is complete when the ELF check passes.
+		cmd = exec.CommandContext(ctx, "sh", "-c", "zstd -dcq 2>/dev/null; true")
+		cmd.Stdin = bytes.NewReader(b[i:])
+	} else {
+		return errors.New("no XZ or zstd payload in bzImage")
 	}
-	cmd := exec.CommandContext(ctx, "xz", "-dc", "--single-stream")
-	cmd.Stdin = bytes.NewReader(b[i:])
 	f, err := os.Create(dst + ".tmp")
 	if err != nil {
 		return err
@@ -205,7 +347,7 @@ func extractVmlinux(ctx context.Context, bz, dst string) error {
 	f.Close()
 	if err != nil {
 		os.Remove(dst + ".tmp")
-		return fmt.Errorf("xz: %w", err)
+		return fmt.Errorf("decompress: %w", err)
 	}
 	head := make([]byte, 4)
 	if g, err := os.Open(dst + ".tmp"); err == nil {
@@ -238,6 +380,13 @@ func moduleClosure(modDir string, names []string) ([]string, error) {
 		n = strings.TrimSuffix(n, ".ko.xz")
 		byName[strings.ReplaceAll(n, "-", "_")] = k
 	}
+	// Built-in modules (6.12 builds virtio_pci in) need no file.
+	builtin := map[string]bool{}
+	if b, err := os.ReadFile(filepath.Join(modDir, "modules.builtin")); err == nil {
+		for _, l := range strings.Fields(string(b)) {
+			builtin[strings.ReplaceAll(strings.TrimSuffix(filepath.Base(l), ".ko"), "-", "_")] = true
+		}
+	}
 	seen := map[string]bool{}
 	var out []string
 	var add func(string)
@@ -253,6 +402,9 @@ func moduleClosure(modDir string, names []string) ([]string, error) {
 	}
 	for _, n := range names {
 		p, ok := byName[strings.ReplaceAll(n, "-", "_")]
+		if !ok && builtin[strings.ReplaceAll(n, "-", "_")] {
+			continue
+		}
 		if !ok {
 			return nil, fmt.Errorf("module %s not in %s", n, modDir)
 		}
@@ -332,10 +484,11 @@ mount -t devtmpfs devtmpfs /dev
 fail() { echo "PALVM-FAIL $*"; poweroff -f; }
 arg() { for w in $(cat /proc/cmdline); do case "$w" in "$1="*) echo "${w#*=}";; esac; done; }
 echo /bin/modprobe > /proc/sys/kernel/modprobe
-for m in virtio_pci 9pnet_virtio 9p; do modprobe $m || fail modprobe $m; done
+builtin() { grep -q "/$1.ko" /lib/modules/$(uname -r)/modules.builtin 2>/dev/null; }
+for m in virtio_pci 9pnet_virtio 9p; do builtin $m || modprobe $m || fail modprobe $m; done
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144,ro,cache=loose hostroot /lower || fail mount 9p
 mount --bind /lower$(arg pal.moddir) /lib/modules || fail modules
-for m in $(arg pal.modules | tr , ' '); do modprobe $m || echo "PALVM-WARN modprobe $m"; done
+for m in $(arg pal.modules | tr , ' '); do builtin $m || modprobe $m || echo "PALVM-WARN modprobe $m"; done
 mount -t tmpfs -o mode=755 upper /upper && mkdir -p /upper/u /upper/w || fail tmpfs
 mount -t overlay overlay -o lowerdir=/lower,upperdir=/upper/u,workdir=/upper/w /host || fail overlay
 mount -t proc proc /host/proc
@@ -345,6 +498,7 @@ mkdir -p /host/dev/pts /host/dev/shm
 mount -t devpts -o newinstance,ptmxmode=0666 devpts /host/dev/pts
 mount -t tmpfs -o mode=1777 shm /host/dev/shm
 mount -t cgroup2 cgroup2 /host/sys/fs/cgroup || fail cgroup2
+mount -t securityfs securityfs /host/sys/kernel/security
 mount -t bpf bpf /host/sys/fs/bpf
 mount -t tmpfs -o mode=755 run /host/run
 mount -t tmpfs -o mode=1777 tmp /host/tmp

@@ -11,6 +11,7 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
+	"github.com/vishvananda/netlink"
 )
 
 // Program names in the object (C function names).
@@ -40,6 +41,7 @@ var cgroupHooks = []struct {
 	{"connect6", "uw_connect6", ebpf.AttachCGroupInet6Connect},
 	{"sendmsg4", "uw_sendmsg4", ebpf.AttachCGroupUDP4Sendmsg},
 	{"sendmsg6", "uw_sendmsg6", ebpf.AttachCGroupUDP6Sendmsg},
+	{"skb_egress", "uw_skb_egress", ebpf.AttachCGroupInetEgress},
 	{"skb_ingress", progIngressSkb, ebpf.AttachCGroupInetIngress},
 }
 
@@ -60,6 +62,9 @@ type Dataplane struct {
 	links  map[string]link.Link
 	// LSMErr says why abstract Unix sockets are not enforced (nil: they are).
 	LSMErr error
+	// TC attaches the tc programs as clsact cls_bpf filters (tc.go)
+	// instead of tcx links: kernels before 6.6, or tc_attach = "tc".
+	TC bool
 }
 
 func (d *Dataplane) linkDir() string { return filepath.Join(d.PinDir, "links") }
@@ -69,8 +74,9 @@ func (d *Dataplane) Map(name string) *ebpf.Map { return d.coll.Maps[name] }
 
 // Load loads the programs for the namespace with the given cookie, reusing
 // (adopting) maps already pinned in pinDir, so a restarted agent keeps the
-// state and the counters of its predecessor.
-func Load(pinDir string, cookie uint64, wantLSM bool) (*Dataplane, error) {
+// state and the counters of its predecessor. noLSM, if not nil, says why
+// the LSM programs are left out (configuration, or the feature probe).
+func Load(pinDir string, cookie uint64, noLSM error) (*Dataplane, error) {
 	spec, err := loadUwbpf()
 	if err != nil {
 		return nil, err
@@ -87,8 +93,8 @@ func Load(pinDir string, cookie uint64, wantLSM bool) (*Dataplane, error) {
 		return nil, err
 	}
 	d := &Dataplane{PinDir: pinDir, Cookie: cookie, links: map[string]link.Link{}}
-	if !wantLSM {
-		d.LSMErr = errors.New("disabled by configuration (unix_sockets = false)")
+	if noLSM != nil {
+		d.LSMErr = noLSM
 	} else if ok, how := LSMActive(); !ok && !strings.HasPrefix(how, "unknown") {
 		d.LSMErr = fmt.Errorf("the bpf LSM is not enabled (%s); boot with lsm=...,bpf", how)
 	}
@@ -222,8 +228,13 @@ func (d *Dataplane) adoptSockets() error {
 func tcxLinkName(dir, ifname string) string { return "tcx_" + dir + "_" + ifname }
 
 // AttachInterface attaches the tc programs to one interface with tcx links
-// (egress stamps, ingress refuses early). Every managed interface, lo too.
+// or, with d.TC, clsact filters (egress stamps, ingress refuses early).
+// Every managed interface, lo too. Switching between the two attaches the
+// new way before removing the old one.
 func (d *Dataplane) AttachInterface(ifname string, ifindex int) error {
+	if d.TC {
+		return d.attachInterfaceTC(ifname, ifindex)
+	}
 	type dir struct {
 		name, prog string
 		at         ebpf.AttachType
@@ -238,6 +249,44 @@ func (d *Dataplane) AttachInterface(ifname string, ifindex int) error {
 			return err
 		}
 	}
+	// Filters of an earlier tc-mode agent (before a kernel upgrade).
+	_ = detachTC(ifindex, tcIngress)
+	_ = detachTC(ifindex, tcEgress)
+	return nil
+}
+
+func (d *Dataplane) attachInterfaceTC(ifname string, ifindex int) error {
+	type dir struct {
+		tc   tcDir
+		prog string
+	}
+	dirs := []dir{{tcEgress, progEgress}, {tcIngress, progIngress}}
+	for _, x := range dirs {
+		p := d.coll.Programs[x.prog]
+		// lo's egress program marks the namespace alive (NamespaceGone):
+		// record the new one before the filter switches to it, so that
+		// the recorded program exists at every moment.
+		var prevLo uint32
+		loEgress := ifname == "lo" && x.tc == tcEgress
+		if loEgress {
+			info, err := p.Info()
+			if err != nil {
+				return err
+			}
+			id, _ := info.ID()
+			prevLo = readTCLo(d.PinDir)
+			if err := recordTCLo(d.PinDir, uint32(id)); err != nil {
+				return fmt.Errorf("record lo's filter: %w", err)
+			}
+		}
+		if err := attachTC(ifindex, x.tc, p, x.prog); err != nil {
+			if loEgress && prevLo != 0 {
+				_ = recordTCLo(d.PinDir, prevLo)
+			}
+			return err
+		}
+		d.detach(tcxLinkName(x.tc.name, ifname))
+	}
 	return nil
 }
 
@@ -251,6 +300,10 @@ func (d *Dataplane) Interfaces() []string {
 			}
 		}
 	}
+	fs, _ := ourTCFilters()
+	for _, f := range fs {
+		seen[f.ifname] = true
+	}
 	var out []string
 	for s := range seen {
 		out = append(out, s)
@@ -263,6 +316,10 @@ func (d *Dataplane) Interfaces() []string {
 func (d *Dataplane) DetachInterface(ifname string) {
 	d.detach(tcxLinkName("eg", ifname))
 	d.detach(tcxLinkName("in", ifname))
+	if l, err := netlink.LinkByName(ifname); err == nil {
+		_ = detachTC(l.Attrs().Index, tcIngress)
+		_ = detachTC(l.Attrs().Index, tcEgress)
+	}
 }
 
 func (d *Dataplane) detach(name string) {
@@ -279,11 +336,17 @@ func (d *Dataplane) detach(name string) {
 	delete(d.links, name)
 }
 
-// Links returns the names of the attached links.
+// Links returns the names of the attached links (and tc filters).
 func (d *Dataplane) Links() []string {
 	var out []string
 	for n := range d.links {
 		out = append(out, n)
+	}
+	if d.TC {
+		fs, _ := ourTCFilters()
+		for _, f := range fs {
+			out = append(out, f.linkName())
+		}
 	}
 	sort.Strings(out)
 	return out

@@ -47,7 +47,7 @@ func TestLSMVM(t *testing.T) {
 	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
 		t.Skip("no qemu-system-x86_64")
 	}
-	if m, _ := filepath.Glob(filepath.Join(vm.CacheDir(), "*", ".ready-v2")); len(m) == 0 {
+	if !vm.Prepared(vm.DefaultKernel) {
 		t.Skipf("no prepared guest kernel in %s (run `palisade-lab vm kernel`)", vm.CacheDir())
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)

@@ -41,6 +41,7 @@ func Uninstall(o AgentOptions) error {
 			os.Remove(pidFile)
 		}
 		os.Remove(pidFile + ".lock")
+		removeState(pidFile)
 	}
 	cookie, err := NetnsCookie()
 	if err != nil {
@@ -51,6 +52,7 @@ func Uninstall(o AgentOptions) error {
 		errs = append(errs, RemovePins(PinDir(fs, cookie)))
 		CollectStale(fs)
 	}
+	errs = append(errs, removeTCFilters())
 	errs = append(errs, RemoveNft())
 	return errors.Join(errs...)
 }
@@ -65,7 +67,16 @@ type LinkStatus struct {
 
 // Status is what `palisade status` reports for this network namespace.
 type Status struct {
-	Mode        string       `json:"mode"` // "userwall" or "none"
+	// Mode is "userwall", "none", or "unknown" (a user who may not read the
+	// kernel objects, with no agent to ask).
+	Mode string `json:"mode"`
+	// Source says where the facts come from: "kernel" (the pinned objects,
+	// root) or "agent" (the running agent's state file, for other users).
+	Source string      `json:"source"`
+	Agent  *AgentState `json:"agent,omitempty"`
+	// Attach is how the tc programs are attached: "tcx" links, or "tc"
+	// (clsact + cls_bpf filters, kernels before 6.6).
+	Attach      string       `json:"attach,omitempty"`
 	NetnsCookie uint64       `json:"netns_cookie"`
 	PinDir      string       `json:"pin_dir"`
 	AgentPID    int          `json:"agent_pid"`
@@ -81,6 +92,8 @@ type Status struct {
 	KeyError string    `json:"key_error,omitempty"`
 	Warnings []string  `json:"warnings,omitempty"`
 	Counters []Counter `json:"counters"`
+	// Kernel is the feature probe of this node's kernel.
+	Kernel *Probe `json:"kernel,omitempty"`
 }
 
 // GetStatus inspects the pins of the caller's namespace.
@@ -98,12 +111,16 @@ func GetStatus(o AgentOptions) (*Status, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Status{Mode: "none", NetnsCookie: cookie, AgentPID: ReadPid(cfg.Agent.PidFile), Nft: NftInstalled()}
+	s := &Status{Mode: "none", Source: "kernel", NetnsCookie: cookie, AgentPID: ReadPid(cfg.Agent.PidFile), Nft: NftInstalled()}
 	if cfgErr != nil {
 		s.Warnings = append(s.Warnings, "configuration invalid (a reload would be refused): "+cfgErr.Error())
 	}
 	fs, _ := findBPFFS(cfg.Agent.BPFFS, s.AgentPID)
 	s.PinDir = PinDir(fs, cookie)
+	// The running agent's pins, whatever bpffs the file names now.
+	if st := liveState(cfg.Agent.PidFile, s.AgentPID); st != nil && st.PinDir != "" {
+		s.PinDir = st.PinDir
+	}
 	linkDir := filepath.Join(s.PinDir, "links")
 	names := pinnedNames(linkDir)
 	sort.Strings(names)
@@ -129,6 +146,25 @@ func GetStatus(o AgentOptions) (*Status, error) {
 		if n == lsmHooks[0].link {
 			s.UnixLSM = true
 		}
+	}
+	tcs, _ := ourTCFilters()
+	for _, f := range tcs {
+		s.Links = append(s.Links, LinkStatus{Name: f.linkName(), Type: "tc", Program: f.prog, ProgID: f.progID})
+	}
+	for _, l := range s.Links {
+		switch l.Type {
+		case "tc":
+			s.Attach = "tc"
+		case "tcx":
+			if s.Attach == "" {
+				s.Attach = "tcx"
+			}
+		}
+	}
+	if p, err := ProbeKernel(); err == nil {
+		s.Kernel = p
+	} else {
+		s.Warnings = append(s.Warnings, "kernel feature probe failed: "+err.Error())
 	}
 	if m, err := ebpf.LoadPinnedMap(filepath.Join(s.PinDir, "settings"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
 		var c uwbpfUwConfig
@@ -158,7 +194,7 @@ func GetStatus(o AgentOptions) (*Status, error) {
 		s.Counters, _ = readCounters(m)
 		m.Close()
 	}
-	if len(names) > 0 {
+	if len(names) > 0 || len(tcs) > 0 {
 		s.Mode = "userwall"
 		if s.AgentPID == 0 {
 			s.Warnings = append(s.Warnings, "agent not running: pinned programs enforce the last policy, but addresses, groups and events are not kept up to date")
@@ -180,6 +216,7 @@ func GetStatus(o AgentOptions) (*Status, error) {
 			s.Warnings = append(s.Warnings, "abstract Unix sockets are NOT isolated: "+why)
 		}
 	}
+	s.addAgentState(cfg, cfgErr == nil)
 	return s, nil
 }
 
@@ -195,27 +232,16 @@ func linkTypeName(t link.Type) string {
 	return fmt.Sprintf("type-%d", t)
 }
 
-// SignalReload sends SIGHUP to the namespace's running agent.
-func SignalReload(o AgentOptions) error {
-	cfg, err := o.LoadConfig()
-	if err != nil {
-		return fmt.Errorf("configuration refused, agent not signalled: %w", err)
-	}
-	pid := ReadPid(cfg.Agent.PidFile)
-	if pid == 0 {
-		return fmt.Errorf("no running agent (%s)", cfg.Agent.PidFile)
-	}
-	return syscall.Kill(pid, syscall.SIGHUP)
-}
-
 // NamespaceGone reports whether the namespace a pin directory belongs to no
 // longer exists: every agent attaches to lo, and lo lives exactly as long as
 // its namespace, so a tcx link on lo whose device is gone (ifindex 0) means
-// the namespace was deleted without `--uninstall`.
+// the namespace was deleted without `--uninstall`; in tc mode, the program
+// of lo's egress filter (recorded in tc_lo) is freed with the filter.
 func NamespaceGone(pinDir string) bool {
 	l, err := link.LoadPinnedLink(filepath.Join(pinDir, "links", tcxLinkName("eg", "lo")), nil)
 	if err != nil {
-		return false
+		gone, _ := tcLoGone(pinDir)
+		return gone
 	}
 	defer l.Close()
 	info, err := l.Info()
