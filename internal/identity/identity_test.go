@@ -256,12 +256,14 @@ func TestNameCacheTTL(t *testing.T) {
 	c := NewNameCache(r, time.Minute)
 	now := time.Unix(1000, 0)
 	c.now = func() time.Time { return now }
-	if c.User(1) != "one" || c.User(1) != "one" || r.calls != 1 {
+	first, second := c.User(1), c.User(1)
+	if first != "one" || second != "one" || r.calls != 1 {
 		t.Fatalf("hit not cached: %d lookups", r.calls)
 	}
 	// A miss is cached too, then expires: a user added later gets named.
 	r.known = false
-	if c.Group(1) != "" || c.Group(1) != "" || r.calls != 2 {
+	first, second = c.Group(1), c.Group(1)
+	if first != "" || second != "" || r.calls != 2 {
 		t.Fatalf("miss not cached: %d lookups", r.calls)
 	}
 	r.known = true

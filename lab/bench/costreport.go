@@ -272,7 +272,7 @@ func costTables(r *Results, mode string) string {
 	w("### In-kernel cost per operation (exact accounting)\n\n")
 	w("eBPF run time per operation from the kernel's run-time statistics (run_time_ns, run_cnt of every program the data plane's agents hold, read around each unit; %s), "+
 		"median over rounds [min–max]. *one copy per host*: the nodes doing the work (client, and server across nodes), with the early exits of the other nodes' copies on shared hooks removed "+
-		"(cgroup and LSM programs are attached once per host, and the testbed's nodes share one host: every operation runs every node's copy, all but one leave at the namespace check); "+
+		"(cgroup and LSM programs are attached once per host, and the testbed's nodes share one host: every operation runs every node's copy, all but one leave at the namespace check) — an upper bound, since the host's other network namespaces (other testbeds) run every copy too; "+
 		"*as counted*: the work nodes' copies including those exits; *other nodes*: the testbed's other nodes' copies. "+
 		"CPU: user + system time of the load generator and the server per operation (baseline → mode, ratio with 95 %% CI).\n\n", orDash(r.Extra["bpf_stats"]))
 	w("| suite | series | x | per | eBPF, one copy per host (ns) | eBPF as counted (ns) | other nodes (ns) | CPU baseline (µs) | CPU mode (µs) | CPU ratio [95 %% CI] |\n|---|---|---|---|---|---|---|---|---|---|\n")

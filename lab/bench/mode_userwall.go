@@ -23,6 +23,15 @@ func (*userwallDriver) Suites() []string {
 	return []string{SuiteThroughput, SuiteLatency, SuiteConn, SuiteUDP, SuiteMPI, SuiteScale}
 }
 
+// AdjustPlan: the full run takes more interleaved rounds, so that the
+// wall-clock ratios get usable confidence intervals.
+func (*userwallDriver) AdjustPlan(p Plan, quick bool) Plan {
+	if !quick {
+		p.Rounds = max(p.Rounds, 5)
+	}
+	return p
+}
+
 // DeniesCrossUser: bob → alice across nodes is refused with the agent on.
 func (*userwallDriver) DeniesCrossUser() bool { return true }
 

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
@@ -48,16 +49,26 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-// freePort finds a port free for TCP and UDP on both loopbacks.
+// freePort finds a port free for TCP and UDP on both loopbacks, below the
+// kernel's ephemeral range. A port from that range (bind to :0) was the
+// cause of TestLoopbackBothWays' flake: the test releases it and expects it
+// to stay closed, but every socket on the machine that binds port 0 draws
+// from the same range, and when an unconnected UDP socket of a parallel test
+// (or of another developer's run) got it, the datagram to the "closed" port
+// was delivered there and the case timed out instead of being refused.
+// Below the range only a process that binds that exact port can take it.
 func freePort(t *testing.T) uint16 {
 	t.Helper()
-	for i := 0; i < 50; i++ {
-		l, err := net.Listen("tcp4", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
+	low := 32768
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		if f := strings.Fields(string(b)); len(f) == 2 {
+			if v, err := strconv.Atoi(f[0]); err == nil && v > 10000 {
+				low = v
+			}
 		}
-		p := uint16(l.Addr().(*net.TCPAddr).Port)
-		l.Close()
+	}
+	for i := 0; i < 200; i++ {
+		p := uint16(low - 1 - rand.IntN(low-10000))
 		ok := true
 		for _, n := range []string{"tcp6", "udp4", "udp6"} {
 			host := "127.0.0.1"

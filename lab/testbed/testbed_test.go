@@ -60,7 +60,8 @@ var (
 	binDir  string
 )
 
-// palisadeBinary builds the palisade binary once for the package's tests.
+// palisadeBinary builds the product and the lab binary once for the
+// package's tests, side by side, and returns the lab binary's path.
 func palisadeBinary(t *testing.T) string {
 	t.Helper()
 	binOnce.Do(func() {
@@ -68,12 +69,15 @@ func palisadeBinary(t *testing.T) string {
 		if binErr != nil {
 			return
 		}
-		binPath = filepath.Join(binDir, "palisade")
-		cmd := exec.Command("go", "build", "-o", binPath, "github.com/palisade-hpc/palisade/cmd/palisade")
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			binErr = fmt.Errorf("go build: %v\n%s", err, out)
+		for name, pkg := range map[string]string{ProductName: "cmd/palisade", LabName: "cmd/palisade-lab"} {
+			cmd := exec.Command("go", "build", "-o", filepath.Join(binDir, name), "github.com/palisade-hpc/palisade/"+pkg)
+			cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+			if out, err := cmd.CombinedOutput(); err != nil {
+				binErr = fmt.Errorf("go build %s: %v\n%s", pkg, err, out)
+				return
+			}
 		}
+		binPath = filepath.Join(binDir, LabName)
 	})
 	if binErr != nil {
 		t.Fatal(binErr)
@@ -270,7 +274,7 @@ func TestTestbed(t *testing.T) {
 
 	bin := palisadeBinary(t)
 	start := time.Now()
-	tb, err := Up(ctx, Options{Name: tbName, Nodes: 3, Mode: "tbtest", Binary: bin})
+	tb, err := Up(ctx, Options{Name: tbName, Nodes: 3, Mode: "tbtest", LabBinary: bin})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -302,14 +306,14 @@ func TestTestbed(t *testing.T) {
 		if _, err := Up(ctx, Options{Name: tbName, Nodes: 4}); err == nil || !strings.Contains(err.Error(), "already up with 3 nodes") {
 			t.Errorf("Up with another node count on a live testbed: %v", err)
 		}
-		out, err := exec.CommandContext(ctx, tb.Binary, "testbed", "up", "--name", tbName).CombinedOutput()
+		out, err := exec.CommandContext(ctx, tb.LabBinary, "testbed", "up", "--name", tbName).CombinedOutput()
 		if err != nil || !strings.Contains(string(out), "testbed "+tbName+" is already up") {
 			t.Errorf("palisade-lab testbed up on a live testbed: %v: %s", err, out)
 		}
 	})
 	t.Run("CLIBadInput", func(t *testing.T) {
 		for _, args := range [][]string{{"--nodes", "0"}, {"--nodes", "99"}, {"--mode", "nonesuch"}} {
-			cmd := exec.CommandContext(ctx, tb.Binary, append([]string{"testbed", "up", "--name", failName}, args...)...)
+			cmd := exec.CommandContext(ctx, tb.LabBinary, append([]string{"testbed", "up", "--name", failName}, args...)...)
 			out, err := cmd.CombinedOutput()
 			if err == nil {
 				t.Errorf("testbed up %v succeeded: %s", args, out)
@@ -355,7 +359,7 @@ func TestTestbed(t *testing.T) {
 			t.Error("unknown user accepted")
 		}
 		// CLI: stdin passes through, exit status propagates.
-		cmd := exec.CommandContext(ctx, tb.Binary, "testbed", "exec", "--name", tbName, "node3", "--user", "carol", "--", "sh", "-c", "cat; hostname; exit 3")
+		cmd := exec.CommandContext(ctx, tb.LabBinary, "testbed", "exec", "--name", tbName, "node3", "--user", "carol", "--", "sh", "-c", "cat; hostname; exit 3")
 		cmd.Stdin = strings.NewReader("from-stdin\n")
 		outb, err := cmd.Output()
 		if !errors.As(err, &ee) || ee.ExitCode() != 3 || string(outb) != "from-stdin\nnode3\n" {

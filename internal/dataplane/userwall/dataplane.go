@@ -41,6 +41,7 @@ var cgroupHooks = []struct {
 	{"connect6", "uw_connect6", ebpf.AttachCGroupInet6Connect},
 	{"sendmsg4", "uw_sendmsg4", ebpf.AttachCGroupUDP4Sendmsg},
 	{"sendmsg6", "uw_sendmsg6", ebpf.AttachCGroupUDP6Sendmsg},
+	{"skb_egress", "uw_skb_egress", ebpf.AttachCGroupInetEgress},
 	{"skb_ingress", progIngressSkb, ebpf.AttachCGroupInetIngress},
 }
 

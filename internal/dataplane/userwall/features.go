@@ -3,6 +3,7 @@ package userwall
 import (
 	"errors"
 	"fmt"
+	"os"
 	"slices"
 	"sort"
 	"strconv"
@@ -14,6 +15,8 @@ import (
 	"github.com/cilium/ebpf/features"
 	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
+
+	"github.com/palisade-hpc/palisade/internal/sys/cgroup2"
 )
 
 // KernelFloor is the oldest kernel userwall supports (Debian 12's).
@@ -165,12 +168,12 @@ func ProbeKernel() (*Probe, error) {
 	}
 	add(f)
 
-	cg, cgErr := CgroupRoot()
+	cg, cgErr := cgroup2.MountPoint()
 	if cgErr != nil {
 		// A command run with a fresh sysfs (`ip netns exec`, a testbed
 		// login) sees no cgroup mount; the kernel's hierarchy is init's.
-		if p := mountPoint("/proc/1/mounts", "cgroup2", "/sys/fs/cgroup"); p != "" {
-			cg, cgErr = p+" (init's mount namespace)", nil
+		if b, err := os.ReadFile("/proc/1/mounts"); err == nil && strings.Contains(string(b), " cgroup2 ") {
+			cg, cgErr = "mounted in init's mount namespace", nil
 		}
 	}
 	f = Feature{Name: "cgroup v2 hierarchy", Since: "4.5", Required: true, Present: cgErr == nil,

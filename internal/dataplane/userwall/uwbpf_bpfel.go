@@ -53,6 +53,23 @@ type uwbpfUwKey struct {
 	Valid uint32
 }
 
+type uwbpfUwLoopKey struct {
+	_     structs.HostLayout
+	Src   [16]uint8
+	Dst   [16]uint8
+	Sport uint16
+	Dport uint16
+	Proto uint8
+	Pad   [3]uint8
+}
+
+type uwbpfUwLoopVal struct {
+	_   structs.HostLayout
+	Uid uint32
+	Gid uint32
+	Ts  uint64
+}
+
 type uwbpfUwLpmKey struct {
 	_         structs.HostLayout
 	Prefixlen uint32
@@ -157,6 +174,7 @@ type uwbpfUwUnixPeers struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	uwbpfMapBcastAddrs           = "bcast_addrs"
 	uwbpfMapClusterNets          = "cluster_nets"
 	uwbpfMapCounters             = "counters"
 	uwbpfMapEvents               = "events"
@@ -165,6 +183,7 @@ const (
 	uwbpfMapIfaces               = "ifaces"
 	uwbpfMapKeys                 = "keys"
 	uwbpfMapLocalAddrs           = "local_addrs"
+	uwbpfMapLoopIds              = "loop_ids"
 	uwbpfMapMembers              = "members"
 	uwbpfMapOffcPorts            = "offc_ports"
 	uwbpfMapSettings             = "settings"
@@ -183,6 +202,7 @@ const (
 	uwbpfProgUwPostBind6         = "uw_post_bind6"
 	uwbpfProgUwSendmsg4          = "uw_sendmsg4"
 	uwbpfProgUwSendmsg6          = "uw_sendmsg6"
+	uwbpfProgUwSkbEgress         = "uw_skb_egress"
 	uwbpfProgUwSkbIngress        = "uw_skb_ingress"
 	uwbpfProgUwSockCreate        = "uw_sock_create"
 	uwbpfProgUwTcEgress          = "uw_tc_egress"
@@ -250,6 +270,7 @@ type uwbpfProgramSpecs struct {
 	UwPostBind6         *ebpf.ProgramSpec `ebpf:"uw_post_bind6"`
 	UwSendmsg4          *ebpf.ProgramSpec `ebpf:"uw_sendmsg4"`
 	UwSendmsg6          *ebpf.ProgramSpec `ebpf:"uw_sendmsg6"`
+	UwSkbEgress         *ebpf.ProgramSpec `ebpf:"uw_skb_egress"`
 	UwSkbIngress        *ebpf.ProgramSpec `ebpf:"uw_skb_ingress"`
 	UwSockCreate        *ebpf.ProgramSpec `ebpf:"uw_sock_create"`
 	UwTcEgress          *ebpf.ProgramSpec `ebpf:"uw_tc_egress"`
@@ -262,6 +283,7 @@ type uwbpfProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type uwbpfMapSpecs struct {
+	BcastAddrs     *ebpf.MapSpec `ebpf:"bcast_addrs"`
 	ClusterNets    *ebpf.MapSpec `ebpf:"cluster_nets"`
 	Counters       *ebpf.MapSpec `ebpf:"counters"`
 	Events         *ebpf.MapSpec `ebpf:"events"`
@@ -270,6 +292,7 @@ type uwbpfMapSpecs struct {
 	Ifaces         *ebpf.MapSpec `ebpf:"ifaces"`
 	Keys           *ebpf.MapSpec `ebpf:"keys"`
 	LocalAddrs     *ebpf.MapSpec `ebpf:"local_addrs"`
+	LoopIds        *ebpf.MapSpec `ebpf:"loop_ids"`
 	Members        *ebpf.MapSpec `ebpf:"members"`
 	OffcPorts      *ebpf.MapSpec `ebpf:"offc_ports"`
 	Settings       *ebpf.MapSpec `ebpf:"settings"`
@@ -313,6 +336,7 @@ func (o *uwbpfObjects) Close() error {
 //
 // It can be passed to loadUwbpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type uwbpfMaps struct {
+	BcastAddrs     *ebpf.Map `ebpf:"bcast_addrs"`
 	ClusterNets    *ebpf.Map `ebpf:"cluster_nets"`
 	Counters       *ebpf.Map `ebpf:"counters"`
 	Events         *ebpf.Map `ebpf:"events"`
@@ -321,6 +345,7 @@ type uwbpfMaps struct {
 	Ifaces         *ebpf.Map `ebpf:"ifaces"`
 	Keys           *ebpf.Map `ebpf:"keys"`
 	LocalAddrs     *ebpf.Map `ebpf:"local_addrs"`
+	LoopIds        *ebpf.Map `ebpf:"loop_ids"`
 	Members        *ebpf.Map `ebpf:"members"`
 	OffcPorts      *ebpf.Map `ebpf:"offc_ports"`
 	Settings       *ebpf.Map `ebpf:"settings"`
@@ -333,6 +358,7 @@ type uwbpfMaps struct {
 
 func (m *uwbpfMaps) Close() error {
 	return _UwbpfClose(
+		m.BcastAddrs,
 		m.ClusterNets,
 		m.Counters,
 		m.Events,
@@ -341,6 +367,7 @@ func (m *uwbpfMaps) Close() error {
 		m.Ifaces,
 		m.Keys,
 		m.LocalAddrs,
+		m.LoopIds,
 		m.Members,
 		m.OffcPorts,
 		m.Settings,
@@ -379,6 +406,7 @@ type uwbpfPrograms struct {
 	UwPostBind6         *ebpf.Program `ebpf:"uw_post_bind6"`
 	UwSendmsg4          *ebpf.Program `ebpf:"uw_sendmsg4"`
 	UwSendmsg6          *ebpf.Program `ebpf:"uw_sendmsg6"`
+	UwSkbEgress         *ebpf.Program `ebpf:"uw_skb_egress"`
 	UwSkbIngress        *ebpf.Program `ebpf:"uw_skb_ingress"`
 	UwSockCreate        *ebpf.Program `ebpf:"uw_sock_create"`
 	UwTcEgress          *ebpf.Program `ebpf:"uw_tc_egress"`
@@ -399,6 +427,7 @@ func (p *uwbpfPrograms) Close() error {
 		p.UwPostBind6,
 		p.UwSendmsg4,
 		p.UwSendmsg6,
+		p.UwSkbEgress,
 		p.UwSkbIngress,
 		p.UwSockCreate,
 		p.UwTcEgress,

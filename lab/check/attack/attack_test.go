@@ -19,23 +19,6 @@ const instance = "palatkt"
 
 var tb *testbed.Testbed
 
-// knownHoles are the cases that fail on main for a known, reported reason
-// (issue 9): each is logged, not failed; remove a name once it passes (the
-// test says so). PALISADE_ATTACKS_STRICT=1 fails them too.
-var knownHoles = map[string]string{
-	// Data plane v2 (0b0fa2d): every attack is refused; the rightful
-	// user's own multicast and broadcast within one node is refused too
-	// (the looped-back copy carries no stamp).
-	"mcast-allhosts-local-v4":          "own local multicast refused",
-	"mcast-allnodes-local-v6":          "own local multicast refused",
-	"mcast-joined-group-local-v4":      "own local multicast refused",
-	"bcast-subnet-local-v4":            "own local broadcast refused",
-	"bcast-limited-local-v4":           "own local broadcast refused",
-	"bcast-reuseaddr-cobound-local-v4": "own local broadcast refused",
-}
-
-func strict() bool { return os.Getenv("PALISADE_ATTACKS_STRICT") == "1" }
-
 func TestMain(m *testing.M) {
 	flag.Parse()
 	if os.Geteuid() != 0 || testing.Short() {
@@ -85,14 +68,8 @@ func TestSuite(t *testing.T) {
 		t.Errorf("%d cases ran (%d passed, %d failed, %d n/a) of %d", len(res), passed, failed, na, len(Cases()))
 	}
 	for _, r := range res {
-		why, known := knownHoles[r.Case.Name]
-		switch {
-		case r.Status() == "FAIL" && known && !strict():
-			t.Logf("known hole (issue 9, %s): %s", why, r.Line())
-		case r.Status() == "FAIL":
+		if r.Status() == "FAIL" {
 			t.Errorf("%s", r.Line())
-		case known:
-			t.Logf("%s passes now: remove it from knownHoles", r.Case.Name)
 		}
 	}
 	if d := time.Since(t0); d > 3*time.Minute {

@@ -18,6 +18,7 @@ func TestBenchEgress(t *testing.T) {
 	if os.Getenv("PALISADE_EGRESS_BENCH") == "" {
 		t.Skip("set PALISADE_EGRESS_BENCH=1")
 	}
+	needTestbed(t)
 	secs, _ := strconv.Atoi(os.Getenv("PALISADE_EGRESS_BENCH_SECS"))
 	if secs == 0 {
 		secs = 5

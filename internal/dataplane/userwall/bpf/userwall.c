@@ -299,6 +299,41 @@ struct {
 	__uint(max_entries, 256 * 1024);
 } events SEC(".maps");
 
+/* Multicast and broadcast that a node loops back to its own sockets are
+ * copied before tc egress and carry no stamp. The cgroup egress program sees
+ * each such datagram with its sending socket and notes the sender here; the
+ * looped copy (PACKET_LOOPBACK) finds it by its addresses and ports. */
+struct uw_loop_key {
+	__u8 src[16];
+	__u8 dst[16];
+	__u16 sport, dport;
+	__u8 proto;
+	__u8 pad[3];
+};
+
+struct uw_loop_val {
+	__u32 uid, gid;
+	__u64 ts;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct uw_loop_key);
+	__type(value, struct uw_loop_val);
+} loop_ids SEC(".maps");
+
+/* This node's IPv4 subnet broadcast addresses (the agent keeps them). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 256);
+	__type(key, __u32);
+	__type(value, __u8);
+} bcast_addrs SEC(".maps");
+
+#define PACKET_LOOPBACK 5
+#define LOOP_TTL_NS 1000000000ULL
+
 /* Differential test only (test_mode): the receiving socket's facts. */
 struct uw_test_sock {
 	__u32 uid, gid;
@@ -563,8 +598,10 @@ static __always_inline __s64 wall_ns(const struct uw_config *c)
 	return (__s64)bpf_ktime_get_boot_ns() + c->clock_offset_ns;
 }
 
-/* verify: S_VALID and p->uid/gid trusted, or why not. */
-static __always_inline __u8 verify(const struct uw_config *c, struct pkt *p)
+/* stamp_key: the key a stamp names and the window it was sealed in, or why
+ * not (S_NONE when they are usable). Cheap: no MAC. */
+static __always_inline __u8 stamp_key(const struct uw_config *c, struct pkt *p, struct uw_key **kp,
+				      __u64 *wp)
 {
 	if (!p->has_stamp)
 		return p->old_stamp ? S_OLD_VERSION : S_NONE;
@@ -577,17 +614,28 @@ static __always_inline __u8 verify(const struct uw_config *c, struct pkt *p)
 			return S_UNKNOWN_KEY;
 	}
 	__u64 now = (__u64)wall_ns(c) >> UW_WINDOW_SHIFT;
-	__u64 w = 0;
 	int found = 0;
 	for (int d = -1; d <= 1; d++) {
 		__u64 cand = now + d;
 		if ((cand & 0xf) == (p->meta & 0xf)) {
-			w = cand;
+			*wp = cand;
 			found = 1;
 		}
 	}
 	if (!found)
 		return S_STALE;
+	*kp = k;
+	return S_NONE;
+}
+
+/* verify: S_VALID and p->uid/gid trusted, or why not. */
+static __always_inline __u8 verify(const struct uw_config *c, struct pkt *p)
+{
+	struct uw_key *k = 0;
+	__u64 w = 0;
+	__u8 st = stamp_key(c, p, &k, &w);
+	if (st != S_NONE || !k)
+		return p->has_stamp ? st : (p->old_stamp ? S_OLD_VERSION : S_NONE);
 	__u64 m[MAC_WORDS];
 	mac_msg(p, w, m);
 	if (siphash(k, m) != p->tag)
@@ -1129,6 +1177,22 @@ int uw_skb_ingress(struct __sk_buff *skb)
 	if (st == S_VALID && !lpm_has(&cluster_nets, p.src) && !lpm_has(&local_addrs, p.src) &&
 	    !link_local(p.src))
 		st = S_UNTRUSTED_SOURCE;
+	if (st == S_NONE && !test_mode && skb->pkt_type == PACKET_LOOPBACK && dgram_proto(p.proto)) {
+		/* A multicast/broadcast copy looped back on this node: its
+		 * sender was noted by uw_skb_egress. */
+		struct uw_loop_key lk = {};
+		__builtin_memcpy(lk.src, p.src, 16);
+		__builtin_memcpy(lk.dst, p.dst, 16);
+		lk.sport = p.sport;
+		lk.dport = p.dport;
+		lk.proto = p.proto;
+		struct uw_loop_val *lv = bpf_map_lookup_elem(&loop_ids, &lk);
+		if (lv && bpf_ktime_get_ns() - lv->ts < LOOP_TTL_NS) {
+			p.uid = lv->uid;
+			p.gid = lv->gid;
+			st = S_VALID;
+		}
+	}
 	__u32 rule = decide(c, &p, st, l, sk);
 	__u32 path = path_of(skb, p.proto);
 	count(path, rule);
@@ -1139,6 +1203,63 @@ int uw_skb_ingress(struct __sk_buff *skb)
 	}
 	report(&p, rule, path, st, l, c->audit, 0);
 	return c->audit ? 1 : 0;
+}
+
+/*
+ * cgroup_skb egress: note the sender of each multicast or broadcast datagram
+ * to a user port (see loop_ids). Runs for every packet a socket sends; all
+ * others leave after a few loads.
+ */
+SEC("cgroup_skb/egress")
+int uw_skb_egress(struct __sk_buff *skb)
+{
+	struct bpf_sock *sk = skb->sk;
+	void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
+	__u8 *h = data;
+	if (!sk || (void *)(h + 48) > end)
+		return 1;
+	struct uw_loop_key lk = {};
+	__u32 l4;
+	if ((h[0] >> 4) == 4) {
+		if (!dgram_proto(h[9]))
+			return 1;
+		__u32 d;
+		__builtin_memcpy(&d, &h[16], 4);
+		if ((h[16] & 0xf0) != 0xe0 && d != 0xffffffff && !bpf_map_lookup_elem(&bcast_addrs, &d))
+			return 1;
+		__u32 sa;
+		__builtin_memcpy(&sa, &h[12], 4);
+		map4(lk.src, sa);
+		map4(lk.dst, d);
+		lk.proto = h[9];
+		l4 = (h[0] & 0xf) * 4;
+	} else {
+		if (!dgram_proto(h[6]) || h[24] != 0xff)
+			return 1;
+		__builtin_memcpy(lk.src, &h[8], 16);
+		__builtin_memcpy(lk.dst, &h[24], 16);
+		lk.proto = h[6];
+		l4 = 40;
+	}
+	if (l4 > 60)
+		return 1;
+	__u8 *uh = h + l4;
+	if ((void *)(uh + 4) > end)
+		return 1;
+	lk.sport = (uh[0] << 8) | uh[1];
+	lk.dport = (uh[2] << 8) | uh[3];
+	struct uw_config *c = uw_cfg();
+	if (!c || lk.dport <= c->system_port_max)
+		return 1;
+	sk = bpf_sk_fullsock(sk);
+	if (!sk)
+		return 1;
+	struct uw_owner *o = owner_of(sk);
+	if (!o)
+		return 1; /* not a socket of this namespace */
+	struct uw_loop_val v = {.uid = o->uid, .gid = o->gid, .ts = bpf_ktime_get_ns()};
+	bpf_map_update_elem(&loop_ids, &lk, &v, BPF_ANY);
+	return 1;
 }
 
 /* ---------------------------------------------------------------------------
@@ -1254,8 +1375,14 @@ int uw_tc_ingress(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	}
 	lo = *l;
-	/* The claimed identity stands in for a verified one here. */
-	__u8 st = p.has_stamp ? S_VALID : S_NONE;
+	/* The claimed identity stands in for a verified one here when its key
+	 * and window are good (no MAC: a forged stamp can only turn this early
+	 * refusal into a drop at the socket); a stamp of an unknown key or a
+	 * stale one is refused early, as it will be at the socket. */
+	struct uw_key *k = 0;
+	__u64 w = 0;
+	__u8 st = stamp_key(c, &p, &k, &w);
+	st = (p.has_stamp && st == S_NONE) ? S_VALID : (st == S_NONE ? S_NONE : st);
 	__u32 rule = decide(c, &p, st, &lo, sk);
 	bpf_sk_release(sk);
 	if (allows(rule))
