@@ -19,6 +19,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"sync"
 )
@@ -63,6 +64,14 @@ type Options struct {
 	// module the test runs in.
 	Binary    string
 	LabBinary string
+	// Audit writes [agent] audit = true on every node (the data plane
+	// decides and reports, refuses nothing) and an event rate high enough
+	// for `check --mode audit` to find every would-be refusal.
+	Audit bool
+	// Agents names the nodes that run the data plane's agent (staged
+	// rollout); empty = every node. The others are listed in every
+	// node's [cluster] unenforced_nodes.
+	Agents []string
 }
 
 // Node is one host of the testbed: a compute node or the outside host.
@@ -75,9 +84,10 @@ type Node struct {
 	Eth0V6 netip.Addr
 	IBV4   netip.Addr // zero for the outside host
 	IBV6   netip.Addr // zero for the outside host
-	// SSS is the node's own /var/lib/sss with a directory ("" otherwise),
-	// bound inside the node's mount namespace by enter.
-	SSS string
+	// With a directory, Etc is the node's /etc layer and SSS its own
+	// /var/lib/sss, both mounted by enter in the node's mount namespace
+	// (nodeView); "" otherwise.
+	Etc, SSS string
 }
 
 // Testbed is a running instance.
@@ -92,10 +102,13 @@ type Testbed struct {
 	// Directory is "" or "ldap" (Options.Directory).
 	Directory      string
 	DirectoryUsers int
-	Kernel         string // guest kernel series of a VM testbed
-	Nodes          []Node
-	Outside        Node
-	Router         string // router netns
+	// Audit and Agents are Options.Audit and Options.Agents.
+	Audit   bool
+	Agents  []string
+	Kernel  string // guest kernel series of a VM testbed
+	Nodes   []Node
+	Outside Node
+	Router  string // router netns
 	// MPIHello is an MPI program (built at up time with mpicc) that prints
 	// "rank R of N on HOST" for every rank; empty if mpicc failed.
 	MPIHello string
@@ -230,6 +243,8 @@ type state struct {
 	Directory  string   `json:"directory,omitempty"`
 	DirUsers   int      `json:"directory_users,omitempty"`
 	Kernel     string   `json:"kernel,omitempty"`
+	Audit      bool     `json:"audit,omitempty"`
+	Agents     []string `json:"agents,omitempty"`
 	// Phase is "starting" until bring-up (mode included) completed, then "up".
 	Phase    string `json:"phase"`
 	MPIHello string `json:"mpi_hello,omitempty"`
@@ -279,6 +294,7 @@ func build(s *state) *Testbed {
 		Directory:  s.Directory,
 	}
 	tb.DirectoryUsers = s.DirUsers
+	tb.Audit, tb.Agents = s.Audit, s.Agents
 	if tb.Mode == "" {
 		tb.Mode = "none"
 	}
@@ -294,6 +310,7 @@ func build(s *state) *Testbed {
 			IBV6:   netip.AddrFrom16([16]byte{0x20, 0x01, 0, 2, 0, 0, 0, 1, 15: b}),
 		})
 		if s.Directory != "" {
+			tb.Nodes[i-1].Etc = tb.NodeEtc(tb.Nodes[i-1].Name)
 			tb.Nodes[i-1].SSS = tb.SSSDir(tb.Nodes[i-1].Name)
 		}
 	}
@@ -407,4 +424,9 @@ func Open(name string) (*Testbed, error) {
 		return nil, fmt.Errorf("testbed %s has state but its namespaces are gone (reboot?): run `palisade-lab testbed down --name %s`", name, name)
 	}
 	return tb, nil
+}
+
+// Enforcing reports whether node runs the data plane's agent (Options.Agents).
+func (tb *Testbed) Enforcing(node string) bool {
+	return len(tb.Agents) == 0 || slices.Contains(tb.Agents, node)
 }
