@@ -1173,6 +1173,11 @@ int uw_skb_ingress(struct __sk_buff *skb)
 		return c->audit ? 1 : 0;
 	}
 
+	if (p.dport <= c->system_port_max) {
+		/* Everyone may reach a system port: no MAC to compute. */
+		count(path_of(skb, p.proto), R_SYSTEM_PORT);
+		return 1;
+	}
 	__u8 st = verify(c, &p);
 	if (st == S_VALID && !lpm_has(&cluster_nets, p.src) && !lpm_has(&local_addrs, p.src) &&
 	    !link_local(p.src))
