@@ -28,8 +28,14 @@ for Prometheus. The agent also runs the ident service.
 
 Programs, links and maps are pinned: they keep enforcing while the agent is
 stopped or restarting, and a restarted agent adopts them without a gap.
-SIGHUP reloads the configuration (a bad one is refused, the running policy
-stays). --uninstall stops the agent and removes everything it made.`,
+SIGHUP reloads the configuration and applies every setting: policy and audit
+mode (maps updated in place, no gap), cluster keys, event log (reopened, also
+for logrotate), metrics address, ident port and socket, group refresh. A file
+that is invalid or changes a setting fixed for the agent's life (bpffs,
+pid_file, unix_sockets) is refused whole and the running configuration stays.
+--reload checks the file, signals the agent and waits for its answer: exit 0
+once applied, 1 with the agent's reason when refused. --uninstall stops the
+agent and removes everything it made.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			o.ConfigPath = configPath
@@ -42,14 +48,18 @@ stays). --uninstall stops the agent and removes everything it made.`,
 				return nil
 			}
 			if reload {
-				return userwall.SignalReload(o)
+				if err := userwall.SignalReload(o); err != nil {
+					return err
+				}
+				fmt.Fprintln(cmd.OutOrStdout(), "configuration reloaded")
+				return nil
 			}
 			return userwall.RunAgent(context.Background(), o)
 		},
 	}
 	f := cmd.Flags()
 	f.BoolVar(&uninstall, "uninstall", false, "stop the agent and remove every program, pin and nft table it made")
-	f.BoolVar(&reload, "reload", false, "ask the running agent to reload its configuration (SIGHUP)")
+	f.BoolVar(&reload, "reload", false, "ask the running agent to reload its configuration (SIGHUP) and wait until it is applied or refused")
 	f.StringVar(&o.PidFile, "pid-file", "", "pid file (default: [agent] pid_file)")
 	f.StringVar(&o.EventLog, "event-log", "", "JSON-lines denial log (default: [agent] event_log)")
 	f.StringVar(&o.MetricsAddress, "metrics-address", "", "Prometheus listen address (default: [agent] metrics_address)")

@@ -1,10 +1,14 @@
 package cli
 
 import (
+	"cmp"
+	"errors"
 	"fmt"
+	"io/fs"
 
 	"github.com/spf13/cobra"
 
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
 )
@@ -42,7 +46,11 @@ ERROR, 0 otherwise (also with warnings, unless --strict). Nothing is applied.`,
 			fmt.Fprint(out, cfg.Describe(identity.System()))
 			fmt.Fprintf(out, "# config sha256 %s\n", cfg.SHA256)
 			var problems, warnings int
-			for _, f := range cfg.Findings(policy.CheckOptions{SlurmConf: slurmConf}) {
+			fs := cfg.Findings(policy.CheckOptions{SlurmConf: slurmConf})
+			if f, ok := keyFinding(cfg); ok {
+				fs = append(fs, f)
+			}
+			for _, f := range fs {
 				fmt.Fprintf(out, "# %s: %s\n", f.Level, f.String(configPath))
 				if f.Severity == policy.Problem {
 					problems++
@@ -67,4 +75,21 @@ ERROR, 0 otherwise (also with warnings, unless --strict). Nothing is applied.`,
 	check.Flags().BoolVar(&strict, "strict", false, "exit 1 on warnings too")
 	configCmd.AddCommand(check)
 	return configCmd
+}
+
+// keyFinding checks the cluster key as the agent will load it: without a
+// usable key no identity from another node is trusted, so every user's
+// cross-node traffic is refused. (Skipped when the caller may not read it.)
+func keyFinding(cfg *policy.Config) (policy.Finding, bool) {
+	if len(cfg.Policy.ClusterSubnets) == 0 {
+		return policy.Finding{}, false
+	}
+	path := cmp.Or(cfg.Cluster.KeyFile, policy.DefaultKeyFile)
+	_, err := userwall.LoadKeys(path)
+	if err == nil || errors.Is(err, fs.ErrPermission) {
+		return policy.Finding{}, false
+	}
+	return policy.Finding{Severity: policy.Problem, Level: policy.Problem.String(), Key: "cluster.key_file", Line: cfg.KeyLine("cluster.key_file"),
+		Msg: fmt.Sprintf("%v: identity from other nodes is not trusted, users' cross-node traffic is refused "+
+			"(make one: (umask 077; openssl rand -hex 16 > %s), the same on every node)", err, path)}, true
 }

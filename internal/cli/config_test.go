@@ -24,8 +24,9 @@ func runConfigCheck(t *testing.T, path string, args ...string) (string, error) {
 
 func TestConfigCheck(t *testing.T) {
 	dir := t.TempDir()
+	key := writeKey(t, dir)
 	good := filepath.Join(dir, "good.toml")
-	writeConfigFile(t, good, "[policy]\nexempt_connectors = [\"root\", 4242]\n[cluster]\nsubnets = [\"198.18.0.0/24\"]\n[offcluster]\nallow_ports = [\"9000-9100\"]\n")
+	writeConfigFile(t, good, "[policy]\nexempt_connectors = [\"root\", 4242]\n[cluster]\nsubnets = [\"198.18.0.0/24\"]\nkey_file = \""+key+"\"\n[offcluster]\nallow_ports = [\"9000-9100\"]\n")
 	out, err := runConfigCheck(t, good)
 	if err != nil {
 		t.Fatalf("good config: %v", err)
@@ -52,8 +53,9 @@ func TestConfigCheck(t *testing.T) {
 // accounts missing from the exemptions are an error (exit 1).
 func TestConfigCheckFindings(t *testing.T) {
 	dir := t.TempDir()
+	key := writeKey(t, dir)
 	risky := filepath.Join(dir, "risky.toml")
-	writeConfigFile(t, risky, "[policy]\nsystem_port_max = 65535\n[cluster]\nsubnets = [\"198.18.0.0/24\"]\n")
+	writeConfigFile(t, risky, "[policy]\nsystem_port_max = 65535\n[cluster]\nsubnets = [\"198.18.0.0/24\"]\nkey_file = \""+key+"\"\n")
 	out, err := runConfigCheck(t, risky)
 	if err != nil || !strings.Contains(out, "# WARNING: "+risky+":2: policy.system_port_max: 65535 makes every port a system port") ||
 		!strings.Contains(out, risky+": OK, 1 warning(s)") || !strings.Contains(out, "# config sha256 ") {
@@ -65,15 +67,45 @@ func TestConfigCheckFindings(t *testing.T) {
 	slurm := filepath.Join(dir, "slurm.conf")
 	writeConfigFile(t, slurm, "SlurmUser=root\nSlurmdUser=root\n")
 	good := filepath.Join(dir, "good.toml")
-	writeConfigFile(t, good, "[cluster]\nsubnets = [\"198.18.0.0/24\"]\n")
+	writeConfigFile(t, good, "[cluster]\nsubnets = [\"198.18.0.0/24\"]\nkey_file = \""+key+"\"\n")
 	if out, err := runConfigCheck(t, good, "--slurm-conf", slurm); err != nil || !strings.Contains(out, good+": OK\n") {
 		t.Errorf("root as SlurmUser: %v\n%s", err, out)
 	}
-	writeConfigFile(t, good, "[policy]\nexempt_connectors = []\n[cluster]\nsubnets = [\"198.18.0.0/24\"]\n")
+	writeConfigFile(t, good, "[policy]\nexempt_connectors = []\n[cluster]\nsubnets = [\"198.18.0.0/24\"]\nkey_file = \""+key+"\"\n")
 	out, err = runConfigCheck(t, good, "--slurm-conf", slurm)
 	if ee, ok := err.(*ExitError); !ok || ee.Code != 1 || !strings.Contains(out, `# ERROR: `+good+`:2: policy.exempt_connectors: SlurmUser "root"`) {
 		t.Errorf("Slurm account not exempt: %v\n%s", err, out)
 	}
+}
+
+// TestConfigCheckClusterKey: with cluster subnets, a missing or
+// world-readable cluster key is an error (cross-node traffic would fail).
+func TestConfigCheckClusterKey(t *testing.T) {
+	dir := t.TempDir()
+	conf := filepath.Join(dir, "c.toml")
+	key := filepath.Join(dir, "none.key")
+	writeConfigFile(t, conf, "[cluster]\nsubnets = [\"198.18.0.0/24\"]\nkey_file = \""+key+"\"\n")
+	if out, err := runConfigCheck(t, conf); err == nil || !strings.Contains(out, "# ERROR: "+conf+":3: cluster.key_file: open "+key) {
+		t.Errorf("missing key: %v\n%s", err, out)
+	}
+	os.WriteFile(key, []byte("00112233445566778899aabbccddeeff\n"), 0o644)
+	os.Chmod(key, 0o644)
+	if out, err := runConfigCheck(t, conf); err == nil || !strings.Contains(out, "chmod 600") {
+		t.Errorf("world-readable key: %v\n%s", err, out)
+	}
+	os.Chmod(key, 0o600)
+	if out, err := runConfigCheck(t, conf); err != nil || strings.Contains(out, "ERROR") {
+		t.Errorf("good key: %v\n%s", err, out)
+	}
+}
+
+func writeKey(t *testing.T, dir string) string {
+	t.Helper()
+	p := filepath.Join(dir, "cluster.key")
+	if err := os.WriteFile(p, []byte("00112233445566778899aabbccddeeff\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
 }
 
 func writeConfigFile(t *testing.T, path, data string) {

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
+	"slices"
 	"text/tabwriter"
 	"time"
 
@@ -23,21 +25,29 @@ func explainCommand() *cobra.Command {
 		timeout                         time.Duration
 	)
 	cmd := &cobra.Command{
-		Use:   "explain --from USER [--group G] [--node N] --to ADDR:PORT[/udp]",
-		Short: "Explain which rule allows or denies USER's connection to a listener, and why",
-		Long: `Resolve the connecting user's identity (uid, effective gid — --group as after
-newgrp/sg — and groups) through NSS, find the listener's owner at ADDR:PORT
-(locally, or by asking its node's ident service), and apply the policy of
---config. --node is the node the connector runs on (default: this node); it
-decides whether the connection is local, from the cluster, or off-cluster.
-Exits 0 whatever the verdict; with --quiet prints nothing and exits 1 unless
-the connection is allowed.`,
-		Example: "  palisade explain --from alice --node node1 --to 198.18.0.2:5000\n" +
+		Use:   "explain [--from USER [--group G]] [--node N] --to ADDR:PORT[/udp]",
+		Short: "Explain which rule allows or denies a connection to a listener, why, and how to fix it",
+		Long: `Decide a connection as the kernel would and say why. The connector is you, with
+the credentials of this process (uid, effective gid, supplementary groups, as
+the kernel sees them), unless --from names a user: then their identity comes
+from NSS (--group as after newgrp/sg). The listener's owner at ADDR:PORT is
+found locally or by asking its node's ident service; when its group cannot be
+known (another user's process, no access to the ident service) the verdict is
+"undecided", never a guess. --node is the node the connector runs on (default:
+this node); it decides whether the connection is local, from the cluster, or
+off-cluster. A refused connection comes with the fix when one exists (ask the
+owner to share under a common group with sg). Exits 0 whatever the verdict;
+with --quiet prints nothing and exits 1 unless the connection is allowed.`,
+		Example: "  palisade explain --to node2:8888\n" +
+			"  palisade explain --from alice --node node1 --to 198.18.0.2:5000\n" +
 			"  palisade explain --from bob --group proj1 --to 127.0.0.1:6000/udp",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if from == "" || to == "" {
-				return errors.New("--from USER and --to ADDR:PORT[/udp] are required")
+			if to == "" {
+				return errors.New("--to ADDR:PORT[/udp] is required")
+			}
+			if from == "" && group != "" {
+				return errors.New("--group needs --from (your own effective group is the one you run with: use sg GROUP -c 'palisade explain ...')")
 			}
 			cfg, err := loadConfig(cmd)
 			if err != nil {
@@ -49,8 +59,10 @@ the connection is allowed.`,
 				return err
 			}
 			res := identity.System()
-			conn, err := connectorIdentity(res, from, group)
-			if err != nil {
+			var conn policy.Identity
+			if from == "" {
+				conn = callerIdentity()
+			} else if conn, err = connectorIdentity(res, from, group); err != nil {
 				return err
 			}
 			src, srcDesc, err := connectorSource(cfg, nodeFlag, target)
@@ -64,9 +76,11 @@ the connection is allowed.`,
 			c := policy.Conn{Source: src, Connector: conn, Listener: lis.Identity(), Port: target.Port(), Proto: proto}
 			v := pol.Decide(c)
 			// Without the listener's owner only the identity-free rules
-			// (system port, off-cluster) can decide.
-			decided := lerr == nil || v.Rule == policy.RuleSystemPort ||
-				v.Rule == policy.RuleOffClusterPort || v.Rule == policy.RuleOffClusterDenied
+			// (system port, off-cluster) can decide; without its group, a
+			// verdict that the group could change is no verdict.
+			identityFree := v.Rule == policy.RuleSystemPort || v.Rule == policy.RuleOffClusterPort || v.Rule == policy.RuleOffClusterDenied
+			gidUnknown := lerr == nil && lis.GID == ident.UnknownGID && !v.Allow
+			decided := (lerr == nil && !gidUnknown) || identityFree
 
 			if quiet {
 				if !decided || !v.Allow {
@@ -102,7 +116,11 @@ the connection is allowed.`,
 					identity.UserName(res, lis.UID), identity.GroupName(res, lis.GID), proc, where)
 			}
 			if !decided {
-				fmt.Fprintf(w, "verdict\tundecided: the rule depends on the listener's owner\n")
+				if gidUnknown {
+					fmt.Fprintf(w, "verdict\tundecided: the listener's group is unknown here (its process is another user's, and this node's ident service is not open to you: [agent] ident_socket_group); the kernel knows it — try the connection, or ask root to run explain\n")
+				} else {
+					fmt.Fprintf(w, "verdict\tundecided: the rule depends on the listener's owner\n")
+				}
 				return w.Flush()
 			}
 			word := "DENY"
@@ -111,11 +129,16 @@ the connection is allowed.`,
 			}
 			fmt.Fprintf(w, "verdict\t%s (rule %s)\n", word, v.Rule)
 			fmt.Fprintf(w, "why\t%s\n", pol.ExplainWith(c, res))
+			if !v.Allow {
+				for _, f := range fixes(res, c, v, lis) {
+					fmt.Fprintf(w, "fix\t%s\n", f)
+				}
+			}
 			return w.Flush()
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&from, "from", "", "connecting user (name or uid)")
+	f.StringVar(&from, "from", "", "connecting user (name or uid; default: you, with this process's credentials)")
 	f.StringVar(&group, "group", "", "connector's effective group, as after newgrp/sg (default: primary group)")
 	f.StringVar(&nodeFlag, "node", "", "node the connector runs on: name ([cluster] nodes or hosts) or address (default: this node)")
 	f.StringVar(&to, "to", "", "listener ADDR:PORT[/udp]")
@@ -200,4 +223,76 @@ func lookupHost(name string) ([]netip.Addr, error) {
 		}
 	}
 	return out, nil
+}
+
+// callerIdentity is this process's identity as the kernel sees it: what a
+// connection made from here would carry (not what NSS says the user has —
+// a session started before a group was added lacks it).
+func callerIdentity() policy.Identity {
+	id := policy.Identity{UID: uint32(os.Geteuid()), GID: uint32(os.Getegid())}
+	groups, _ := os.Getgroups()
+	for _, g := range groups {
+		id.Groups = append(id.Groups, uint32(g))
+	}
+	if !id.HasGroup(id.GID) {
+		id.Groups = append(id.Groups, id.GID)
+	}
+	return id
+}
+
+// fixes are what the users can do about a refused connection: share the
+// listener under a group both hold (the listener's owner starts it with
+// sg), or start a new session when the directory has a group the
+// connector's session lacks.
+func fixes(res identity.Resolver, c policy.Conn, v policy.Verdict, lis ident.Owner) []string {
+	if v.Rule != policy.RuleDenied {
+		if v.Rule == policy.RuleOffClusterDenied {
+			return []string{"connect from a cluster node (ssh to a login node first), or ask the administrators to open the port to off-cluster sources ([offcluster] allow_ports)"}
+		}
+		return nil
+	}
+	user := func(uid uint32) string {
+		if n, err := res.LookupUID(uid); err == nil {
+			return n
+		}
+		return fmt.Sprint(uid)
+	}
+	group := func(gid uint32) string {
+		if n, err := res.LookupGID(gid); err == nil {
+			return n
+		}
+		return fmt.Sprint(gid)
+	}
+	owner, cname := user(lis.UID), user(c.Connector.UID)
+	var out []string
+	// Groups the connector's account holds in the directory.
+	var dirGroups []uint32
+	if name, err := res.LookupUID(c.Connector.UID); err == nil {
+		dirGroups, _ = res.GroupsOf(name)
+	}
+	if slices.Contains(dirGroups, lis.GID) && !c.Connector.HasGroup(lis.GID) {
+		out = append(out, fmt.Sprintf("%s is a member of %s in the directory, but this session does not carry it: log in again (or run newgrp %s) and retry",
+			cname, group(lis.GID), group(lis.GID)))
+	}
+	// Groups the listener's owner and the connector share.
+	var lisGroups []uint32
+	if name, err := res.LookupUID(lis.UID); err == nil {
+		lisGroups, _ = res.GroupsOf(name)
+	}
+	var shared []string
+	for _, g := range lisGroups {
+		if c.Connector.HasGroup(g) && g != lis.GID {
+			if _, primary, err := res.LookupUser(owner); err == nil && primary == g {
+				continue // a private primary group shares nothing
+			}
+			shared = append(shared, group(g))
+		}
+	}
+	if len(shared) > 0 {
+		out = append(out, fmt.Sprintf("ask %s to share the service with a group you both hold: sg %s -c '<command>' (restart it under the group: only the group it starts with counts)",
+			owner, shared[0]))
+	} else if len(out) == 0 {
+		out = append(out, fmt.Sprintf("%s and %s share no group: a project group both belong to would let %s share it (sg GROUP), or ask the administrators", owner, cname, owner))
+	}
+	return out
 }

@@ -3,75 +3,137 @@ package cli
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"text/tabwriter"
+	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 )
 
+// Exit codes of `palisade status` (also with --check and --json).
+const (
+	statusOK          = 0 // enforcing, no warnings
+	statusWarnings    = 1 // enforcing (or auditing) with warnings, e.g. agent down
+	statusNotEnforced = 2 // no userwall on this node, or unknown
+)
+
 func statusCommand() *cobra.Command {
 	var (
-		asJSON  bool
-		pidFile string
+		asJSON, check bool
+		pidFile       string
 	)
 	cmd := &cobra.Command{
 		Use:   "status",
-		Short: "Show the data plane of this node: mode, programs attached, counters, warnings",
-		Args:  cobra.NoArgs,
+		Short: "Show the data plane of this node: mode, agent, version, configuration, programs, counters, warnings",
+		Long: `Show what enforces on this node. As root the pinned kernel objects are
+inspected; other users see what the running agent reports (its state file),
+as the kernel objects are root's. Warnings include an agent that is not
+running, audit mode, a refused or pending reload, and config check's findings
+for the running configuration.
+
+Exit status: 0 enforcing without warnings, 1 with warnings, 2 not enforcing
+(or unknown). --check prints nothing, for scripts and monitoring.`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			s, err := userwall.GetStatus(userwall.AgentOptions{ConfigPath: configPath, PidFile: pidFile})
 			if err != nil {
 				return err
 			}
+			code := statusOK
+			switch {
+			case s.Mode != "userwall":
+				code = statusNotEnforced
+			case len(s.Warnings) > 0:
+				code = statusWarnings
+			}
 			out := cmd.OutOrStdout()
-			if asJSON {
+			switch {
+			case check:
+			case asJSON:
 				e := json.NewEncoder(out)
 				e.SetIndent("", "  ")
-				return e.Encode(s)
-			}
-			fmt.Fprintf(out, "mode:        %s\n", s.Mode)
-			if s.Mode == "none" {
-				fmt.Fprintf(out, "no userwall programs pinned in %s (netns cookie %d)\n", s.PinDir, s.NetnsCookie)
-				if s.Kernel != nil {
-					fmt.Fprintln(out)
-					writeProbe(out, s.Kernel)
+				if err := e.Encode(s); err != nil {
+					return err
 				}
-				return nil
+			default:
+				printStatus(out, s)
 			}
-			agent := "not running"
-			if s.AgentPID != 0 {
-				agent = fmt.Sprintf("running (pid %d)", s.AgentPID)
-			}
-			fmt.Fprintf(out, "agent:       %s\nenforcing:   %v\npins:        %s\nnft table:   %v\nunix (LSM):  %v\ntc attach:   %s\n",
-				agent, s.Enabled, s.PinDir, s.Nft, s.UnixLSM, s.Attach)
-			fmt.Fprintf(out, "\nprograms attached (%d):\n", len(s.Links))
-			tw := tabwriter.NewWriter(out, 2, 8, 2, ' ', 0)
-			for _, l := range s.Links {
-				fmt.Fprintf(tw, "  %s\t%s\t%s\tprog %d\n", l.Name, l.Type, l.Program, l.ProgID)
-			}
-			tw.Flush()
-			fmt.Fprintln(out, "\ndecisions:")
-			tw = tabwriter.NewWriter(out, 2, 8, 2, ' ', 0)
-			for _, c := range s.Counters {
-				v := "deny"
-				if c.Allowed {
-					v = "allow"
-				}
-				fmt.Fprintf(tw, "  %s\t%s\t%s\t%d\n", c.Path, c.Rule, v, c.Count)
-			}
-			tw.Flush()
-			if s.Kernel != nil {
-				fmt.Fprintln(out)
-				writeProbe(out, s.Kernel)
-			}
-			for _, w := range s.Warnings {
-				fmt.Fprintf(out, "\nWARNING: %s\n", w)
+			if code != statusOK {
+				return &ExitError{code, ""}
 			}
 			return nil
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	cmd.Flags().BoolVar(&check, "check", false, "print nothing; only the exit status (0 enforcing, 1 warnings, 2 not enforcing)")
 	cmd.Flags().StringVar(&pidFile, "pid-file", "", "agent pid file (default: [agent] pid_file)")
 	return cmd
+}
+
+func printStatus(out io.Writer, s *userwall.Status) {
+	mode := s.Mode
+	if s.Mode == "userwall" && s.Audit {
+		mode += " (AUDIT: nothing is refused)"
+	}
+	fmt.Fprintf(out, "mode:        %s\n", mode)
+	defer func() {
+		for _, w := range s.Warnings {
+			fmt.Fprintf(out, "WARNING: %s\n", w)
+		}
+	}()
+	if s.Mode == "none" {
+		fmt.Fprintf(out, "no userwall programs pinned in %s (netns cookie %d)\n", s.PinDir, s.NetnsCookie)
+		if s.Kernel != nil {
+			fmt.Fprintln(out)
+			writeProbe(out, s.Kernel)
+		}
+		return
+	}
+	agent := "not running"
+	if s.AgentPID != 0 {
+		agent = fmt.Sprintf("running (pid %d)", s.AgentPID)
+	}
+	fmt.Fprintf(out, "agent:       %s\n", agent)
+	if a := s.Agent; a != nil {
+		fmt.Fprintf(out, "version:     %s (commit %.12s)\n", a.Version, a.Commit)
+		fmt.Fprintf(out, "config:      %s sha256 %s\n", a.Config, a.ConfigSHA)
+		reload := "none since start " + a.Started.Local().Format(time.RFC3339)
+		if !a.LastReload.IsZero() {
+			reload = "last " + a.LastReload.Local().Format(time.RFC3339)
+			if a.LastReloadError != "" {
+				reload += " REFUSED"
+			}
+		}
+		fmt.Fprintf(out, "generation:  %d (%s)\n", a.Generation, reload)
+	}
+	if s.Source == "agent" {
+		fmt.Fprintf(out, "source:      the agent's state (not root: the kernel objects are not readable)\n")
+		fmt.Fprintf(out, "unix (LSM):  %v\n", s.UnixLSM)
+		return
+	}
+	fmt.Fprintf(out, "enforcing:   %v\npins:        %s\nnft table:   %v\nunix (LSM):  %v\ntc attach:   %s\n",
+		s.Enabled, s.PinDir, s.Nft, s.UnixLSM, s.Attach)
+	fmt.Fprintf(out, "\nprograms attached (%d):\n", len(s.Links))
+	tw := tabwriter.NewWriter(out, 2, 8, 2, ' ', 0)
+	for _, l := range s.Links {
+		fmt.Fprintf(tw, "  %s\t%s\t%s\tprog %d\n", l.Name, l.Type, l.Program, l.ProgID)
+	}
+	tw.Flush()
+	fmt.Fprintln(out, "\ndecisions:")
+	tw = tabwriter.NewWriter(out, 2, 8, 2, ' ', 0)
+	for _, c := range s.Counters {
+		v := "deny"
+		if c.Allowed {
+			v = "allow"
+		}
+		fmt.Fprintf(tw, "  %s\t%s\t%s\t%d\n", c.Path, c.Rule, v, c.Count)
+	}
+	tw.Flush()
+	if s.Kernel != nil {
+		fmt.Fprintln(out)
+		writeProbe(out, s.Kernel)
+	}
+	fmt.Fprintln(out)
 }

@@ -230,3 +230,7 @@ func ReadSlurmAccounts(path string) ([]SlurmAccount, error) {
 	}
 	return accts, sc.Err()
 }
+
+// KeyLine is the line of a dotted key in the file (0 if absent), for
+// findings made outside this package.
+func (c *Config) KeyLine(key string) int { return newLocator(c.data).line(key, "") }

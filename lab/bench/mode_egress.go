@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"math"
 	"slices"
 	"strings"
 	"time"
@@ -100,17 +101,29 @@ func (*egressDriver) EgressBaseline(path string) string {
 }
 
 func (d *egressDriver) EgressThroughput(ctx context.Context, env *Env, path string, xfers int, dur time.Duration) (float64, error) {
+	mbit, _, err := d.EgressTransfer(ctx, env, path, xfers, dur)
+	return mbit, err
+}
+
+// EgressTransfer also returns the CPU time of the client's process tree
+// (the transfer program and the client data path; for openconnect, whose
+// daemon runs apart, NaN).
+func (d *egressDriver) EgressTransfer(ctx context.Context, env *Env, path string, xfers int, dur time.Duration) (mbit, clientCPU float64, err error) {
 	if path == "" {
 		path = "direct"
 	}
 	path, link, shaped := strings.Cut(path, "@")
 	if shaped {
 		if err := d.lab.ShapeLinks(ctx, link); err != nil {
-			return 0, err
+			return 0, 0, err
 		}
 		defer d.lab.ShapeLinks(context.WithoutCancel(ctx), "")
 	}
-	return d.lab.Throughput(ctx, env.TB, path, xfers, dur)
+	t, err := d.lab.ThroughputCPU(ctx, env.TB, path, xfers, dur)
+	if path == "openconnect" {
+		t.ClientCPU = math.NaN()
+	}
+	return t.Mbps, t.ClientCPU, err
 }
 
 func (d *egressDriver) EgressGatewayRSS(ctx context.Context, env *Env, clients int) (float64, error) {

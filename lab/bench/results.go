@@ -50,6 +50,8 @@ var metrics = map[string]metricInfo{
 	"teardown_ms":     {"ms", false, "per-user teardown"},
 	"leftover":        {"objects", false, "objects left after teardown"},
 	"users_reached":   {"users", true, "users set up before a failure"},
+	"client_cpu_s_gb": {"CPU s/GB", false, "CPU per GB carried, client process tree (transfer program + client data path)"},
+	"gw_cpu_s_gb":     {"CPU s/GB", false, "CPU per GB carried, gateway processes"},
 	"map_mb":          {"MiB", false, "kernel memory of the membership map (per node)"},
 	"dgram_rate":      {"kdgram/s", true, "datagrams received per second"},
 	"cpu_us_op":       {"µs/op", false, "CPU time per operation (load generator + server)"},

@@ -204,6 +204,12 @@ type EgressDriver interface {
 	EgressThroughput(ctx context.Context, env *Env, path string, xfers int, dur time.Duration) (float64, error)
 }
 
+// EgressTransferDriver also reports the CPU time of the client's process
+// tree for a transfer (NaN when the client's data path runs apart).
+type EgressTransferDriver interface {
+	EgressTransfer(ctx context.Context, env *Env, path string, xfers int, dur time.Duration) (mbit, clientCPU float64, err error)
+}
+
 // EgressRSSDriver measures the gateway's resident memory with n clients.
 type EgressRSSDriver interface {
 	EgressGatewayRSS(ctx context.Context, env *Env, clients int) (mb float64, err error)
@@ -245,10 +251,44 @@ func (s *session) egress() error {
 		}
 	}
 	dur := time.Duration(s.plan.IperfSeconds) * time.Second
+	// CPU per GB carried: the gateways' (whichever serves the path) and
+	// the client's process tree; robust where Mbit/s are not.
+	et, hasCPU := s.drv.(EgressTransferDriver)
+	gws := s.drv.Processes(s.ctx, s.env)
+	gwCPU := func() float64 {
+		t := 0.0
+		for _, p := range gws {
+			if c := procCPU(p.PID); c > 0 {
+				t += c
+			}
+		}
+		return t
+	}
 	var errs []string
 	for _, j := range jobs {
 		for _, x := range s.plan.EgressXfers {
-			mbit, err := ed.EgressThroughput(s.ctx, s.env, j.path, x, dur)
+			var mbit, client float64
+			var err error
+			g0 := gwCPU()
+			if hasCPU {
+				mbit, client, err = et.EgressTransfer(s.ctx, s.env, j.path, x, dur)
+			} else {
+				mbit, err = ed.EgressThroughput(s.ctx, s.env, j.path, x, dur)
+			}
+			gw := gwCPU() - g0
+			if err == nil && hasCPU && mbit > 0 {
+				gb := mbit * dur.Seconds() / 8000
+				for _, ser := range j.series {
+					if !math.IsNaN(client) {
+						s.emit(SuiteEgress, ser, float64(x), "client_cpu_s_gb", client/gb, "")
+					}
+					// Direct traffic is forwarded by the kernel: no gateway
+					// process carries it, so the baseline has no such figure.
+					if len(gws) > 0 && s.variant == Enforced {
+						s.emit(SuiteEgress, ser, float64(x), "gw_cpu_s_gb", gw/gb, "")
+					}
+				}
+			}
 			if err != nil {
 				name := j.path
 				if name == "" {

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/netip"
 	"os"
@@ -14,6 +13,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -77,6 +77,20 @@ type agent struct {
 	noKeyWarned string
 	// nftRepairs counts restorations of the nft table (metrics).
 	nftRepairs atomic.Int64
+
+	// Owned by the main loop (RunAgent, reload): ctx of the services,
+	// the metrics server, the ident service's stop, the group refresh
+	// ticker, and problems of the running agent for the state (notes).
+	ctx       context.Context
+	metrics   *http.Server
+	stopIdent func()
+	groups    *time.Ticker
+	notes     []string
+	pinDir    string
+
+	// stateMu guards state, which the metrics goroutine reads.
+	stateMu sync.Mutex
+	state   AgentState
 }
 
 // ReadPid returns the pid in a pid file if that process is alive.
@@ -169,6 +183,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 		return err
 	}
 	pinDir := PinDir(fs, cookie)
+	a.pinDir = pinDir
 	if gone := CollectStale(fs); len(gone) > 0 {
 		log.Info("removed the pins of deleted network namespaces", "cookies", gone)
 	}
@@ -222,10 +237,11 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 		WatchNft(ctx, a.repairNft)
 	}()
 	defer func() { <-nftDone }()
-	if srv := a.startMetrics(); srv != nil {
-		defer srv.Close()
-	}
-	defer a.startIdent(ctx)()
+	a.ctx = ctx
+	a.startMetrics()
+	defer a.stopMetrics()
+	a.stopIdent = a.startIdent(ctx)
+	defer func() { a.stopIdent() }()
 
 	if err := os.WriteFile(cfg.Agent.PidFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
 		return err
@@ -235,6 +251,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 			os.Remove(cfg.Agent.PidFile)
 		}
 	}()
+	a.initState()
 
 	// Readiness for systemd (Type=notify): enforcement, metrics and ident
 	// are in place, so units ordered after this one (slurmd, sshd) start
@@ -258,8 +275,8 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	}
 	tick := time.NewTicker(5 * time.Second)
 	defer tick.Stop()
-	groups := time.NewTicker(a.cfg.Agent.GroupRefreshInterval())
-	defer groups.Stop()
+	a.groups = time.NewTicker(a.cfg.Agent.GroupRefreshInterval())
+	defer a.groups.Stop()
 	for {
 		select {
 		case <-ctx.Done():
@@ -285,7 +302,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 			if err := a.dp.RefreshClock(); err != nil {
 				a.log.Warn("clock offset not refreshed", "err", err)
 			}
-		case <-groups.C:
+		case <-a.groups.C:
 			a.syncMembers()
 		}
 	}
@@ -484,49 +501,6 @@ func (a *agent) syncInterfaces() error {
 		}
 	}
 	return errors.Join(errs...)
-}
-
-// reload re-reads the configuration; an invalid one is refused and the
-// running policy stays. Maps are updated in place (add, then delete): no gap.
-func (a *agent) reload() {
-	cfg, err := a.opts.LoadConfig()
-	if err != nil {
-		a.log.Error("configuration refused; the running policy stays", "err", err)
-		return
-	}
-	if err := a.dp.Fits(cfg.Policy); err != nil {
-		a.log.Error("configuration refused; the running policy stays", "err", err)
-		return
-	}
-	if err := a.dp.ApplyPolicy(cfg.Policy, cfg.Agent.Audit); err != nil {
-		a.log.Error("policy not fully applied", "err", err)
-		return
-	}
-	a.cfg = cfg
-	if err := a.loadKeys(); err != nil {
-		a.log.Error("cluster keys not loaded", "err", err)
-	}
-	if a.ident != nil {
-		a.ident.SetPolicy(cfg.Policy)
-	}
-	a.syncMembers()
-	a.syncNode()
-	a.log.Info("configuration reloaded", "path", cfg.Path)
-}
-
-func (a *agent) startMetrics() *http.Server {
-	addr := a.cfg.Agent.MetricsAddress
-	if addr == "" {
-		return nil
-	}
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		a.log.Warn("metrics not served", "addr", addr, "err", err)
-		return nil
-	}
-	srv := &http.Server{Handler: a.metricsHandler(), ReadHeaderTimeout: 5 * time.Second}
-	go srv.Serve(ln)
-	return srv
 }
 
 // startIdent starts the ident service; the returned func stops it and waits

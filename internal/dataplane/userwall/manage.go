@@ -41,6 +41,7 @@ func Uninstall(o AgentOptions) error {
 			os.Remove(pidFile)
 		}
 		os.Remove(pidFile + ".lock")
+		removeState(pidFile)
 	}
 	cookie, err := NetnsCookie()
 	if err != nil {
@@ -66,7 +67,13 @@ type LinkStatus struct {
 
 // Status is what `palisade status` reports for this network namespace.
 type Status struct {
-	Mode string `json:"mode"` // "userwall" or "none"
+	// Mode is "userwall", "none", or "unknown" (a user who may not read the
+	// kernel objects, with no agent to ask).
+	Mode string `json:"mode"`
+	// Source says where the facts come from: "kernel" (the pinned objects,
+	// root) or "agent" (the running agent's state file, for other users).
+	Source string      `json:"source"`
+	Agent  *AgentState `json:"agent,omitempty"`
 	// Attach is how the tc programs are attached: "tcx" links, or "tc"
 	// (clsact + cls_bpf filters, kernels before 6.6).
 	Attach      string       `json:"attach,omitempty"`
@@ -104,12 +111,16 @@ func GetStatus(o AgentOptions) (*Status, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Status{Mode: "none", NetnsCookie: cookie, AgentPID: ReadPid(cfg.Agent.PidFile), Nft: NftInstalled()}
+	s := &Status{Mode: "none", Source: "kernel", NetnsCookie: cookie, AgentPID: ReadPid(cfg.Agent.PidFile), Nft: NftInstalled()}
 	if cfgErr != nil {
 		s.Warnings = append(s.Warnings, "configuration invalid (a reload would be refused): "+cfgErr.Error())
 	}
 	fs, _ := findBPFFS(cfg.Agent.BPFFS, s.AgentPID)
 	s.PinDir = PinDir(fs, cookie)
+	// The running agent's pins, whatever bpffs the file names now.
+	if st := liveState(cfg.Agent.PidFile, s.AgentPID); st != nil && st.PinDir != "" {
+		s.PinDir = st.PinDir
+	}
 	linkDir := filepath.Join(s.PinDir, "links")
 	names := pinnedNames(linkDir)
 	sort.Strings(names)
@@ -205,6 +216,7 @@ func GetStatus(o AgentOptions) (*Status, error) {
 			s.Warnings = append(s.Warnings, "abstract Unix sockets are NOT isolated: "+why)
 		}
 	}
+	s.addAgentState(cfg, cfgErr == nil)
 	return s, nil
 }
 
@@ -218,19 +230,6 @@ func linkTypeName(t link.Type) string {
 		return "lsm"
 	}
 	return fmt.Sprintf("type-%d", t)
-}
-
-// SignalReload sends SIGHUP to the namespace's running agent.
-func SignalReload(o AgentOptions) error {
-	cfg, err := o.LoadConfig()
-	if err != nil {
-		return fmt.Errorf("configuration refused, agent not signalled: %w", err)
-	}
-	pid := ReadPid(cfg.Agent.PidFile)
-	if pid == 0 {
-		return fmt.Errorf("no running agent (%s)", cfg.Agent.PidFile)
-	}
-	return syscall.Kill(pid, syscall.SIGHUP)
 }
 
 // NamespaceGone reports whether the namespace a pin directory belongs to no

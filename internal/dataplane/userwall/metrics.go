@@ -13,6 +13,19 @@ var (
 	descBuildInfo = prometheus.NewDesc("palisade_build_info",
 		"Always 1; the labels say which build of Palisade the agent runs.",
 		[]string{"version", "commit", "build_date", "goversion", "cilium_ebpf"}, nil)
+	descConfigInfo = prometheus.NewDesc("palisade_config_info",
+		"Always 1; the SHA-256 of the running configuration file (sha256sum of it): nodes running the same file show the same value.",
+		[]string{"sha256", "path"}, nil)
+	descConfigGen = prometheus.NewDesc("palisade_config_generation",
+		"Configurations applied since the agent started (1 = the one it started with).", nil, nil)
+	descConfigReload = prometheus.NewDesc("palisade_config_last_reload_timestamp_seconds",
+		"Time of the last reload (applied or refused); 0 if none since start.", nil, nil)
+	descConfigReloadOK = prometheus.NewDesc("palisade_config_last_reload_success",
+		"1 if the last reload was applied (or none happened), 0 if it was refused.", nil, nil)
+	descAudit = prometheus.NewDesc("palisade_userwall_audit",
+		"1 if the node is in audit mode (decides and logs, refuses nothing).", nil, nil)
+	descFindings = prometheus.NewDesc("palisade_config_findings",
+		"Findings of config check for the running configuration, by level (WARNING, ERROR).", []string{"level"}, nil)
 	descDecisions = prometheus.NewDesc("palisade_userwall_decisions_total",
 		"Connection decisions taken in the kernel, by path and rule.", []string{"path", "rule", "verdict"}, nil)
 	descLinks = prometheus.NewDesc("palisade_userwall_programs_attached",
@@ -28,7 +41,7 @@ var (
 type collector struct{ a *agent }
 
 func (c collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descBuildInfo, descDecisions, descLinks, descLSM, descEntries, descEvents} {
+	for _, d := range []*prometheus.Desc{descConfigInfo, descConfigGen, descConfigReload, descConfigReloadOK, descAudit, descFindings, descBuildInfo, descDecisions, descLinks, descLSM, descEntries, descEvents} {
 		ch <- d
 	}
 }
@@ -46,6 +59,30 @@ func countEntries(m *ebpf.Map) float64 {
 func (c collector) Collect(ch chan<- prometheus.Metric) {
 	v := version.Get()
 	ch <- prometheus.MustNewConstMetric(descBuildInfo, prometheus.GaugeValue, 1, v.Version, v.Commit, v.BuildDate, v.GoVersion, v.EBPF)
+	st := c.a.stateSnapshot()
+	ch <- prometheus.MustNewConstMetric(descConfigInfo, prometheus.GaugeValue, 1, st.ConfigSHA, st.Config)
+	ch <- prometheus.MustNewConstMetric(descConfigGen, prometheus.GaugeValue, float64(st.Generation))
+	last, ok := 0.0, 1.0
+	if !st.LastReload.IsZero() {
+		last = float64(st.LastReload.UnixNano()) / 1e9
+	}
+	if st.LastReloadError != "" {
+		ok = 0
+	}
+	ch <- prometheus.MustNewConstMetric(descConfigReload, prometheus.GaugeValue, last)
+	ch <- prometheus.MustNewConstMetric(descConfigReloadOK, prometheus.GaugeValue, ok)
+	audit := 0.0
+	if st.Audit {
+		audit = 1
+	}
+	ch <- prometheus.MustNewConstMetric(descAudit, prometheus.GaugeValue, audit)
+	n := map[string]float64{"WARNING": 0, "ERROR": 0}
+	for _, f := range st.Findings {
+		n[f.Level]++
+	}
+	for level, v := range n {
+		ch <- prometheus.MustNewConstMetric(descFindings, prometheus.GaugeValue, v, level)
+	}
 	d := c.a.dp
 	if cs, err := d.ReadCounters(); err == nil {
 		for _, x := range cs {

@@ -48,6 +48,43 @@ const BenchUser = "alice"
 // iperf3 is used everywhere but socks, where parallel HTTP downloads of a
 // 64 MiB object stand in (iperf3 cannot speak SOCKS).
 func (e *Env) Throughput(ctx context.Context, tb *testbed.Testbed, path string, streams int, dur time.Duration) (float64, error) {
+	r, err := e.ThroughputCPU(ctx, tb, path, streams, dur)
+	return r.Mbps, err
+}
+
+// Transfer is one measured transfer.
+type Transfer struct {
+	Mbps float64
+	// ClientCPU is the CPU time (user + system, s) of the client's whole
+	// process tree on node1: the transfer program, and for the tunnelled
+	// paths the client data path (palisade egress, openconnect).
+	ClientCPU float64
+}
+
+// ThroughputCPU is Throughput with the client side's CPU time.
+func (e *Env) ThroughputCPU(ctx context.Context, tb *testbed.Testbed, path string, streams int, dur time.Duration) (Transfer, error) {
+	var cpu float64
+	// output runs a client command and adds its tree's CPU time (wait4
+	// reports the child with every descendant it waited for).
+	output := func(cmd *exec.Cmd) (string, error) {
+		out, err := cmd.Output()
+		if cmd.ProcessState != nil {
+			cpu += (cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()).Seconds()
+		}
+		if err != nil {
+			var stderr []byte
+			if ee, ok := err.(*exec.ExitError); ok {
+				stderr = ee.Stderr
+			}
+			return string(out), fmt.Errorf("%v: %s%s", err, out, stderr)
+		}
+		return string(out), nil
+	}
+	mbps, err := e.throughput(ctx, tb, path, streams, dur, output)
+	return Transfer{Mbps: mbps, ClientCPU: cpu}, err
+}
+
+func (e *Env) throughput(ctx context.Context, tb *testbed.Testbed, path string, streams int, dur time.Duration, output func(*exec.Cmd) (string, error)) (float64, error) {
 	node, _ := tb.Node("node1")
 	// A fresh one-shot server per run: a client that dies mid-test leaves a
 	// shared iperf3 server "busy" for the next one.
@@ -64,7 +101,7 @@ func (e *Env) Throughput(ctx context.Context, tb *testbed.Testbed, path string, 
 			return 0, err
 		}
 		defer sh(context.Background(), "ip", "-n", node.NetNS, "route", "replace", "unreachable", OutsideNet.String())
-		out, err := tb.Output(ctx, "node1", BenchUser, iperf...)
+		out, err := output(tb.Command(ctx, "node1", BenchUser, iperf...))
 		if err != nil {
 			return 0, err
 		}
@@ -80,11 +117,11 @@ func (e *Env) Throughput(ctx context.Context, tb *testbed.Testbed, path string, 
 		}
 		cmd := tb.Command(ctx, "node1", BenchUser, append([]string{"palisade", "egress", "--path", cpath, "--"}, iperf...)...)
 		cmd.Env = append(cmd.Env, "PALISADE_EGRESS_TOKEN="+tok)
-		out, err := cmd.Output()
+		out, err := output(cmd)
 		if err != nil {
-			return 0, fmt.Errorf("%v: %s", err, out)
+			return 0, err
 		}
-		return iperfMbps(string(out))
+		return iperfMbps(out)
 	case "socks", "direct-http":
 		script := fmt.Sprintf(`for i in $(seq %d); do curl -s -o /dev/null -w "%%{size_download} %%{time_total}\n" http://%s/blob & done; wait`, streams, OutsideAddr)
 		var cmd *exec.Cmd
@@ -102,9 +139,9 @@ func (e *Env) Throughput(ctx context.Context, tb *testbed.Testbed, path string, 
 			defer sh(context.Background(), "ip", "-n", node.NetNS, "route", "replace", "unreachable", OutsideNet.String())
 			cmd = tb.Command(ctx, "node1", BenchUser, "sh", "-c", script)
 		}
-		out, err := cmd.Output()
+		out, err := output(cmd)
 		if err != nil {
-			return 0, fmt.Errorf("%v: %s", err, out)
+			return 0, err
 		}
 		var bytes, secs float64
 		for _, l := range strings.Split(strings.TrimSpace(string(out)), "\n") {
@@ -124,7 +161,7 @@ func (e *Env) Throughput(ctx context.Context, tb *testbed.Testbed, path string, 
 			return 0, err
 		}
 		defer stop()
-		out, err := tb.Output(ctx, "node1", BenchUser, iperf...)
+		out, err := output(tb.Command(ctx, "node1", BenchUser, iperf...))
 		if err != nil {
 			return 0, err
 		}

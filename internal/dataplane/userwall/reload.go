@@ -1,0 +1,392 @@
+package userwall
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/version"
+)
+
+// AgentState is what a running agent tells everyone about itself, in a
+// world-readable file next to its pid file (StatePath): status for users
+// who may not read the pinned kernel objects, reload acknowledgements for
+// `palisade agent --reload`, and the configuration identity for monitoring.
+type AgentState struct {
+	PID       int       `json:"pid"`
+	Version   string    `json:"version"`
+	Commit    string    `json:"commit"`
+	Started   time.Time `json:"started"`
+	Config    string    `json:"config"`
+	ConfigSHA string    `json:"config_sha256"`
+	// Generation counts configurations applied since the agent started
+	// (1 = the one it started with); Reloads counts SIGHUPs handled,
+	// applied or refused.
+	Generation      uint64    `json:"generation"`
+	Reloads         uint64    `json:"reloads"`
+	LastReload      time.Time `json:"last_reload"`
+	LastReloadError string    `json:"last_reload_error,omitempty"`
+	Audit           bool      `json:"audit"`
+	UnenforcedNodes []string  `json:"unenforced_nodes,omitempty"`
+	UnixLSM         bool      `json:"unix_enforced"`
+	// PinDir is where the agent's programs are pinned (status follows the
+	// running agent, not a bpffs the file may name since).
+	PinDir string `json:"pin_dir"`
+	// Findings are config check's warnings and errors for the running
+	// configuration (Slurm's accounts, risky settings).
+	Findings []policy.Finding `json:"findings,omitempty"`
+	// Notes are problems of the running agent (a metrics address not bound).
+	Notes []string `json:"notes,omitempty"`
+}
+
+// StatePath is the agent state file that belongs to a pid file.
+func StatePath(pidFile string) string {
+	return strings.TrimSuffix(pidFile, ".pid") + ".state.json"
+}
+
+// ReadState reads an agent state file.
+func ReadState(pidFile string) (*AgentState, error) {
+	b, err := os.ReadFile(StatePath(pidFile))
+	if err != nil {
+		return nil, err
+	}
+	var s AgentState
+	if err := json.Unmarshal(b, &s); err != nil {
+		return nil, fmt.Errorf("%s: %w", StatePath(pidFile), err)
+	}
+	return &s, nil
+}
+
+// setState updates the agent's state under its lock and writes the file
+// (atomically: readers never see half of it).
+func (a *agent) setState(update func(*AgentState)) {
+	a.stateMu.Lock()
+	defer a.stateMu.Unlock()
+	update(&a.state)
+	b, _ := json.MarshalIndent(&a.state, "", "  ")
+	path := StatePath(a.cfg.Agent.PidFile)
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, append(b, '\n'), 0o644); err == nil {
+		err = os.Rename(tmp, path)
+		if err != nil {
+			a.log.Warn("agent state not written", "path", path, "err", err)
+		}
+	}
+}
+
+// stateSnapshot is a copy of the state (metrics goroutine).
+func (a *agent) stateSnapshot() AgentState {
+	a.stateMu.Lock()
+	defer a.stateMu.Unlock()
+	return a.state
+}
+
+func findings(cfg *policy.Config) []policy.Finding {
+	return cfg.Findings(policy.CheckOptions{SlurmConf: policy.SlurmConfPath()})
+}
+
+func (a *agent) initState() {
+	v := version.Get()
+	cfg := a.cfg
+	a.setState(func(s *AgentState) {
+		*s = AgentState{PID: os.Getpid(), Version: v.Version, Commit: v.Commit, Started: time.Now().UTC(),
+			Config: cfg.Path, ConfigSHA: cfg.SHA256, Generation: 1, Audit: cfg.Agent.Audit,
+			UnenforcedNodes: cfg.Cluster.UnenforcedNodes, UnixLSM: a.dp.LSMErr == nil, PinDir: a.pinDir, Findings: findings(cfg),
+			Notes: a.notes}
+	})
+	for _, f := range a.stateSnapshot().Findings {
+		a.log.Warn("configuration: "+f.String(cfg.Path), "level", f.Level)
+	}
+}
+
+// needsRestart names the settings a reload cannot apply: where the
+// programs are pinned and which are loaded are fixed for an agent's life.
+func needsRestart(old, cfg *policy.AgentConfig) []string {
+	var keys []string
+	if old.BPFFS != cfg.BPFFS {
+		keys = append(keys, fmt.Sprintf("agent.bpffs (%q → %q)", old.BPFFS, cfg.BPFFS))
+	}
+	if old.PidFile != cfg.PidFile {
+		keys = append(keys, fmt.Sprintf("agent.pid_file (%q → %q)", old.PidFile, cfg.PidFile))
+	}
+	if old.UnixSockets != cfg.UnixSockets {
+		keys = append(keys, fmt.Sprintf("agent.unix_sockets (%v → %v)", old.UnixSockets, cfg.UnixSockets))
+	}
+	return keys
+}
+
+// reload re-reads the configuration and applies every setting, or refuses
+// the whole file (the running configuration stays) when it is invalid, does
+// not fit the maps, or changes a setting that needs a restart. Maps are
+// updated in place (add, then delete): no gap. The event log is reopened
+// in every case (logrotate sends SIGHUP after moving it).
+func (a *agent) reload() {
+	err := a.applyReload()
+	a.setState(func(s *AgentState) {
+		s.Reloads++
+		s.LastReload = time.Now().UTC()
+		s.LastReloadError = ""
+		if err != nil {
+			s.LastReloadError = err.Error()
+			return
+		}
+		s.Generation++
+		s.Config, s.ConfigSHA, s.Audit = a.cfg.Path, a.cfg.SHA256, a.cfg.Agent.Audit
+		s.UnenforcedNodes, s.Findings, s.Notes = a.cfg.Cluster.UnenforcedNodes, findings(a.cfg), a.notes
+	})
+	if err != nil {
+		a.log.Error("configuration refused; the running configuration stays", "err", err)
+		return
+	}
+	st := a.stateSnapshot()
+	for _, f := range st.Findings {
+		a.log.Warn("configuration: "+f.String(a.cfg.Path), "level", f.Level)
+	}
+	a.log.Info("configuration reloaded", "path", a.cfg.Path, "sha256", a.cfg.SHA256, "generation", st.Generation, "audit", a.cfg.Agent.Audit)
+}
+
+func (a *agent) applyReload() error {
+	cfg, err := a.opts.LoadConfig()
+	if err != nil {
+		a.reopenEvents(a.cfg)
+		return err
+	}
+	if keys := needsRestart(&a.cfg.Agent, &cfg.Agent); len(keys) > 0 {
+		a.reopenEvents(a.cfg)
+		return fmt.Errorf("%s changed: needs a restart (systemctl restart palisade-agent); nothing applied", strings.Join(keys, ", "))
+	}
+	if err := a.dp.Fits(cfg.Policy); err != nil {
+		a.reopenEvents(a.cfg)
+		return err
+	}
+	if err := a.dp.ApplyPolicy(cfg.Policy, cfg.Agent.Audit); err != nil {
+		// Half-applied maps: put the running policy back.
+		if rerr := a.dp.ApplyPolicy(a.cfg.Policy, a.cfg.Agent.Audit); rerr != nil {
+			a.log.Error("running policy not restored", "err", rerr)
+		}
+		a.reopenEvents(a.cfg)
+		return fmt.Errorf("policy not applied: %w", err)
+	}
+	old := a.cfg
+	a.cfg = cfg
+	a.notes = nil
+	if err := a.loadKeys(); err != nil {
+		a.log.Error("cluster keys not loaded", "err", err)
+	}
+	a.reopenEvents(cfg)
+	if old.Agent.MetricsAddress != cfg.Agent.MetricsAddress {
+		a.restartMetrics(old.Agent.MetricsAddress)
+	}
+	if identChanged(&old.Agent, &cfg.Agent) {
+		a.stopIdent()
+		a.stopIdent = a.startIdent(a.ctx)
+		a.log.Info("ident service restarted", "port", cfg.Agent.IdentPort, "socket", cfg.Agent.IdentSocket)
+	} else if a.ident != nil {
+		a.ident.SetPolicy(cfg.Policy)
+	}
+	if d := cfg.Agent.GroupRefreshInterval(); d != old.Agent.GroupRefreshInterval() && a.groups != nil {
+		a.groups.Reset(d)
+	}
+	a.syncMembers()
+	a.syncNode()
+	return nil
+}
+
+func identChanged(old, cfg *policy.AgentConfig) bool {
+	return old.IdentPort != cfg.IdentPort || old.IdentSocket != cfg.IdentSocket || old.IdentSocketGroup != cfg.IdentSocketGroup
+}
+
+// reopenEvents reopens the event log (and syslog, the rate) as cfg says.
+func (a *agent) reopenEvents(cfg *policy.Config) {
+	if a.sink == nil {
+		return
+	}
+	c := cfg.Agent
+	if err := a.sink.reopen(c.EventLog, c.Syslog, c.EventRate); err != nil {
+		a.log.Error("event log not reopened; still writing to the old one", "err", err)
+		a.notes = append(a.notes, "event log not reopened: "+err.Error())
+	}
+}
+
+// reopen replaces the sink's outputs; on error the old ones stay.
+func (s *eventSink) reopen(path string, useSyslog bool, rate int) error {
+	n, err := newEventSink(path, useSyslog, rate, s.log)
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	oldFile, oldSys := s.file, s.sys
+	s.file, s.sys = n.file, n.sys
+	// A new limiter only for a new rate: a reopen keeps the budget.
+	if n.limit == nil || s.limit == nil || n.limit.Limit() != s.limit.Limit() {
+		s.limit = n.limit
+	}
+	s.mu.Unlock()
+	if oldFile != nil {
+		oldFile.Close()
+	}
+	if oldSys != nil {
+		oldSys.Close()
+	}
+	return nil
+}
+
+// startMetrics serves the metrics on [agent] metrics_address.
+func (a *agent) startMetrics() {
+	addr := a.cfg.Agent.MetricsAddress
+	if addr == "" {
+		return
+	}
+	srv, err := a.serveMetrics(addr)
+	if err != nil {
+		a.log.Warn("metrics not served", "addr", addr, "err", err)
+		a.notes = append(a.notes, fmt.Sprintf("metrics not served on %s: %v", addr, err))
+		return
+	}
+	a.metrics = srv
+}
+
+func (a *agent) serveMetrics(addr string) (*http.Server, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	srv := &http.Server{Handler: a.metricsHandler(), ReadHeaderTimeout: 5 * time.Second}
+	go srv.Serve(ln)
+	return srv, nil
+}
+
+// restartMetrics moves the metrics to the new address: bound first, so a
+// failure keeps them where they were.
+func (a *agent) restartMetrics(oldAddr string) {
+	addr := a.cfg.Agent.MetricsAddress
+	var srv *http.Server
+	if addr != "" {
+		var err error
+		if srv, err = a.serveMetrics(addr); err != nil {
+			a.log.Error("metrics address not bound; still serving on the old one", "addr", addr, "old", oldAddr, "err", err)
+			a.notes = append(a.notes, fmt.Sprintf("metrics not moved to %s (%v): still on %s", addr, err, oldAddr))
+			return
+		}
+	}
+	if a.metrics != nil {
+		a.metrics.Close()
+	}
+	a.metrics = srv
+	a.log.Info("metrics address changed", "addr", addr, "old", oldAddr)
+}
+
+func (a *agent) stopMetrics() {
+	if a.metrics != nil {
+		a.metrics.Close()
+	}
+}
+
+// SignalReload asks the namespace's running agent to reload (SIGHUP) and
+// waits for its answer in the state file: nil once the new configuration is
+// applied, the agent's reason when it refused it. The file is checked here
+// first, so that a bad file is refused with its errors before any signal.
+func SignalReload(o AgentOptions) error {
+	cfg, err := o.LoadConfig()
+	if err != nil {
+		return fmt.Errorf("configuration refused, agent not signalled: %w", err)
+	}
+	pid := ReadPid(cfg.Agent.PidFile)
+	if pid == 0 {
+		return fmt.Errorf("no running agent (%s)", cfg.Agent.PidFile)
+	}
+	before, serr := ReadState(cfg.Agent.PidFile)
+	if err := syscall.Kill(pid, syscall.SIGHUP); err != nil {
+		return err
+	}
+	if serr != nil || before.PID != pid {
+		return nil // an agent that does not report reloads
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return errors.New("the agent did not acknowledge the reload within 30 s")
+		case <-tick.C:
+		}
+		s, err := ReadState(cfg.Agent.PidFile)
+		if err != nil || s.Reloads <= before.Reloads {
+			continue
+		}
+		if s.LastReloadError != "" {
+			return fmt.Errorf("the agent refused the configuration: %s", s.LastReloadError)
+		}
+		return nil
+	}
+}
+
+// removeState removes the state file of an uninstalled node.
+func removeState(pidFile string) { os.Remove(StatePath(pidFile)) }
+
+// liveState is the state of the running agent of pidFile (nil if none).
+func liveState(pidFile string, pid int) *AgentState {
+	st, err := ReadState(pidFile)
+	if err != nil || pid == 0 || st.PID != pid {
+		return nil
+	}
+	return st
+}
+
+// addAgentState completes a status with what the running agent reports:
+// version, configuration identity, reloads, audit mode, findings. For a
+// user who may not read the pinned objects (bpffs is root's), the agent's
+// state file is the only source: without it the mode is "unknown", never
+// "none" (which would tell a user on an enforcing node that it is open).
+func (s *Status) addAgentState(cfg *policy.Config, cfgOK bool) {
+	st, err := ReadState(cfg.Agent.PidFile)
+	live := err == nil && s.AgentPID != 0 && st.PID == s.AgentPID
+	if os.Geteuid() != 0 && len(s.Links) == 0 {
+		// What the kernel inspection found is only what a user may see.
+		s.Source, s.Mode, s.Nft, s.Counters, s.Warnings = "agent", "unknown", false, nil, nil
+		if !cfgOK {
+			s.Warnings = append(s.Warnings, "configuration "+cfg.Path+" invalid (a reload would be refused)")
+		}
+		if !live {
+			s.Warnings = append(s.Warnings, "not root: the kernel's programs are not readable, and no running agent reports its state; run as root to know")
+			return
+		}
+		s.Mode, s.Enabled, s.UnixLSM = "userwall", true, st.UnixLSM
+		if !st.UnixLSM {
+			s.Warnings = append(s.Warnings, "abstract Unix sockets are NOT isolated (the agent could not attach its BPF LSM programs)")
+		}
+	}
+	if !live {
+		return
+	}
+	s.Agent = st
+	if s.Source == "agent" {
+		s.Audit = st.Audit
+		if s.Audit {
+			s.Warnings = append(s.Warnings, "audit mode: refusals are reported, NOT enforced")
+		}
+	}
+	if len(st.UnenforcedNodes) > 0 {
+		s.Warnings = append(s.Warnings, fmt.Sprintf("staged rollout: identity-less traffic from %s is admitted (rule unverified)", strings.Join(st.UnenforcedNodes, ", ")))
+	}
+	if st.LastReloadError != "" {
+		s.Warnings = append(s.Warnings, fmt.Sprintf("the last reload (%s) was refused: %s", st.LastReload.Format(time.RFC3339), st.LastReloadError))
+	}
+	if cfgOK && cfg.Path == st.Config && cfg.SHA256 != st.ConfigSHA {
+		s.Warnings = append(s.Warnings, fmt.Sprintf("%s changed since the agent applied it (running sha256 %.12s, file %.12s): reload to apply", cfg.Path, st.ConfigSHA, cfg.SHA256))
+	}
+	for _, f := range st.Findings {
+		s.Warnings = append(s.Warnings, "configuration "+strings.ToLower(f.Level)+": "+f.String(st.Config))
+	}
+	s.Warnings = append(s.Warnings, st.Notes...)
+}

@@ -1,0 +1,198 @@
+package userwall
+
+// The exact per-packet cost of the packet programs without traffic: every
+// program of the object that judges packets (tc, cgroup skb; found by type)
+// is run with BPF_PROG_TEST_RUN on canonical frames, many times per call,
+// in test mode with the maps written by the agent's own writers (the
+// differential test's harness and first world). An empty program of the
+// same type on the same frame is the floor: what the hook and the test run
+// cost by themselves. On demand only (it judges no behaviour):
+//
+//	PALISADE_TESTRUN_COSTS=1 go test -run TestRunCosts -v ./internal/dataplane/userwall
+//
+// `palisade-lab bench` reports the same programs' cost under real traffic
+// (run-time statistics); docs/benchmarks puts both side by side.
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
+)
+
+// costFrame is one canonical packet.
+type costFrame struct {
+	name   string
+	frame  []byte
+	sock   uwbpfUwTestSock
+	egress bool // a packet this node sends (else one it receives)
+}
+
+func costFrames(w *world) []costFrame {
+	local4, peer4 := netip.MustParseAddr("198.18.0.1"), netip.MustParseAddr("198.18.0.2")
+	local6, peer6 := netip.MustParseAddr("2001:2:0:1::1"), netip.MustParseAddr("2001:2:0:1::2")
+	now := time.Now().UnixNano()
+	alice := uwbpfUwTestSock{Uid: uAlice, Gid: uAlice, NowNs: now}
+	lis := alice
+	lis.TcpListener = 1
+	var out []costFrame
+	for _, v6 := range []bool{false, true} {
+		l, p, fam := local4, peer4, "v4"
+		if v6 {
+			l, p, fam = local6, peer6, "v6"
+		}
+		in := func(name string, proto, flags uint8, kind stampKind, sock uwbpfUwTestSock) {
+			c := tcase{v6: v6, proto: proto, tcpFlags: flags, src: p, dst: l, sport: 40000, dport: 29203,
+				stamp: kind, cuid: uAlice, cgid: uAlice, sock: sock}
+			out = append(out, costFrame{name: name + " " + fam + ", received", frame: c.frame(w, Key{}), sock: sock})
+		}
+		outp := func(name string, proto, flags uint8) {
+			c := tcase{v6: v6, proto: proto, tcpFlags: flags, src: l, dst: p, sport: 40000, dport: 29203, sock: alice}
+			out = append(out, costFrame{name: name + " " + fam + ", sent", frame: c.frame(w, Key{}), sock: alice, egress: true})
+		}
+		in("established TCP data", ipTCP, 0x18, stNone, alice)
+		outp("established TCP data", ipTCP, 0x18)
+		in("SYN with stamp", ipTCP, 0x02, stValid, lis)
+		in("SYN without stamp", ipTCP, 0x02, stNone, lis)
+		outp("SYN (to stamp)", ipTCP, 0x02)
+		in("UDP with stamp", ipUDP, 0, stValid, alice)
+		in("UDP without stamp", ipUDP, 0, stNone, alice)
+		outp("UDP (to stamp)", ipUDP, 0)
+	}
+	return out
+}
+
+// perRun is the mean time of one run: the least over batches of a
+// Repeat-run test run (the least is the one least disturbed by the rest of
+// the machine; the kernel runs the batch back to back).
+func perRun(p *ebpf.Program, opts ebpf.RunOptions, repeat, batches int) (time.Duration, uint32, error) {
+	opts.Repeat = uint32(repeat)
+	best := time.Duration(1 << 62)
+	var ret uint32
+	for range batches {
+		t0 := time.Now()
+		r, err := p.Run(&opts)
+		d := time.Since(t0)
+		if err != nil {
+			return 0, 0, err
+		}
+		ret = r
+		best = min(best, d)
+	}
+	return best / time.Duration(repeat), ret, nil
+}
+
+func emptyProg(t ebpf.ProgramType, ret int32) (*ebpf.Program, error) {
+	return ebpf.NewProgram(&ebpf.ProgramSpec{Type: t, License: "GPL",
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, ret), asm.Return()}})
+}
+
+func TestRunCosts(t *testing.T) {
+	if os.Getenv("PALISADE_TESTRUN_COSTS") == "" {
+		t.Skip("on demand: PALISADE_TESTRUN_COSTS=1")
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("not root")
+	}
+	spec, err := loadUwbpf()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, p := range spec.Programs {
+		if p.Type != ebpf.SchedCLS && p.Type != ebpf.CGroupSKB {
+			delete(spec.Programs, name)
+		}
+	}
+	if err := spec.Variables["test_mode"].Set(uint32(1)); err != nil {
+		t.Fatal(err)
+	}
+	coll, err := ebpf.NewCollection(spec)
+	if err != nil {
+		var verr *ebpf.VerifierError
+		if errors.As(err, &verr) {
+			t.Fatalf("load: %+v", verr)
+		}
+		t.Fatal(err)
+	}
+	defer coll.Close()
+	h := &harness{d: &Dataplane{coll: coll}, testSock: coll.Maps["test_sock"]}
+	w := worlds()[0]
+	w.apply(t, h)
+	ifindex := remoteIfindex()
+	// The tc programs find the IP header through the interface's L2
+	// length: the test runs' interface is a managed Ethernet one.
+	if ifindex > 1 {
+		if err := h.d.SetInterfaces(map[int]int{1: 14, ifindex: 14}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	floors := map[ebpf.ProgramType]*ebpf.Program{}
+	for _, typ := range []ebpf.ProgramType{ebpf.SchedCLS, ebpf.CGroupSKB} {
+		p, err := emptyProg(typ, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer p.Close()
+		floors[typ] = p
+	}
+	var names []string
+	for n := range coll.Programs {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	const repeat, batches = 2000, 80
+	var b strings.Builder
+	fmt.Fprintf(&b, "| program | type | packet | ns per run | empty program (floor) | above the floor |\n|---|---|---|---|---|---|\n")
+	for _, f := range costFrames(w) {
+		if err := h.testSock.Update(uint32(0), f.sock, ebpf.UpdateAny); err != nil {
+			t.Fatal(err)
+		}
+		opts := ebpf.RunOptions{Data: f.frame}
+		if ifindex > 1 {
+			opts.Context = skbCtx(ifindex)
+		}
+		for _, n := range names {
+			p := coll.Programs[n]
+			info, _ := p.Info()
+			// Only the programs of the packet's direction: the ingress
+			// hooks judge what arrives, the egress hooks what leaves.
+			if strings.Contains(n, "egress") != f.egress {
+				continue
+			}
+			d, _, err := perRun(p, opts, repeat, batches)
+			if err != nil {
+				t.Fatalf("%s on %s: %v", n, f.name, err)
+			}
+			fl, _, err := perRun(floors[info.Type], opts, repeat, batches)
+			if err != nil {
+				t.Fatalf("floor on %s: %v", f.name, err)
+			}
+			fmt.Fprintf(&b, "| %s | %s | %s | %.0f | %.0f | %.0f |\n", n, info.Type, f.name, float64(d.Nanoseconds()), float64(fl.Nanoseconds()),
+				float64(d.Nanoseconds()-fl.Nanoseconds()))
+		}
+	}
+	t.Logf("BPF_PROG_TEST_RUN, %d runs per call, least of %d calls, ifindex %d:\n%s", repeat, batches, ifindex, b.String())
+}
+
+// remoteIfindex is an interface index other than lo (the remote paths); 0
+// if the host has none. Nothing is sent on it.
+func remoteIfindex() int {
+	ifs, err := net.Interfaces()
+	if err != nil {
+		return 0
+	}
+	for _, i := range ifs {
+		if i.Index > 1 {
+			return i.Index
+		}
+	}
+	return 0
+}

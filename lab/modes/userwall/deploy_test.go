@@ -1,0 +1,290 @@
+package userwall
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+)
+
+// reloadNode runs `palisade agent --reload` on node: it returns once the
+// agent applied or refused the file (the agent acknowledges in its state).
+func reloadNode(t *testing.T, node string) (string, error) {
+	t.Helper()
+	n, _ := tb.Node(node)
+	out, err := nodeCommand(context.Background(), tb, n, "agent", "--reload").CombinedOutput()
+	return string(out), err
+}
+
+// metrics fetches node's metrics from addr inside the node ("" and an error
+// when nothing serves there).
+func metrics(node, addr string) (string, error) {
+	return tb.Output(context.Background(), node, "", "/usr/bin/python3", "-c",
+		"import urllib.request; print(urllib.request.urlopen('http://"+addr+"/metrics', timeout=5).read().decode())")
+}
+
+func fileSHA(t *testing.T, path string) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := sha256.Sum256(b)
+	return hex.EncodeToString(s[:])
+}
+
+// eventsIn reads a JSON-lines event log for connector→listener port events.
+func eventsIn(path, connector string, port string) int {
+	b, _ := os.ReadFile(path)
+	return strings.Count(string(b), `"user":"`+connector+`"`) * strings.Count(string(b), ":"+port+`"`)
+}
+
+// TestReloadAppliesEverySetting: a reload moves the metrics, the event log
+// and the ident port, counts a generation and changes the configuration
+// hash; the event log is reopened on every reload (logrotate); a setting
+// that needs a restart is refused whole, with its name, and reported.
+func TestReloadAppliesEverySetting(t *testing.T) {
+	needTestbed(t)
+	const node = "node1"
+	p := tb.ConfigPath(node)
+	orig, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		os.WriteFile(p, orig, 0o644)
+		if out, err := reloadNode(t, node); err != nil {
+			t.Errorf("restoring the configuration: %v %s", err, out)
+		}
+	})
+	before := status(t, node)
+	if before.Agent == nil || before.Agent.ConfigSHA != fileSHA(t, p) || before.Agent.Version == "" {
+		t.Fatalf("status lacks the agent's state or hash: %+v", before.Agent)
+	}
+	listen(t, node, "alice", "tcp", "0.0.0.0", 5181)
+
+	newLog := filepath.Join(tb.LogDir(), "pal-reload-events.jsonl")
+	os.Remove(newLog)
+	t.Cleanup(func() { os.Remove(newLog) })
+	conf := regexp.MustCompile(`(?m)^event_log = .*$`).ReplaceAllString(string(orig), "event_log = \""+newLog+"\"") +
+		"metrics_address = \"127.0.0.1:9471\"\nident_port = 98\ngroup_refresh = \"7s\"\n"
+	if err := os.WriteFile(p, []byte(conf), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := reloadNode(t, node); err != nil || !strings.Contains(out, "configuration reloaded") {
+		t.Fatalf("reload: %v %s", err, out)
+	}
+	after := status(t, node)
+	if after.Agent.Generation != before.Agent.Generation+1 || after.Agent.ConfigSHA != fileSHA(t, p) || after.Agent.LastReloadError != "" {
+		t.Errorf("state after reload: %+v (before: generation %d)", after.Agent, before.Agent.Generation)
+	}
+	// Metrics moved, with the new identity.
+	m, err := metrics(node, "127.0.0.1:9471")
+	if err != nil {
+		t.Fatalf("metrics not on the new address: %v", err)
+	}
+	for _, want := range []string{`palisade_config_info{path="` + p + `",sha256="` + fileSHA(t, p) + `"} 1`,
+		"palisade_config_last_reload_success 1", "palisade_config_generation " + strconv.FormatUint(after.Agent.Generation, 10)} {
+		if !strings.Contains(m, want) {
+			t.Errorf("metrics lack %s", want)
+		}
+	}
+	if _, err := metrics(node, "127.0.0.1:9464"); err == nil {
+		t.Errorf("metrics still served on the old address")
+	}
+	// The ident service moved to UDP 98.
+	if out, _ := tb.Output(context.Background(), node, "", "ss", "-Hlnu", "sport = :98"); !strings.Contains(out, ":98") {
+		t.Errorf("ident not listening on UDP 98: %q", out)
+	}
+	if out, _ := tb.Output(context.Background(), node, "", "ss", "-Hlnu", "sport = :99"); strings.Contains(out, ":99") {
+		t.Errorf("ident still on UDP 99: %q", out)
+	}
+	// Refusals go to the new event log.
+	run(t, []tcase{{node, "carol", "tcp", "127.0.0.1", 5181, refused, nil}})
+	waitFor(t, "event in the new log", func() bool { return eventsIn(newLog, "carol", "5181") > 0 })
+
+	// logrotate: the file is moved away, SIGHUP (a reload of the same
+	// file) makes the agent write to a new file at the configured path.
+	rotated := newLog + ".1"
+	t.Cleanup(func() { os.Remove(rotated) })
+	if err := os.Rename(newLog, rotated); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := reloadNode(t, node); err != nil {
+		t.Fatalf("reload after rotation: %v %s", err, out)
+	}
+	n0 := eventsIn(rotated, "carol", "5181")
+	run(t, []tcase{{node, "carol", "tcp", "127.0.0.1", 5181, refused, nil}})
+	waitFor(t, "event in the reopened log", func() bool { return eventsIn(newLog, "carol", "5181") > 0 })
+	if n := eventsIn(rotated, "carol", "5181"); n != n0 {
+		t.Errorf("the rotated file still receives events (%d → %d)", n0, n)
+	}
+
+	// A setting fixed for the agent's life: refused whole, named.
+	gen := status(t, node).Agent.Generation
+	os.WriteFile(p, []byte(conf+"bpffs = \"/sys/fs/bpf/palelsewhere\"\n"), 0o644)
+	out, err := reloadNode(t, node)
+	if err == nil || !strings.Contains(out, "agent.bpffs") || !strings.Contains(out, "needs a restart") {
+		t.Errorf("reload changing bpffs: err %v, output %q", err, out)
+	}
+	s := status(t, node)
+	if s.Agent.Generation != gen || !strings.Contains(s.Agent.LastReloadError, "agent.bpffs") {
+		t.Errorf("refused reload: generation %d → %d, error %q", gen, s.Agent.Generation, s.Agent.LastReloadError)
+	}
+	if !hasWarning(s, "was refused") || !hasWarning(s, "changed since the agent applied it") {
+		t.Errorf("status warnings after a refused reload: %q", s.Warnings)
+	}
+	if m, _ := metrics(node, "127.0.0.1:9471"); !strings.Contains(m, "palisade_config_last_reload_success 0") {
+		t.Errorf("metrics do not show the refused reload")
+	}
+}
+
+func hasWarning(s *uw.Status, text string) bool {
+	for _, w := range s.Warnings {
+		if strings.Contains(w, text) {
+			return true
+		}
+	}
+	return false
+}
+
+// waitFor polls cond (the event log is written asynchronously from the
+// ring buffer) for up to 5 s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Errorf("timed out waiting for %s", what)
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestStatusAsUser: a user who may not read the kernel objects gets the
+// agent's view (mode userwall, its version and configuration), never
+// "none"; the exit status says "enforcing, with warnings" or "enforcing".
+func TestStatusAsUser(t *testing.T) {
+	needTestbed(t)
+	root := status(t, "node1")
+	cmd := tb.Command(context.Background(), "node1", "alice", tb.Binary, "status", "--config", tb.ConfigPath("node1"))
+	out, err := cmd.CombinedOutput()
+	code := 0
+	if err != nil {
+		code = cmd.ProcessState.ExitCode()
+	}
+	if code != 0 && code != 1 || !strings.Contains(string(out), "mode:        userwall") ||
+		!strings.Contains(string(out), "source:      the agent's state") || !strings.Contains(string(out), root.Agent.ConfigSHA) {
+		t.Errorf("status as alice: exit %d\n%s", code, out)
+	}
+	if (code == 1) != (len(root.Warnings) > 0) {
+		t.Errorf("status as alice exits %d; root sees warnings %q", code, root.Warnings)
+	}
+	// --check: nothing printed, the same verdict.
+	cmd = tb.Command(context.Background(), "node1", "alice", tb.Binary, "status", "--check", "--config", tb.ConfigPath("node1"))
+	out, _ = cmd.CombinedOutput()
+	if len(out) != 0 || cmd.ProcessState.ExitCode() != code {
+		t.Errorf("status --check as alice: exit %d, output %q", cmd.ProcessState.ExitCode(), out)
+	}
+}
+
+// TestSlurmAccountsMustBeExempt: with only root (and svc) exempt — the
+// defaults a site starts from — Slurm's own account is a user to userwall
+// and `sinfo` fails; `config check` on the node says so, naming the line to
+// add; with "slurm" exempt both ways Slurm works again.
+func TestSlurmAccountsMustBeExempt(t *testing.T) {
+	needTestbed(t)
+	origs := map[string][]byte{}
+	for _, n := range tb.Nodes {
+		p := tb.ConfigPath(n.Name)
+		b, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		origs[n.Name] = b
+	}
+	restore := func() {
+		for name, b := range origs {
+			os.WriteFile(tb.ConfigPath(name), b, 0o644)
+			if out, err := reloadNode(t, name); err != nil {
+				t.Errorf("%s: restoring the configuration: %v %s", name, err, out)
+			}
+		}
+	}
+	t.Cleanup(restore)
+	for name, b := range origs {
+		c := regexp.MustCompile(`(?m)^(exempt_(connectors|listeners)) = .*$`).ReplaceAllString(string(b), `$1 = ["root", "svc"]`)
+		if c == string(b) {
+			t.Fatalf("%s: exemptions not found in the testbed configuration", name)
+		}
+		os.WriteFile(tb.ConfigPath(name), []byte(c), 0o644)
+		if out, err := reloadNode(t, name); err != nil {
+			t.Fatalf("%s: reload: %v %s", name, err, out)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	out, _ := tb.Command(ctx, "node2", "alice", "sinfo", "-h", "-o", "%P").CombinedOutput()
+	if !strings.Contains(string(out), "Unable to contact slurm controller") {
+		t.Errorf("sinfo as alice without Slurm's account exempt: %q", out)
+	}
+	// config check as the node sees it (its /etc/slurm/slurm.conf).
+	cmd := tb.Command(ctx, "node1", "", tb.Binary, "config", "check", "--config", tb.ConfigPath("node1"))
+	out, err := cmd.CombinedOutput()
+	if err == nil || cmd.ProcessState.ExitCode() != 1 ||
+		!regexp.MustCompile(`# ERROR: \S+:\d+: policy\.exempt_connectors: SlurmUser "slurm" \(/etc/slurm/slurm.conf:\d+\) is not in exempt_connectors and exempt_listeners`).Match(out) {
+		t.Errorf("config check without Slurm's account: %v\n%s", err, out)
+	}
+	restore()
+	out, err = tb.Command(ctx, "node2", "alice", "sinfo", "-h", "-o", "%P").CombinedOutput()
+	if err != nil || strings.Contains(string(out), "Unable to contact") || strings.TrimSpace(string(out)) == "" {
+		t.Errorf("sinfo as alice with Slurm's account exempt: %v %q", err, out)
+	}
+	cmd = tb.Command(ctx, "node1", "", tb.Binary, "config", "check", "--config", tb.ConfigPath("node1"))
+	if out, err := cmd.CombinedOutput(); err != nil || strings.Contains(string(out), "# ERROR") {
+		t.Errorf("config check with Slurm's account exempt: %v\n%s", err, out)
+	}
+}
+
+// TestExplainAgreesWithKernel: explain never answers DENY for a connection
+// the kernel allows — as a user who cannot see the listener's group it says
+// "undecided" — and for a refused one it names the fix.
+func TestExplainAgreesWithKernel(t *testing.T) {
+	needTestbed(t)
+	listen(t, "node1", "bob+proj1", "tcp", "0.0.0.0", 5191) // shared with proj1
+	listen(t, "node1", "bob", "tcp", "0.0.0.0", 5192)       // private
+	run(t, []tcase{
+		{"node1", "alice", "tcp", "127.0.0.1", 5191, "OK", nil},
+		{"node1", "alice", "tcp", "127.0.0.1", 5192, refused, nil},
+	})
+	explain := func(user string, args ...string) string {
+		cmd := tb.Command(context.Background(), "node1", user, append([]string{tb.Binary, "explain", "--config", tb.ConfigPath("node1")}, args...)...)
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("explain %v as %q: %v\n%s", args, user, err, out)
+		}
+		return string(out)
+	}
+	// As alice herself (her own credentials): allowed or undecided, never DENY.
+	out := explain("alice", "--to", "127.0.0.1:5191")
+	if strings.Contains(out, "DENY") || !(strings.Contains(out, "ALLOW (rule shared-group)") || strings.Contains(out, "undecided")) {
+		t.Errorf("alice → bob's proj1 listener (the kernel allows):\n%s", out)
+	}
+	// Root sees the listener's group: the kernel's verdicts, and the fix.
+	out = explain("", "--from", "alice", "--to", "127.0.0.1:5191")
+	if !strings.Contains(out, "ALLOW (rule shared-group)") {
+		t.Errorf("root: alice → bob's proj1 listener:\n%s", out)
+	}
+	out = explain("", "--from", "alice", "--to", "127.0.0.1:5192")
+	if !strings.Contains(out, "DENY (rule default-deny)") || !strings.Contains(out, "ask bob to share the service with a group you both hold: sg proj1") {
+		t.Errorf("root: alice → bob's private listener:\n%s", out)
+	}
+}
