@@ -45,7 +45,9 @@ type Plan struct {
 	ReplyTimeoutMS int `json:"reply_timeout_ms,omitempty"`
 	// UDPTries datagrams are sent before a UDP case counts as timed out;
 	// the first wait is UDPWaitMS and each next one twice as long
-	// (defaults 3 and 150: 150+300+600 ms). Refusals by ICMP surface at
+	// (defaults 4 and 150: 150+300+600+1200 ms; with 3 tries a listener
+	// that did not run within 1 s at load average 40 looked like a drop:
+	// 2 system-port cases of 74,400). Refusals by ICMP surface at
 	// once; the growing waits only keep a slow listener from looking
 	// like a silent drop.
 	UDPTries  int `json:"udp_tries,omitempty"`
@@ -187,7 +189,7 @@ type Connector struct {
 
 // NewConnector applies the plan's settings over the defaults.
 func NewConnector(p *Plan) *Connector {
-	c := &Connector{TCPTimeout: 3 * time.Second, ReplyTimeout: 3 * time.Second, UDPTries: 3,
+	c := &Connector{TCPTimeout: 3 * time.Second, ReplyTimeout: 3 * time.Second, UDPTries: 4,
 		UDPWait: 150 * time.Millisecond, Parallel: 512}
 	if p != nil {
 		if p.ReplyTimeoutMS > 0 {
