@@ -25,6 +25,9 @@ type ActSpec struct {
 	Connect bool `json:"connect,omitempty"`
 	// Count datagrams (default 1).
 	Count int `json:"count,omitempty"`
+	// Size pads each datagram to this many bytes (a datagram too large
+	// for a stamp, or one that must be fragmented).
+	Size int `json:"size,omitempty"`
 	// Reply waits for the victim's echo.
 	Reply bool `json:"reply,omitempty"`
 	// WaitMS bounds connect and the wait for a reply (default 1500).
@@ -129,6 +132,9 @@ func act(s ActSpec, r *ActResult) error {
 		}
 	}
 	msg := Payload(s.Nonce)
+	if len(msg) < s.Size {
+		msg = append(msg, make([]byte, s.Size-len(msg))...)
+	}
 	if s.stream() {
 		if s.FastOpen {
 			// Data in the SYN (MSG_FASTOPEN connects and sends at once;

@@ -50,6 +50,7 @@ func Cases() []*Case {
 	add(userns("-r"), userns("-rn"))
 	add(timeWait(), fastOpen())
 	add(abstractUnix("unix-stream"), abstractUnix("unix-dgram"))
+	add(casesV2()...)
 	return cs
 }
 

@@ -20,6 +20,14 @@ type SinkSpec struct {
 	// CloseFirst closes a stream right after the echo, so that the
 	// victim's side of the connection ends in TIME_WAIT.
 	CloseFirst bool `json:"close_first,omitempty"`
+	// SendFirst (datagram sockets): the socket sends one datagram to each
+	// of these addresses before it reports ready (a client that talked to
+	// a service: its reply state).
+	SendFirst []string `json:"send_first,omitempty"`
+	// Heartbeat (datagram sockets): the socket sends a datagram to this
+	// address every 200 ms while it runs (a multicast peer announcing
+	// itself on the group it listens to).
+	Heartbeat string `json:"heartbeat,omitempty"`
 }
 
 // SinkLine is one line of sink output: "ready" once bound (with the bound
@@ -57,6 +65,29 @@ func Serve(spec SinkSpec, out io.Writer) error {
 			emit(SinkLine{Type: "error", Error: at("listen", err).Error(), Errno: Errno(err)})
 			return err
 		}
+	}
+	for _, to := range spec.SendFirst {
+		sa, err := sockaddr(spec.Sock, to)
+		if err == nil {
+			err = sendtoFD(fd, []byte("PALISADE hello\n"), 0, sa)
+		}
+		if err != nil && err != unix.ECONNREFUSED && err != unix.EHOSTUNREACH {
+			emit(SinkLine{Type: "error", Error: at("send first to "+to, err).Error(), Errno: Errno(err)})
+			return err
+		}
+	}
+	if spec.Heartbeat != "" {
+		sa, err := sockaddr(spec.Sock, spec.Heartbeat)
+		if err != nil {
+			emit(SinkLine{Type: "error", Error: at("heartbeat", err).Error()})
+			return err
+		}
+		go func() {
+			for {
+				sendtoFD(fd, []byte("PALISADE heartbeat, padded beyond forty-eight bytes\n"), 0, sa)
+				time.Sleep(200 * time.Millisecond)
+			}
+		}()
 	}
 	local, _ := unix.Getsockname(fd)
 	emit(SinkLine{Type: "ready", PID: os.Getpid(), UID: os.Getuid(), GID: os.Getegid(), Addr: sockString(local)})

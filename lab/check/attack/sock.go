@@ -50,6 +50,9 @@ type Sock struct {
 	Join        []string `json:"join,omitempty"`
 	Broadcast   bool     `json:"broadcast,omitempty"`
 	MulticastIf string   `json:"mcast_if,omitempty"`
+	// FreeBind sets IP_FREEBIND: bind (and, for IPv6, send from) an
+	// address that is not the node's (unprivileged).
+	FreeBind bool `json:"freebind,omitempty"`
 }
 
 const (
@@ -161,6 +164,11 @@ func (s Sock) open() (int, error) {
 	if s.ReusePort {
 		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEPORT, 1); err != nil {
 			return fail("SO_REUSEPORT", err)
+		}
+	}
+	if s.FreeBind {
+		if err := unix.SetsockoptInt(fd, unix.IPPROTO_IP, unix.IP_FREEBIND, 1); err != nil {
+			return fail("IP_FREEBIND", err)
 		}
 	}
 	if s.Broadcast {
