@@ -25,6 +25,7 @@ func main() {
 	// userwall: the agent on every node; check expects the policy core's
 	// verdict (check's built-in "userwall" expectation).
 	testbed.RegisterMode(userwalllab.ModeName, userwalllab.TestbedMode{})
+	check.RegisterSettler(userwalllab.ModeName, userwalllab.SettleCheck)
 	bench.RegisterDriver(userwalllab.ModeName, bench.UserwallDriver())
 
 	// uvn: per-user VRFs, inside the VM testbed.

@@ -28,7 +28,7 @@ const (
 )
 
 // Launchers lists every launcher in table order.
-var Launchers = []Launcher{Plain, SSH, Srun, Sbatch, MPIRun}
+var Launchers = []Launcher{Plain, SSH, Srun, Sbatch, MPIRun, Queued}
 
 // Path is the way a connection goes from connector to listener.
 type Path string

@@ -1,9 +1,12 @@
 package check
 
 import (
+	"context"
 	"fmt"
 	"sort"
 	"sync"
+
+	"github.com/palisade-hpc/palisade/lab/testbed"
 )
 
 // Expectation states what a mode expects of one case. It is called once
@@ -39,6 +42,28 @@ func Modes() []string {
 	}
 	sort.Strings(out)
 	return out
+}
+
+// Settler waits, after the listeners are up and before any connector
+// runs, until a mode's data plane has taken in what it learns from them
+// (the userwall agent: the member lists of the listeners' groups). An
+// acknowledgement to wait on, not a sleep; an error is reported as a
+// warning and the run goes on (the cases then show what went wrong).
+type Settler func(ctx context.Context, tb *testbed.Testbed, cases []*Case) error
+
+var settlers = map[string]Settler{}
+
+// RegisterSettler sets mode's Settler.
+func RegisterSettler(mode string, s Settler) {
+	modesMu.Lock()
+	defer modesMu.Unlock()
+	settlers[mode] = s
+}
+
+func lookupSettler(mode string) Settler {
+	modesMu.Lock()
+	defer modesMu.Unlock()
+	return settlers[mode]
 }
 
 func lookupMode(name string) (Expectation, error) {

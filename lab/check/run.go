@@ -117,6 +117,13 @@ func Run(ctx context.Context, tb *testbed.Testbed, opts Options) (*Report, error
 		len(m.listeners)*len(m.listenerHosts()), len(m.listenerHosts()))
 	r.startListeners(ctx)
 	defer r.stopListeners()
+	if settle := lookupSettler(opts.Mode); settle != nil {
+		t := time.Now()
+		if err := settle(ctx, tb, m.cases); err != nil {
+			r.warn("the data plane did not settle: %v", err)
+		}
+		r.logf("settled in %v", time.Since(t).Round(time.Millisecond))
+	}
 
 	// Without Slurm first (quick, and the same nodes as Slurm's would
 	// otherwise compete for two cores), then every Slurm and MPI launcher
@@ -484,6 +491,9 @@ func (r *runner) runProc(ctx context.Context, p *proc) {
 			mpi = append(mpi, "--mca", "plm_rsh_args", strings.Join(sshOpts(), " "))
 		}
 		cmd = r.tb.Command(ctx, p.Start, user, append(mpi, argv...)...)
+	case Queued:
+		r.runQueued(ctx, p)
+		return
 	default:
 		p.failure = fmt.Sprintf("launcher %s cannot run directly", p.Launcher)
 		return
@@ -682,6 +692,8 @@ func (p *proc) checkLaunch(st probe.Line, all map[string]probe.Line) error {
 		if env["SLURM_JOB_ID"] != p.jobID {
 			return fmt.Errorf("not in batch job %s (SLURM_JOB_ID=%q)", p.jobID, env["SLURM_JOB_ID"])
 		}
+	case Queued:
+		return p.checkQueued(env)
 	case MPIRun:
 		if env["OMPI_COMM_WORLD_SIZE"] != strconv.Itoa(len(p.Hosts)) || !has("OMPI_COMM_WORLD_RANK") {
 			return fmt.Errorf("not an mpirun rank of %d (environment %v)", len(p.Hosts), env)

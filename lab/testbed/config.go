@@ -116,8 +116,19 @@ func (tb *Testbed) slurmConf() string {
 	w("MinJobAge", "60")
 	w("Waittime", "0")
 	w("PlugStackConfig", "/etc/slurm/plugstack.conf")
+	// srun and salloc listen on these ports for Slurm's callbacks (outside
+	// the ephemeral range 32768-60999): uvn lets Slurm's daemons reach them
+	// in a user's VRF (docs/uvn.md).
+	w("SrunPortRange", "61000-62999")
 	// Nodes share /tmp; PMIx's per-job directories would collide (pitfall 4).
 	w("TmpFS", d+"/nodetmp/%n")
+	if m, ok := lookupMode(tb.Mode); ok {
+		if c, ok := m.(SlurmConfer); ok {
+			for _, l := range c.SlurmConf(tb) {
+				b.WriteString(l + "\n")
+			}
+		}
+	}
 	for _, n := range tb.Nodes {
 		// Never more than the real machine: a node claiming more is drained.
 		fmt.Fprintf(&b, "NodeName=%s NodeAddr=%s CPUs=2 RealMemory=1000 State=UNKNOWN\n", n.Name, n.Eth0V4)
@@ -251,7 +262,7 @@ key_file = "%[7]s"
 pid_file = "%[5]s/%[1]s/agent.pid"
 ident_socket = "%[5]s/%[1]s/ident.sock"
 event_log = "%[6]s/%[1]s-userwall.jsonl"
-`, n.Name, tb.Name, q(subnets), q(nodes), tb.RunDir(), tb.LogDir(), tb.ClusterKeyPath())
+`, n.Name, tb.Name, q(subnets), q(nodes), tb.RunDir(), tb.LogDir(), tb.ClusterKeyPath()) + tb.directoryPolicy()
 }
 
 // ClusterKeyPath is the testbed's Palisade cluster key (every node's).

@@ -20,7 +20,7 @@ import (
 // enter is the `ip` argv that runs what follows on node n: in its network
 // namespace with its /etc overlay (ip netns exec) and in its UTS namespace.
 func (n Node) enter() []string {
-	return append([]string{"netns", "exec", n.NetNS, "nsenter", "--uts=" + n.UTS, "--"}, nodeBinds(n.SSS)...)
+	return append([]string{"netns", "exec", n.NetNS, "nsenter", "--uts=" + n.UTS, "--"}, nodeView(n.Etc, n.SSS)...)
 }
 
 // onNode runs a command as root on node n and returns its output.

@@ -12,6 +12,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // The directory of `testbed up --directory ldap`: a real OpenLDAP server
@@ -193,6 +195,19 @@ entry_cache_timeout = %[6]d
 `, node, tb.Name, LDAPURL(), LDAPBase, int(SSSDMemcacheTimeout.Seconds()), t)
 }
 
+// GroupRefresh is the agent's group_refresh with a directory: with SSSD's
+// cache time, the bound on a membership change (docs/policy.md).
+const GroupRefresh = 5 * time.Second
+
+// directoryPolicy ends the node's [agent] table with a directory.
+func (tb *Testbed) directoryPolicy() string {
+	if tb.Directory == "" {
+		return ""
+	}
+	return fmt.Sprintf("# Membership bound: group_refresh + SSSD entry_cache_timeout (%v).\ngroup_refresh = %q\n",
+		SSSDCacheTimeout, GroupRefresh.String())
+}
+
 // writeDirectoryConfig writes each node's files view, nsswitch.conf,
 // sssd.conf and SSSD state directory, and slapd's configuration.
 func (tb *Testbed) writeDirectoryConfig() error {
@@ -245,35 +260,63 @@ func (tb *Testbed) writeDirectoryConfig() error {
 			}
 		}
 	}
+	if err := tb.opaqueDirs(); err != nil {
+		return err
+	}
 	return tb.writeSlapdConfig()
 }
 
-// nodeBinds is the argv that binds the node's own /var/lib/sss and execs
-// the rest; it runs inside the node's private mount namespace (after `ip
-// netns exec`), so the host and other nodes never see the mount.
-func nodeBinds(sss string) []string {
+// opaqueDirs marks every directory of the node's /etc layer opaque to the
+// overlay (nodeView), so that it replaces the host's directory as the
+// `ip netns exec` bind would (/etc/ssh is the node's alone, not merged).
+// Called once the node's /etc is complete.
+func (tb *Testbed) opaqueDirs() error {
+	for _, n := range tb.Nodes {
+		ents, err := os.ReadDir(tb.NodeEtc(n.Name))
+		if err != nil {
+			return err
+		}
+		for _, e := range ents {
+			if e.IsDir() {
+				if err := unix.Setxattr(filepath.Join(tb.NodeEtc(n.Name), e.Name()), "trusted.overlay.opaque", []byte("y"), 0); err != nil {
+					return fmt.Errorf("overlay layer of %s: %w", n.Name, err)
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// nodeView is the argv that gives a node process the node's accounts view
+// and execs the rest: a read-only overlay on /etc whose top layer is the
+// node's /etc directory (passwd, group, shadow, gshadow, nsswitch.conf,
+// sssd/ and everything `ip netns exec` would bind) over the host's /etc,
+// and the node's own /var/lib/sss. It runs inside the node's private mount
+// namespace, so neither the host nor other nodes see these mounts.
+//
+// Not per-file bind mounts (as `ip netns exec` makes): when the host
+// rewrites /etc/passwd or /etc/group (useradd, groupadd, userdel: another
+// testbed instance creating or removing the shared users), the kernel
+// detaches every mount on the replaced file in all other mount namespaces
+// (Linux ≥ 3.18), and the node would silently fall back to the host's
+// files, test users included. A mount on the /etc directory itself stays.
+func nodeView(etc, sss string) []string {
 	if sss == "" {
 		return nil
 	}
-	return []string{"/bin/sh", "-c", `mount --bind "$0" /var/lib/sss && exec "$@"`, sss}
+	return []string{"/bin/sh", "-c", `mount -t overlay pal-etc -o "lowerdir=$0:/etc" /etc && mount --bind "$1" /var/lib/sss && shift && exec "$@"`, etc, sss}
 }
 
 // IdentityPrefix is the argv prefix (exec'ing the rest) that gives a
 // process run in the host's mount namespace (as the userwall agent is, to
-// see bpffs and cgroup2) the node's identity view: its own mount namespace
-// with the node's passwd, group, nsswitch.conf and /var/lib/sss. Nil
-// without a directory (the host's files are the nodes' files then).
+// see bpffs and cgroup2) the node's accounts view (nodeView) in a mount
+// namespace of its own. Nil without a directory (the host's files are the
+// nodes' files then).
 func (tb *Testbed) IdentityPrefix(node string) []string {
 	if tb.Directory == "" {
 		return nil
 	}
-	etc := tb.NodeEtc(node)
-	var s strings.Builder
-	for _, f := range []string{"passwd", "group", "shadow", "gshadow", "nsswitch.conf"} {
-		fmt.Fprintf(&s, "mount --bind %s/%s /etc/%s && ", etc, f, f)
-	}
-	fmt.Fprintf(&s, "mount --bind %s/sssd /etc/sssd && mount --bind %s /var/lib/sss && exec \"$@\"", etc, tb.SSSDir(node))
-	return []string{"unshare", "--mount", "--propagation", "slave", "--", "/bin/sh", "-c", s.String(), "sh"}
+	return append([]string{"unshare", "--mount", "--propagation", "slave", "--"}, nodeView(tb.NodeEtc(node), tb.SSSDir(node))...)
 }
 
 func (tb *Testbed) writeSlapdConfig() error {

@@ -93,6 +93,11 @@ func TestDirectory(t *testing.T) {
 				t.Errorf("%s: getent %s enumerates the directory (or lost root):\n%s", n, db, got)
 			}
 		}
+		// The view hangs on /etc itself (an overlay), never on per-file
+		// mounts the host's next useradd would detach.
+		if got := out(n, "", "sh", "-c", "stat -f -c %T /etc/passwd /etc/group /etc/nsswitch.conf; grep -c '^proj1:' /etc/group || true"); got != "overlayfs\noverlayfs\noverlayfs\n0" {
+			t.Errorf("%s: /etc view: %q", n, got)
+		}
 		if got := out(n, "", "getent", "group", "proj1"); got != "proj1:*:2100:alice,bob" {
 			t.Errorf("%s: proj1 = %q", n, got)
 		}

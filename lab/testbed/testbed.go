@@ -75,9 +75,10 @@ type Node struct {
 	Eth0V6 netip.Addr
 	IBV4   netip.Addr // zero for the outside host
 	IBV6   netip.Addr // zero for the outside host
-	// SSS is the node's own /var/lib/sss with a directory ("" otherwise),
-	// bound inside the node's mount namespace by enter.
-	SSS string
+	// With a directory, Etc is the node's /etc layer and SSS its own
+	// /var/lib/sss, both mounted by enter in the node's mount namespace
+	// (nodeView); "" otherwise.
+	Etc, SSS string
 }
 
 // Testbed is a running instance.
@@ -294,6 +295,7 @@ func build(s *state) *Testbed {
 			IBV6:   netip.AddrFrom16([16]byte{0x20, 0x01, 0, 2, 0, 0, 0, 1, 15: b}),
 		})
 		if s.Directory != "" {
+			tb.Nodes[i-1].Etc = tb.NodeEtc(tb.Nodes[i-1].Name)
 			tb.Nodes[i-1].SSS = tb.SSSDir(tb.Nodes[i-1].Name)
 		}
 	}

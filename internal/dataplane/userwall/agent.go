@@ -21,7 +21,7 @@ import (
 	"github.com/cilium/ebpf/ringbuf"
 	"github.com/coreos/go-systemd/v22/daemon"
 	"github.com/palisade-hpc/palisade/internal/ident"
-	"github.com/palisade-hpc/palisade/internal/identity"
+	"github.com/palisade-hpc/palisade/internal/membership"
 	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/internal/sys/nldump"
 	"github.com/palisade-hpc/palisade/internal/sys/procfs"
@@ -79,12 +79,12 @@ type agent struct {
 	nftRepairs atomic.Int64
 
 	// Owned by the main loop (RunAgent, reload): ctx of the services,
-	// the metrics server, the ident service's stop, the group refresh
-	// ticker, and problems of the running agent for the state (notes).
+	// the metrics server, the ident service's stop, and problems of the
+	// running agent for the state (notes).
 	ctx       context.Context
 	metrics   *http.Server
 	stopIdent func()
-	groups    *time.Ticker
+	members   *membership.Tracker // fills the kernel's members map (internal/membership)
 	notes     []string
 	pinDir    string
 
@@ -200,6 +200,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	}
 	defer a.dp.Close()
 	a.dp.TC = useTC
+	a.members = a.newMembers()
 	log.Info("tc programs attach with "+attachName(useTC), "why", why, "kernel", probe.Kernel)
 	if err := a.install(cg); err != nil {
 		if !adopting {
@@ -227,6 +228,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 		return err
 	}
 	defer a.sink.close()
+	a.sink.seen = a.members.Seen
 	go a.sink.run(rd)
 
 	ctx, stop := signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
@@ -242,6 +244,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	defer a.stopMetrics()
 	a.stopIdent = a.startIdent(ctx)
 	defer func() { a.stopIdent() }()
+	defer a.runMembers(ctx)()
 
 	if err := os.WriteFile(cfg.Agent.PidFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
 		return err
@@ -275,8 +278,6 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	}
 	tick := time.NewTicker(5 * time.Second)
 	defer tick.Stop()
-	a.groups = time.NewTicker(a.cfg.Agent.GroupRefreshInterval())
-	defer a.groups.Stop()
 	for {
 		select {
 		case <-ctx.Done():
@@ -302,8 +303,6 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 			if err := a.dp.RefreshClock(); err != nil {
 				a.log.Warn("clock offset not refreshed", "err", err)
 			}
-		case <-a.groups.C:
-			a.syncMembers()
 		}
 	}
 }
@@ -315,7 +314,7 @@ func (a *agent) install(cgroupRoot string) error {
 	if err := a.syncAddrs(); err != nil {
 		return err
 	}
-	a.syncMembers()
+	a.members.Load(context.Background())
 	if err := a.loadKeys(); err != nil {
 		return err
 	}
@@ -389,17 +388,6 @@ func (a *agent) repairNft() {
 	}
 	a.nftRepairs.Add(1)
 	a.log.Warn("nft reject table was removed or changed; restored")
-}
-
-func (a *agent) syncMembers() {
-	m, err := identity.Snapshot()
-	if err != nil {
-		a.log.Warn("group membership not refreshed", "err", err)
-		return
-	}
-	if err := a.dp.SetMembers(m); err != nil {
-		a.log.Warn("group membership not loaded", "err", err)
-	}
 }
 
 func (a *agent) syncNode() {

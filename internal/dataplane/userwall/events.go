@@ -64,6 +64,8 @@ type eventSink struct {
 	sys   *syslog.Writer
 	limit *rate.Limiter // nil: log nothing (event_rate 0)
 	names *identity.NameCache
+	// seen learns the groups of refused connectors (membership.Tracker).
+	seen func(uid uint32)
 
 	Logged, Suppressed atomic.Uint64
 }
@@ -195,6 +197,11 @@ func (s *eventSink) decode(raw []byte) (Event, error) {
 }
 
 func (s *eventSink) handle(raw []byte) {
+	if s.seen != nil {
+		if uid, ok := refusedConnector(raw); ok {
+			s.seen(uid)
+		}
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if !s.allow(time.Now()) {

@@ -192,10 +192,10 @@ func (a *agent) applyReload() error {
 	} else if a.ident != nil {
 		a.ident.SetPolicy(cfg.Policy)
 	}
-	if d := cfg.Agent.GroupRefreshInterval(); d != old.Agent.GroupRefreshInterval() && a.groups != nil {
-		a.groups.Reset(d)
+	if d := cfg.Agent.GroupRefreshInterval(); d != old.Agent.GroupRefreshInterval() {
+		a.members.SetRefresh(d)
 	}
-	a.syncMembers()
+	a.members.Refresh()
 	a.syncNode()
 	return nil
 }

@@ -40,7 +40,10 @@ func (TestbedMode) Down(ctx context.Context, tb *testbed.Testbed) error { return
 // it a fresh sysfs without the host's bpffs and cgroup2 mounts, where pins
 // would be invisible to the next command (restart, uninstall).
 func nodeCommand(ctx context.Context, tb *testbed.Testbed, n testbed.Node, args ...string) *exec.Cmd {
-	argv := append([]string{"--net=/run/netns/" + n.NetNS, "--uts=" + n.UTS, "--", tb.Binary}, args...)
+	// With a directory, the node's accounts view (its passwd, group,
+	// nsswitch.conf and SSSD) in a mount namespace of its own.
+	argv := append([]string{"--net=/run/netns/" + n.NetNS, "--uts=" + n.UTS, "--"}, tb.IdentityPrefix(n.Name)...)
+	argv = append(append(argv, tb.Binary), args...)
 	argv = append(argv, "--config", tb.ConfigPath(n.Name))
 	cmd := exec.CommandContext(ctx, "nsenter", argv...)
 	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"}

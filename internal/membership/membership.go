@@ -1,0 +1,420 @@
+// Package membership keeps the group membership the userwall data plane
+// needs for its cross-node group rule — "is the remote connector uid U a
+// member of the listener's gid G" — without enumerating the directory.
+//
+// Sites take accounts from LDAP or AD through SSSD, which does not list
+// them (enumerate = false), and a node that listed the whole directory every
+// minute would be a load directory administrators forbid. So the tracker
+// asks only what the kernel's check can need, with direct lookups a
+// directory answers from an index:
+//
+//   - the member lists (getgrgid) of every gid a process on this node runs
+//     with — a listener's socket carries its creator's effective gid, so
+//     these are the only G the check looks up (a superset: not every such
+//     process listens);
+//   - the groups (initgroups) of connectors this node refused (the data
+//     plane's denial events): covers users whose primary group is G, which
+//     no member list names;
+//   - the local files (/etc/passwd, /etc/group), read directly: cheap and
+//     complete for files accounts, never an NSS enumeration.
+//
+// Every tracked gid and uid is looked up again every Refresh; new gids are
+// found by a local scan every Scan and looked up at once. All lookups go
+// through one token bucket (Rate, Burst), so the directory load per node is
+// bounded whatever happens on the node. A membership change in the
+// directory is in the kernel within Refresh + the NSS cache's lifetime
+// (SSSD's entry_cache_timeout; the memory cache is bypassed) + the time the
+// bucket makes a sweep wait (tracked keys / Rate).
+package membership
+
+import (
+	"context"
+	"errors"
+	"maps"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/palisade-hpc/palisade/internal/identity"
+	"golang.org/x/time/rate"
+)
+
+// DefaultRate is the default bound on NSS lookups per node (keys per
+// second); a full round of a node's typical few dozen groups takes well
+// under a second of it.
+const DefaultRate rate.Limit = 50
+
+// Lookup is what the tracker asks of NSS. Keys that do not exist are
+// absent from the answers; an error means the lookup itself failed.
+type Lookup interface {
+	// Groups returns the member names of each gid.
+	Groups(ctx context.Context, gids []uint32) (map[uint32][]string, error)
+	// UIDs returns the uid of each user name.
+	UIDs(ctx context.Context, names []string) (map[string]uint32, error)
+	// InitGroups returns every gid a uid holds at login (primary first).
+	InitGroups(ctx context.Context, uid uint32) ([]uint32, error)
+}
+
+// Config configures a Tracker.
+type Config struct {
+	Lookup Lookup
+	// Files is read directly each refresh (nil: no files view).
+	Files func() (*identity.Table, error)
+	// LocalGIDs lists the gids processes on this node run with.
+	LocalGIDs func() ([]uint32, error)
+	// ExtraGIDs are gids always tracked (groups named in exemptions).
+	ExtraGIDs func() []uint32
+	// Apply loads a complete membership into the data plane.
+	Apply func(identity.Membership) error
+	// Refresh re-resolves everything tracked (default 60 s).
+	Refresh time.Duration
+	// Scan looks for new local gids (default 1 s).
+	Scan time.Duration
+	// Rate and Burst bound the NSS lookups (keys) per second (default 50, 500).
+	Rate  rate.Limit
+	Burst int
+	// MaxSeen bounds the refused connectors tracked (default 4096); the
+	// least recently refused go first.
+	MaxSeen int
+	// OnError reports a failed lookup round (nil: ignored).
+	OnError func(error)
+}
+
+// Stats are counters for metrics and the benchmarks.
+type Stats struct {
+	Lookups   uint64 // NSS keys asked (each counted once per ask)
+	Rounds    uint64 // membership loads
+	Groups    int    // tracked gids
+	Seen      int    // tracked refused connectors
+	Pairs     int    // (uid, gid) pairs loaded
+	LastApply time.Time
+}
+
+// Tracker keeps the data plane's membership in step. Run drives it; Seen
+// may be called from any goroutine.
+type Tracker struct {
+	cfg    Config
+	lim    *rate.Limiter
+	seen   chan uint32
+	wake   chan struct{}
+	period chan time.Duration
+
+	lookups, rounds atomic.Uint64
+
+	// mu guards everything below (Run writes, Stats reads).
+	mu     sync.Mutex
+	groups map[uint32][]uint32 // tracked gid → member uids (last answer)
+	users  map[uint32][]uint32 // refused connector uid → its gids
+	lastAt map[uint32]time.Time
+	names  map[string]uint32 // member name → uid, from the last round
+	pairs  int
+	last   time.Time
+}
+
+// New returns a tracker with defaults filled in.
+func New(cfg Config) *Tracker {
+	if cfg.Refresh <= 0 {
+		cfg.Refresh = time.Minute
+	}
+	if cfg.Scan <= 0 {
+		cfg.Scan = time.Second
+	}
+	if cfg.Rate <= 0 {
+		cfg.Rate = DefaultRate
+	}
+	if cfg.Burst <= 0 {
+		cfg.Burst = 500
+	}
+	if cfg.MaxSeen <= 0 {
+		cfg.MaxSeen = 4096
+	}
+	return &Tracker{
+		cfg: cfg, lim: rate.NewLimiter(cfg.Rate, cfg.Burst),
+		seen: make(chan uint32, 256), wake: make(chan struct{}, 1), period: make(chan time.Duration, 1),
+		groups: map[uint32][]uint32{}, users: map[uint32][]uint32{}, lastAt: map[uint32]time.Time{}, names: map[string]uint32{},
+	}
+}
+
+// Seen notes a connector the data plane refused (non-blocking: a burst
+// beyond the queue is dropped; the connector's next refusal queues it).
+func (t *Tracker) Seen(uid uint32) {
+	select {
+	case t.seen <- uid:
+	default:
+	}
+}
+
+// Refresh asks Run for a full round now (after a configuration reload).
+func (t *Tracker) Refresh() {
+	select {
+	case t.wake <- struct{}{}:
+	default:
+	}
+}
+
+// SetRefresh changes the full-round period (a configuration reload).
+func (t *Tracker) SetRefresh(d time.Duration) {
+	if d <= 0 {
+		return
+	}
+	select {
+	case <-t.period: // replace a pending change
+	default:
+	}
+	t.period <- d
+}
+
+// Stats returns the counters.
+func (t *Tracker) Stats() Stats {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return Stats{Lookups: t.lookups.Load(), Rounds: t.rounds.Load(), Groups: len(t.groups), Seen: len(t.users),
+		Pairs: t.pairs, LastApply: t.last}
+}
+
+// Load resolves everything once and loads it (before enforcement starts).
+func (t *Tracker) Load(ctx context.Context) { t.round(ctx, true) }
+
+// Run keeps the membership fresh until ctx ends (call Load first).
+func (t *Tracker) Run(ctx context.Context) {
+	scan := time.NewTicker(t.cfg.Scan)
+	defer scan.Stop()
+	full := time.NewTicker(t.cfg.Refresh)
+	defer full.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-full.C:
+			t.round(ctx, true)
+		case <-t.wake:
+			t.round(ctx, true)
+		case d := <-t.period:
+			full.Reset(d)
+		case <-scan.C:
+			t.round(ctx, false)
+		case uid := <-t.seen:
+			t.mu.Lock()
+			_, known := t.users[uid]
+			t.lastAt[uid] = time.Now()
+			t.mu.Unlock()
+			if !known {
+				t.round(ctx, false, uid)
+			}
+		}
+	}
+}
+
+// round re-resolves everything (full) or only what is new, then loads the
+// result if it changed anything.
+func (t *Tracker) round(ctx context.Context, full bool, newUIDs ...uint32) {
+	var errs []error
+	want := map[uint32]bool{}
+	if t.cfg.LocalGIDs != nil {
+		gids, err := t.cfg.LocalGIDs()
+		if err != nil {
+			errs = append(errs, err)
+		}
+		for _, g := range gids {
+			want[g] = true
+		}
+	}
+	if t.cfg.ExtraGIDs != nil {
+		for _, g := range t.cfg.ExtraGIDs() {
+			want[g] = true
+		}
+	}
+	t.mu.Lock()
+	var ask []uint32
+	for g := range want {
+		if _, ok := t.groups[g]; full || !ok {
+			ask = append(ask, g)
+		}
+	}
+	changed := false
+	for g := range t.groups {
+		if !want[g] {
+			delete(t.groups, g) // no process holds it any more
+			changed = true
+		}
+	}
+	users := newUIDs
+	if full {
+		users = slices.Collect(maps.Keys(t.users))
+		// Forget the least recently refused beyond the bound.
+		if over := len(t.lastAt) - t.cfg.MaxSeen; over > 0 {
+			byAge := slices.Collect(maps.Keys(t.lastAt))
+			slices.SortFunc(byAge, func(a, b uint32) int { return t.lastAt[a].Compare(t.lastAt[b]) })
+			for _, u := range byAge[:over] {
+				delete(t.lastAt, u)
+				delete(t.users, u)
+			}
+			changed = true
+		}
+	}
+	t.mu.Unlock()
+	if len(ask) == 0 && len(users) == 0 && !full && !changed {
+		return
+	}
+
+	slices.Sort(ask)
+	groups, err := t.resolveGroups(ctx, ask, full)
+	if err != nil {
+		errs = append(errs, err)
+	}
+	userGIDs := map[uint32][]uint32{}
+	for _, u := range users {
+		if ctx.Err() != nil || t.wait(ctx, 1) != nil {
+			break
+		}
+		gids, err := t.cfg.Lookup.InitGroups(ctx, u)
+		if err != nil {
+			errs = append(errs, err)
+			continue // unknown or failed: no groups (fail closed for sharing)
+		}
+		userGIDs[u] = gids
+	}
+
+	t.mu.Lock()
+	for g := range want {
+		if m, ok := groups[g]; ok {
+			t.groups[g] = m
+		} else if _, asked := slices.BinarySearch(ask, g); asked {
+			t.groups[g] = nil // asked and not found (or failed): no members
+		}
+	}
+	for _, u := range users {
+		if _, tracked := t.lastAt[u]; tracked {
+			t.users[u] = userGIDs[u]
+		}
+	}
+	m := identity.Membership{}
+	add := func(uid, gid uint32) {
+		if !slices.Contains(m[uid], gid) {
+			m[uid] = append(m[uid], gid)
+		}
+	}
+	for g, uids := range t.groups {
+		for _, u := range uids {
+			add(u, g)
+		}
+	}
+	for u, gids := range t.users {
+		for _, g := range gids {
+			add(u, g)
+		}
+	}
+	t.mu.Unlock()
+	if t.cfg.Files != nil {
+		if tb, err := t.cfg.Files(); err != nil {
+			errs = append(errs, err)
+		} else if fm, err := tb.Members(); err == nil {
+			for u, gids := range fm {
+				for _, g := range gids {
+					add(u, g)
+				}
+			}
+		}
+	}
+	pairs := 0
+	for _, gids := range m {
+		pairs += len(gids)
+	}
+	if t.cfg.Apply != nil {
+		if err := t.cfg.Apply(m); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	t.rounds.Add(1)
+	t.mu.Lock()
+	t.pairs, t.last = pairs, time.Now()
+	t.mu.Unlock()
+	if err := errors.Join(errs...); err != nil && t.cfg.OnError != nil {
+		t.cfg.OnError(err)
+	}
+}
+
+// wait takes n tokens (keys) from the bucket.
+func (t *Tracker) wait(ctx context.Context, n int) error {
+	t.lookups.Add(uint64(n))
+	for n > 0 {
+		k := min(n, t.cfg.Burst)
+		if err := t.lim.WaitN(ctx, k); err != nil {
+			return err
+		}
+		n -= k
+	}
+	return nil
+}
+
+// chunk bounds the keys of one getent call.
+const chunk = 200
+
+// resolveGroups looks up gids' member lists, then the uids of member names
+// (names already known from earlier rounds only on a full round's miss).
+func (t *Tracker) resolveGroups(ctx context.Context, gids []uint32, full bool) (map[uint32][]uint32, error) {
+	var errs []error
+	members := map[uint32][]string{}
+	for i := 0; i < len(gids); i += chunk {
+		part := gids[i:min(i+chunk, len(gids))]
+		if err := t.wait(ctx, len(part)); err != nil {
+			return nil, err
+		}
+		got, err := t.cfg.Lookup.Groups(ctx, part)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		maps.Copy(members, got)
+	}
+	// A full round asks every name again (a uid may change); a scan round
+	// only names it has not seen.
+	t.mu.Lock()
+	known := maps.Clone(t.names)
+	t.mu.Unlock()
+	if full {
+		known = map[string]uint32{}
+	}
+	need := map[string]bool{}
+	for _, ns := range members {
+		for _, n := range ns {
+			if _, ok := known[n]; !ok {
+				need[n] = true
+			}
+		}
+	}
+	names := slices.Sorted(maps.Keys(need))
+	for i := 0; i < len(names); i += chunk {
+		part := names[i:min(i+chunk, len(names))]
+		if err := t.wait(ctx, len(part)); err != nil {
+			return nil, err
+		}
+		got, err := t.cfg.Lookup.UIDs(ctx, part)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		maps.Copy(known, got)
+	}
+	out := make(map[uint32][]uint32, len(members))
+	used := map[string]uint32{}
+	for g, ns := range members {
+		uids := []uint32{}
+		for _, n := range ns {
+			if u, ok := known[n]; ok {
+				uids = append(uids, u)
+				used[n] = u
+			}
+		}
+		out[g] = uids
+	}
+	t.mu.Lock()
+	if full {
+		t.names = used
+	} else {
+		maps.Copy(t.names, used)
+	}
+	t.mu.Unlock()
+	return out, errors.Join(errs...)
+}

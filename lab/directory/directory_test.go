@@ -1,0 +1,124 @@
+package directory
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	userwalllab "github.com/palisade-hpc/palisade/lab/modes/userwall"
+	"github.com/palisade-hpc/palisade/lab/testbed"
+)
+
+// As cmd/palisade-lab wires it (the check runs in the lab binary, which
+// registers the check settler itself).
+func init() { testbed.RegisterMode(userwalllab.ModeName, userwalllab.TestbedMode{}) }
+
+// bound is the stated bound on a membership change reaching the kernel
+// (docs/policy.md): group_refresh + SSSD's entry_cache_timeout + one
+// lookup round (well under a second at this size).
+var bound = testbed.GroupRefresh + testbed.SSSDCacheTimeout + 2*time.Second
+
+// TestDirectoryUserwall runs the userwall agent on a testbed whose accounts
+// come from LDAP through SSSD without enumeration: the whole check matrix
+// (shared-group cases included, cross-node), then a membership change in
+// the directory (bob out of proj1 and back) reaching the kernel within the
+// stated bound.
+func TestDirectoryUserwall(t *testing.T) {
+	if os.Geteuid() != 0 || testing.Short() {
+		t.Skip("needs root (brings up a testbed)")
+	}
+	name := fmt.Sprintf("palm%05d", os.Getpid()%100000)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	_ = testbed.Down(ctx, name)
+	dt, err := testbed.Up(ctx, testbed.Options{Name: name, Nodes: 3, Mode: "userwall", Directory: testbed.DirectoryLDAP})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := testbed.Down(context.Background(), name); err != nil {
+			t.Error(err)
+		}
+	}()
+
+	// The agent (host mount namespace, for bpffs) sees the node's accounts.
+	for _, n := range dt.Nodes {
+		pid, _ := os.ReadFile(filepath.Join(dt.RunDir(), n.Name, "agent.pid"))
+		b, err := os.ReadFile("/proc/" + strings.TrimSpace(string(pid)) + "/root/etc/group")
+		if err != nil || strings.Contains(string(b), "proj1:") || !strings.Contains(string(b), "root:") {
+			t.Fatalf("%s: the agent's /etc/group is not the node's: %v\n%s", n.Name, err, b)
+		}
+	}
+
+	t.Run("check", func(t *testing.T) {
+		out, err := exec.CommandContext(ctx, dt.LabBinary, "check", "--name", name, "--mode", "userwall", "--quiet").CombinedOutput()
+		s := string(out)
+		if err != nil || !strings.Contains(s, " 0 failed") || !strings.Contains(s, "shared-group 96 allow") {
+			t.Fatalf("check --mode userwall: %v\n%s", err, s)
+		}
+	})
+
+	t.Run("membership-change", func(t *testing.T) {
+		// alice listens on node2 under sg proj1 (socket gid 2100).
+		lctx, lcancel := context.WithCancel(ctx)
+		defer lcancel()
+		l := dt.Command(lctx, "node2", "alice", "sg", "proj1", "-c",
+			"exec "+dt.LabBinary+" probe listen --ports 29500 --exit-on-stdin-eof --lifetime 10m")
+		stdin, _ := l.StdinPipe()
+		stdout, _ := l.StdoutPipe()
+		if err := l.Start(); err != nil {
+			t.Fatal(err)
+		}
+		defer func() { stdin.Close(); lcancel(); l.Wait() }()
+		if line, err := bufio.NewReader(stdout).ReadString('\n'); err != nil || !strings.Contains(line, `"gid":2100`) {
+			t.Fatalf("listener: %q %v", line, err)
+		}
+		allowed := func(user string) bool {
+			out, err := dt.Output(ctx, "node1", user, dt.LabBinary, "probe", "connect", "tcp:198.18.0.2:29500")
+			if err != nil {
+				t.Fatal(err)
+			}
+			return strings.Contains(out, `"allowed":true`)
+		}
+		// until polls user's connection until it is allowed (want) and
+		// returns how long that took; alice (same user) and carol (never a
+		// member) are the controls.
+		until := func(user string, want bool) time.Duration {
+			t0 := time.Now()
+			for allowed(user) != want {
+				if time.Since(t0) > bound+10*time.Second {
+					t.Fatalf("%s still allowed=%v after %v", user, !want, time.Since(t0))
+				}
+				time.Sleep(100 * time.Millisecond) // sampling the kernel's decision; there is nothing to wait on
+			}
+			if !allowed("alice") || allowed("carol") {
+				t.Fatal("controls: alice must always reach her listener, carol never")
+			}
+			return time.Since(t0)
+		}
+		until("bob", true)
+		modify := func(op string) {
+			if err := dt.LDAPModify(ctx, "dn: cn=proj1,ou=groups,"+testbed.LDAPBase+"\nchangetype: modify\n"+op+": memberUid\nmemberUid: bob\n"); err != nil {
+				t.Fatal(err)
+			}
+		}
+		modify("delete")
+		if d := until("bob", false); d > bound {
+			t.Errorf("bob removed from proj1: took %v to apply, bound %v", d, bound)
+		} else {
+			t.Logf("bob removed from proj1: applied cross-node in %v (bound %v)", d.Round(time.Millisecond), bound)
+		}
+		modify("add")
+		if d := until("bob", true); d > bound {
+			t.Errorf("bob added to proj1: took %v, bound %v", d, bound)
+		} else {
+			t.Logf("bob added to proj1: applied in %v (bound %v)", d.Round(time.Millisecond), bound)
+		}
+	})
+}

@@ -1,0 +1,111 @@
+package userwall
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"time"
+
+	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/lab/check"
+	"github.com/palisade-hpc/palisade/lab/testbed"
+	"github.com/vishvananda/netns"
+)
+
+// SettleCheck (check.Settler of mode userwall) waits until each listener node's agent has loaded the
+// membership the check's shared-group cases rely on: a listener under a
+// supplementary group (sg proj1) is only known to the agent once it runs,
+// and its group's member list is looked up then (membership.Tracker).
+func SettleCheck(ctx context.Context, tb *testbed.Testbed, cases []*check.Case) error {
+	want := map[string]map[MemberPair]bool{}
+	for _, c := range cases {
+		if c.Expected.Rule != string(policy.RuleSharedGroup) || c.Connector.GID == c.Listener.GID {
+			continue
+		}
+		if _, ok := tb.Node(c.Listener.Node); !ok || c.Listener.Node == "outside" {
+			continue
+		}
+		if want[c.Listener.Node] == nil {
+			want[c.Listener.Node] = map[MemberPair]bool{}
+		}
+		want[c.Listener.Node][MemberPair{UID: c.Connector.UID, GID: c.Listener.GID}] = true
+	}
+	var errs []error
+	for node, set := range want {
+		pairs := make([]MemberPair, 0, len(set))
+		for p := range set {
+			pairs = append(pairs, p)
+		}
+		errs = append(errs, WaitMembers(ctx, tb, node, pairs, 30*time.Second))
+	}
+	return errors.Join(errs...)
+}
+
+// nodeCookie is the netns cookie of a testbed node (its agent's pin dir).
+func nodeCookie(n testbed.Node) (uint64, error) {
+	runtime.LockOSThread()
+	orig, err := netns.Get()
+	if err != nil {
+		runtime.UnlockOSThread()
+		return 0, err
+	}
+	defer orig.Close()
+	target, err := netns.GetFromPath("/run/netns/" + n.NetNS)
+	if err != nil {
+		runtime.UnlockOSThread()
+		return 0, err
+	}
+	defer target.Close()
+	if err := netns.Set(target); err != nil {
+		runtime.UnlockOSThread()
+		return 0, err
+	}
+	c, cerr := uw.NetnsCookie()
+	if err := netns.Set(orig); err != nil {
+		return 0, err // the thread stays locked and dies with its goroutine
+	}
+	runtime.UnlockOSThread()
+	return c, cerr
+}
+
+// MemberPair is one (uid, gid) entry of the kernel's membership map.
+type MemberPair = uw.MemberPair
+
+// WaitMembers waits until the members map the agent of node loaded holds
+// every pair: the agent's acknowledgement that what it learns from new
+// listeners (their groups' member lists) is in force.
+func WaitMembers(ctx context.Context, tb *testbed.Testbed, node string, pairs []MemberPair, timeout time.Duration) error {
+	n, ok := tb.Node(node)
+	if !ok {
+		return fmt.Errorf("no node %s", node)
+	}
+	cookie, err := nodeCookie(n)
+	if err != nil {
+		return err
+	}
+	fs := "/sys/fs/bpf"
+	if c, err := policy.Load(tb.ConfigPath(node)); err == nil {
+		fs = c.Agent.BPFFS
+	}
+	pinDir := uw.PinDir(fs, cookie)
+	deadline := time.Now().Add(timeout)
+	for {
+		missing, err := uw.MissingMembers(pinDir, pairs)
+		if err == nil && len(missing) == 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			if err == nil {
+				err = fmt.Errorf("missing %v", missing)
+			}
+			return fmt.Errorf("%s: members map after %v: %w", node, timeout, err)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
