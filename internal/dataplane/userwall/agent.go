@@ -23,6 +23,7 @@ import (
 	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/membership"
 	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/sys/cgroup2"
 	"github.com/palisade-hpc/palisade/internal/sys/nldump"
 	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 	"github.com/palisade-hpc/palisade/internal/version"
@@ -178,7 +179,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	if err != nil {
 		return err
 	}
-	cg, err := CgroupRoot()
+	cg, err := cgroup2.MountPoint()
 	if err != nil {
 		return err
 	}
