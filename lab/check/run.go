@@ -100,6 +100,11 @@ func Run(ctx context.Context, tb *testbed.Testbed, opts Options) (*Report, error
 	for _, c := range m.cases {
 		c.Policy = pols[c.Listener.Node]
 		c.Expected = expect(c)
+		// Staged rollout (testbed up --agents): nothing decides on a node
+		// without the agent.
+		if opts.Mode != "none" && c.Managed() && !tb.Enforcing(c.Listener.Node) {
+			c.Expected = Verdict{Allow: true, Rule: RuleUnenforcedNode}
+		}
 	}
 
 	ctx, cancel := context.WithTimeout(ctx, opts.Timeout)
@@ -155,6 +160,7 @@ func Run(ctx context.Context, tb *testbed.Testbed, opts Options) (*Report, error
 	for _, p := range m.procs {
 		r.collect(p)
 	}
+	checkAuditEvents(tb, t0, m.cases)
 	rep := &Report{Mode: opts.Mode, Testbed: tb.Name, Nodes: len(tb.Nodes), Cases: m.cases,
 		Warnings: r.warnings, Elapsed: time.Since(t0)}
 	if ctx.Err() != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) {
