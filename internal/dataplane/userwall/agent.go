@@ -85,6 +85,7 @@ type agent struct {
 	metrics   *http.Server
 	stopIdent func()
 	members   *membership.Tracker // fills the kernel's members map (internal/membership)
+	exempt    groupExempts        // "@group" exemptions' members
 	notes     []string
 	pinDir    string
 
@@ -200,6 +201,8 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	}
 	defer a.dp.Close()
 	a.dp.TC = useTC
+	a.exempt.changed = make(chan struct{}, 1)
+	a.exempt.setGroups(cfg.Policy)
 	a.members = a.newMembers()
 	log.Info("tc programs attach with "+attachName(useTC), "why", why, "kernel", probe.Kernel)
 	if err := a.install(cg); err != nil {
@@ -298,6 +301,8 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 				<-linkCh
 			}
 			a.syncNode()
+		case <-a.exempt.changed:
+			a.applyGroupExempts()
 		case <-tick.C:
 			a.syncNode()
 			if err := a.dp.RefreshClock(); err != nil {
@@ -318,7 +323,7 @@ func (a *agent) install(cgroupRoot string) error {
 	if err := a.loadKeys(); err != nil {
 		return err
 	}
-	if err := a.dp.ApplyPolicy(a.cfg.Policy, a.cfg.Agent.Audit); err != nil {
+	if err := a.dp.ApplyPolicy(a.exempt.withUIDs(a.cfg.Policy), a.cfg.Agent.Audit); err != nil {
 		return err
 	}
 	if err := InstallNft(); err != nil {
