@@ -109,7 +109,7 @@ func printStatus(out io.Writer, s *userwall.Status) {
 		fmt.Fprintf(out, "generation:  %d (%s)\n", a.Generation, reload)
 	}
 	if s.Source == "agent" {
-		fmt.Fprintf(out, "source:      the agent's state (not root: the kernel objects are not readable)\n")
+		fmt.Fprintf(out, "source:      the agent's state (the kernel objects are not readable or not visible from here)\n")
 		fmt.Fprintf(out, "unix (LSM):  %v\n", s.UnixLSM)
 		return
 	}

@@ -4,19 +4,23 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net/netip"
 	"os"
 	"os/exec"
+	"os/signal"
 	"strconv"
 	"strings"
 	"syscall"
 	"text/tabwriter"
+	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/palisade-hpc/palisade/internal/dataplane/uvn"
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/slurmconf"
 )
 
 func uvnCommand() *cobra.Command {
@@ -54,7 +58,30 @@ func uvnManager(cmd *cobra.Command, needEnabled bool) (*uvn.Manager, *policy.Con
 			fmt.Fprintf(cmd.ErrOrStderr(), format+"\n", args...)
 		}
 	}
+	sc, err := readSlurmConf(cfg.UVN.SlurmConf)
+	if err != nil {
+		return nil, nil, err
+	}
+	m.Srun = cfg.UVN.SrunRange
+	if m.Srun == (policy.PortRange{}) && sc != nil && sc.SrunPortRange != "" {
+		m.Srun = policy.PortRange{First: sc.SrunFirst, Last: sc.SrunLast}
+		if err := policy.CheckSrunRange(m.Srun, cfg.UVN.UnderlayRanges); err != nil {
+			return nil, nil, fmt.Errorf("%s: SrunPortRange: %w", cfg.UVN.SlurmConf, err)
+		}
+	}
 	return m, cfg, nil
+}
+
+// readSlurmConf reads slurm.conf; a node without one (no Slurm) is fine.
+func readSlurmConf(path string) (*slurmconf.Conf, error) {
+	if path == "" {
+		return nil, nil
+	}
+	sc, err := slurmconf.Read(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	return sc, err
 }
 
 func uidFlag(cmd *cobra.Command, s string) (uint32, error) {
@@ -214,73 +241,137 @@ func uvnStatusCmd() *cobra.Command {
 	return c
 }
 
-// systemAccount reports root and accounts below the default min_uid: when
-// the configuration cannot be read, the PAM and SPANK entry points let them
-// through, so a broken configuration never locks out administrators or
-// system services (users fail closed).
-func systemAccount(name string) bool {
-	uid, err := identity.UID(identity.System(), name)
+// uvnUser resolves the user of a PAM session or job step and decides
+// whether uvn serves it: m == nil means "leave this user in the default VRF"
+// (root, Slurm's daemon accounts, [uvn] exempt_users, uvn disabled). Which
+// accounts are exempt comes from configuration only, never from a uid
+// threshold; an account that cannot get a VRF and is not exempt is refused.
+// A configuration that cannot be read fails closed for users but never
+// for root or Slurm's accounts (read from the default slurm.conf then).
+func uvnUser(cmd *cobra.Command, name string) (m *uvn.Manager, uid uint32, err error) {
+	res := identity.System()
+	uid, err = identity.UID(res, name)
+	if err != nil {
+		return nil, 0, fmt.Errorf("user %q: %w", name, err)
+	}
+	if uid == 0 {
+		return nil, uid, nil
+	}
+	m, cfg, err := uvnManager(cmd, true)
+	if err != nil {
+		if slurmAccount(res, slurmconf.DefaultPath, uid) {
+			return nil, uid, nil
+		}
+		return nil, uid, fmt.Errorf("configuration: %w", err)
+	}
+	if m == nil {
+		return nil, uid, nil // uvn disabled
+	}
+	if slurmAccount(res, cfg.UVN.SlurmConf, uid) {
+		return nil, uid, nil
+	}
+	for _, p := range cfg.UVN.ExemptUsers {
+		if u, err := identity.UID(res, string(p)); err == nil && u == uid {
+			return nil, uid, nil
+		}
+	}
+	if err := m.CheckUID(uid); err != nil {
+		return nil, uid, fmt.Errorf("%s (uid %d) cannot get a network: %w; list system accounts in [uvn] exempt_users", name, uid, err)
+	}
+	return m, uid, nil
+}
+
+// slurmAccount reports whether uid is SlurmUser or SlurmdUser of the
+// slurm.conf at path.
+func slurmAccount(res identity.Resolver, path string, uid uint32) bool {
+	sc, err := slurmconf.Read(path)
 	if err != nil {
 		return false
 	}
-	var d policy.UVNConfig
-	d.SetDefaults()
-	return int64(uid) < d.MinUID
+	for _, a := range sc.Accounts() {
+		if u, err := identity.UID(res, a); err == nil && u == uid {
+			return true
+		}
+	}
+	return false
 }
 
-// serveUID resolves a user and says whether uvn applies to it.
-func serveUID(m *uvn.Manager, name string) (uint32, bool, error) {
-	uid, err := identity.UID(identity.System(), name)
+// ignoreStopSignals keeps a release running when its caller's session ends:
+// slurmstepd signals everything it started at step end, sshd its session.
+// (The Go runtime would otherwise turn an inherited SIG_IGN for SIGTERM back
+// into "exit".)
+func ignoreStopSignals() {
+	signal.Ignore(syscall.SIGTERM, syscall.SIGHUP, syscall.SIGINT, syscall.SIGPIPE)
+}
+
+// uvnLog appends one line to the entry point's log file (if any).
+func uvnLog(path, format string, args ...any) {
+	if path == "" {
+		return
+	}
+	f, err := os.OpenFile(path, os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o600)
 	if err != nil {
-		return 0, false, err
+		return
 	}
-	if m.CheckUID(uid) != nil {
-		return uid, false, nil // system account (or beyond uid_max): not served
-	}
-	return uid, true, nil
+	defer f.Close()
+	fmt.Fprintf(f, "%s %s\n", time.Now().Format(time.RFC3339), fmt.Sprintf(format, args...))
 }
 
 func uvnPAMCmd() *cobra.Command {
+	var logPath string
 	c := &cobra.Command{
 		Use:   "pam",
 		Short: "pam_exec entry point: open_session sets up and moves the session, close_session releases it",
-		Long: `Run from pam_exec (session, required — fail closed):
+		Long: `Run from pam_exec (session, required — fail closed), with stdout so the user
+sees why a login was refused:
 
-  session required pam_exec.so /usr/bin/palisade --config /etc/palisade/palisade.toml uvn pam
+  session required pam_exec.so stdout /usr/bin/palisade --config /etc/palisade/palisade.toml uvn pam --log /var/log/palisade-uvn-pam.log
 
 Reads PAM_TYPE and PAM_USER. open_session: set up the user's network and move
 the calling process (pam_exec's parent, e.g. sshd's session process) into the
 VRF; it is the session's holder. close_session: release that holder. Other
-PAM types, uvn disabled, and uids below min_uid: success, nothing done.`,
+PAM types, uvn disabled, root, Slurm's accounts and [uvn] exempt_users:
+success, nothing done. A failure prints one line for the user and exits 1.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			ignoreStopSignals()
 			typ, user := os.Getenv("PAM_TYPE"), os.Getenv("PAM_USER")
 			if typ != "open_session" && typ != "close_session" {
 				return nil
 			}
-			m, _, err := uvnManager(cmd, true)
-			if err != nil || m == nil {
-				if systemAccount(user) {
-					return nil // a broken config never locks out root or system accounts
-				}
-				return err
-			}
-			uid, served, err := serveUID(m, user)
-			if err != nil || !served {
-				return err
-			}
 			ppid := os.Getppid()
-			if typ == "open_session" {
-				_, err = m.Setup(uid, ppid, ppid)
+			err := func() error {
+				m, uid, err := uvnUser(cmd, user)
+				if err != nil || m == nil {
+					return err
+				}
+				if typ == "open_session" {
+					_, err = m.Setup(uid, ppid, ppid)
+					return err
+				}
+				_, err = m.Release(uid, ppid)
 				return err
+			}()
+			host, _ := os.Hostname()
+			if err != nil {
+				uvnLog(logPath, "%s %s session %d on %s: FAILED: %v", typ, user, ppid, host, err)
+				// pam_exec's stdout reaches the user (PAM conversation).
+				fmt.Fprintf(cmd.OutOrStdout(), "Palisade: %s: %v\n", host, err)
+				return &ExitError{1, ""}
 			}
-			_, err = m.Release(uid, ppid)
-			return err
+			uvnLog(logPath, "%s %s session %d on %s: ok", typ, user, ppid, host)
+			return nil
 		},
 	}
+	c.Flags().StringVar(&logPath, "log", "", "append one line per session event to this file")
 	c.Flags().BoolP("verbose", "v", false, "log each step")
 	return c
 }
+
+// JobOK is the last line `uvn job` prints on success. The SPANK plugin
+// runs it detached from slurmstepd (so the end-of-step kill cannot reach
+// it) and therefore cannot wait for its exit status: it reads this line.
+const JobOK = "palisade-uvn-job: ok"
 
 func uvnJobCmd() *cobra.Command {
 	var pid, holder int
@@ -290,29 +381,26 @@ func uvnJobCmd() *cobra.Command {
 		Hidden: true,
 		Args:   cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			m, _, err := uvnManager(cmd, true)
-			if err != nil || m == nil {
-				if systemAccount(args[1]) {
-					return nil
+			ignoreStopSignals()
+			m, uid, err := uvnUser(cmd, args[1])
+			if err == nil && m != nil {
+				switch args[0] {
+				case "start":
+					if pid <= 0 {
+						return errors.New("job start needs --pid")
+					}
+					_, err = m.Setup(uid, pid, holder)
+				case "end":
+					_, err = m.Release(uid, holder)
+				default:
+					err = fmt.Errorf("unknown job action %q", args[0])
 				}
+			}
+			if err != nil {
 				return err
 			}
-			uid, served, err := serveUID(m, args[1])
-			if err != nil || !served {
-				return err
-			}
-			switch args[0] {
-			case "start":
-				if pid <= 0 {
-					return errors.New("job start needs --pid")
-				}
-				_, err = m.Setup(uid, pid, holder)
-			case "end":
-				_, err = m.Release(uid, holder)
-			default:
-				err = fmt.Errorf("unknown job action %q", args[0])
-			}
-			return err
+			fmt.Fprintln(cmd.OutOrStdout(), JobOK)
+			return nil
 		},
 	}
 	c.Flags().IntVar(&pid, "pid", 0, "task to move into the VRF")
@@ -351,19 +439,13 @@ func uvnLoginCmd() *cobra.Command {
 		Hidden: true,
 		Args:   cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			m, _, err := uvnManager(cmd, true)
+			m, u, err := uvnUser(cmd, uid)
 			if err != nil {
 				return err
 			}
 			if m != nil {
-				u, served, err := serveUID(m, uid)
-				if err != nil {
+				if _, err := m.Setup(u, os.Getpid(), os.Getpid()); err != nil {
 					return err
-				}
-				if served {
-					if _, err := m.Setup(u, os.Getpid(), os.Getpid()); err != nil {
-						return err
-					}
 				}
 			}
 			path, err := exec.LookPath(args[0])

@@ -14,7 +14,7 @@ func AddVersion(root *cobra.Command) {
 	info := version.Get()
 	// --version prints the one-line form; `palisade version` the long one.
 	root.Version = info.Version
-	root.SetVersionTemplate(info.String() + "\n")
+	root.SetVersionTemplate(info.Line(root.Name()) + "\n")
 	var asJSON bool
 	cmd := &cobra.Command{
 		Use:   "version",

@@ -25,6 +25,7 @@ import (
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/internal/sys/nldump"
+	"github.com/palisade-hpc/palisade/internal/sys/pktinfo"
 )
 
 // ServerConfig configures the ident service.
@@ -139,7 +140,9 @@ func NewServer(cfg ServerConfig) (_ *Server, err error) {
 		if err != nil {
 			return nil, fmt.Errorf("ident: UDP port %d: %w", cfg.UDPPort, err)
 		}
-		if err = enablePktinfo(s.udp); err != nil {
+		// Answers leave from the address the query was sent to: the client
+		// accepts an answer only from the exact service address it asked.
+		if err = pktinfo.Enable(s.udp); err != nil {
 			return nil, fmt.Errorf("ident: UDP port %d: packet info: %w", cfg.UDPPort, err)
 		}
 	}
@@ -286,16 +289,15 @@ func (s *Server) Run(ctx context.Context) error {
 
 func (s *Server) serveUDP() error {
 	buf := make([]byte, maxQuery+1)
-	oob := make([]byte, 128)
+	oob := make([]byte, pktinfo.OOBSize)
 	for {
-		n, oobn, _, from, err := s.udp.ReadMsgUDPAddrPort(buf, oob)
+		n, from, dst, err := pktinfo.Read(s.udp, buf, oob)
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
 				return nil
 			}
 			return fmt.Errorf("ident: UDP: %w", err)
 		}
-		from = netip.AddrPortFrom(from.Addr().Unmap(), from.Port())
 		// Only root on a cluster node can send from a privileged port;
 		// everyone else is dropped without an answer (no oracle, no
 		// amplification).
@@ -318,7 +320,7 @@ func (s *Server) serveUDP() error {
 			continue
 		}
 		a := s.answerUDP(buf[:n])
-		s.udp.WriteMsgUDPAddrPort(encodeAnswer(a), srcOOB(pktDst(oob[:oobn])), from)
+		pktinfo.Reply(s.udp, encodeAnswer(a), from, dst)
 	}
 }
 

@@ -11,7 +11,12 @@ import (
 // (reference 000). Keys:
 //
 //	enable        = false            # `palisade uvn pam` / SPANK are no-ops unless true
-//	min_uid       = 1000             # uids below get no VRF (system accounts)
+//	exempt_users  = ["munge"]        # accounts that stay in the default VRF (names or uids);
+//	                                 # root and slurm.conf's SlurmUser/SlurmdUser always do
+//	slurm_conf    = "/etc/slurm/slurm.conf"  # read for SlurmUser, SlurmdUser, SrunPortRange
+//	srun_ports    = "61000-62999"    # default: slurm.conf's SrunPortRange (Slurm's callbacks to srun)
+//	min_uid       = 1000             # lowest uid with a VRF (table id = uid); other accounts below
+//	                                 # it are refused unless exempt — never guessed "system"
 //	uid_max       = 16777215         # highest uid served; above 2^24-1 each underlay needs a port block
 //	nat_pool      = "100.64.0.0/10"  # per-user CGNAT addresses (SNAT off-subnet)
 //	state_dir     = "/run/palisade/uvn"
@@ -28,7 +33,14 @@ import (
 //	group    = "239.192.0.0/16"      # multicast: one group per uid inside this prefix; omit for unicast
 //	peers    = ["198.18.0.2"]        # unicast peers (default: [cluster] nodes inside prefixes[0])
 type UVNConfig struct {
-	Enable     bool          `toml:"enable"`
+	Enable bool `toml:"enable"`
+	// ExemptUsers stay in the default VRF (system accounts, service
+	// accounts); root and Slurm's daemon accounts are always exempt.
+	ExemptUsers []Principal `toml:"exempt_users"`
+	// SlurmConf is read for SlurmUser, SlurmdUser and SrunPortRange.
+	SlurmConf string `toml:"slurm_conf"`
+	// SrunPorts overrides slurm.conf's SrunPortRange.
+	SrunPorts  PortSpec      `toml:"srun_ports"`
 	MinUID     int64         `toml:"min_uid"`
 	UIDMax     int64         `toml:"uid_max"`
 	NATPool    string        `toml:"nat_pool"`
@@ -47,6 +59,8 @@ type UVNConfig struct {
 
 	// Parsed by Validate.
 	NATPrefix netip.Prefix `toml:"-"`
+	// SrunRange is SrunPorts parsed (zero: take slurm.conf's).
+	SrunRange PortRange `toml:"-"`
 }
 
 // UVNUnderlay is one [[uvn.underlay]] entry: an underlay network that gets a
@@ -75,6 +89,7 @@ const (
 // SetDefaults fills in defaults before the file's values are decoded.
 func (u *UVNConfig) SetDefaults() {
 	u.MinUID = 1000
+	u.SlurmConf = "/etc/slurm/slurm.conf"
 	u.UIDMax = 1<<UVNVNIBits - 1
 	u.NATPool = "100.64.0.0/10"
 	u.StateDir = "/run/palisade/uvn"
@@ -132,6 +147,29 @@ func (u *UVNConfig) Validate() error {
 			continue
 		}
 		u.UnderlayRanges = append(u.UnderlayRanges, r)
+	}
+	u.SrunRange = PortRange{}
+	if u.SrunPorts != "" {
+		r, err := ParsePortRange(string(u.SrunPorts))
+		switch {
+		case err != nil:
+			bad("srun_ports", string(u.SrunPorts), "%v", err)
+		case r.First < 1024:
+			bad("srun_ports", string(u.SrunPorts), "%s: srun listens as the user, on unprivileged ports (1024-65535)", r)
+		default:
+			u.SrunRange = r
+		}
+	}
+	if err := CheckSrunRange(u.SrunRange, u.UnderlayRanges); err != nil {
+		bad("srun_ports", string(u.SrunPorts), "%v", err)
+	}
+	if u.SlurmConf != "" && !filepath.IsAbs(u.SlurmConf) {
+		bad("slurm_conf", u.SlurmConf, "%q: want an absolute path", u.SlurmConf)
+	}
+	for _, p := range u.ExemptUsers {
+		if p == "" {
+			bad("exempt_users", "", "empty user name")
+		}
 	}
 	if len(u.UnderlayRanges) > 8 {
 		bad("underlay_ports", "", "at most 8 ranges")
@@ -219,4 +257,19 @@ func (u *UVNConfig) Validate() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// CheckSrunRange rejects an srun port range that overlaps underlay_ports:
+// another user's traffic to those ports leaves its VRF through the node's
+// address, so it would reach the range's listeners like Slurm's daemons do.
+func CheckSrunRange(srun PortRange, underlay []PortRange) error {
+	if srun == (PortRange{}) {
+		return nil
+	}
+	for _, r := range underlay {
+		if r.Overlaps(srun) {
+			return fmt.Errorf("srun ports %s overlap underlay_ports %s: other users' traffic to those ports leaves their VRF from the node's address and would reach srun's listeners", srun, r)
+		}
+	}
+	return nil
 }

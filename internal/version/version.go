@@ -67,9 +67,12 @@ func Get() Info {
 func Version() string { return Get().Version }
 
 // String is the one-line form logged by daemons and printed by --version.
-func (i Info) String() string {
-	return fmt.Sprintf("palisade %s (commit %s, built %s, %s, cilium/ebpf %s)",
-		i.Version, short(i.Commit), i.BuildDate, i.GoVersion, i.EBPF)
+func (i Info) String() string { return i.Line("palisade") }
+
+// Line is the one-line form for the named program (palisade, palisade-lab).
+func (i Info) Line(program string) string {
+	return fmt.Sprintf("%s %s (commit %s, built %s, %s, cilium/ebpf %s)",
+		program, i.Version, short(i.Commit), i.BuildDate, i.GoVersion, i.EBPF)
 }
 
 // Long is the multi-line form of `palisade version`.

@@ -28,7 +28,7 @@ const (
 )
 
 // Launchers lists every launcher in table order.
-var Launchers = []Launcher{Plain, SSH, Srun, Sbatch, MPIRun}
+var Launchers = []Launcher{Plain, SSH, Srun, Sbatch, MPIRun, Queued}
 
 // Path is the way a connection goes from connector to listener.
 type Path string
@@ -70,6 +70,10 @@ type Verdict struct {
 	Allow bool `json:"allow"`
 	// Rule names why (a policy rule, "open", "unmanaged-listener", …).
 	Rule string `json:"rule"`
+	// Audit: the connection is let through but the policy refuses it, so
+	// the listener node's event log must hold an audit event for it
+	// (check --mode audit).
+	Audit bool `json:"audit,omitempty"`
 }
 
 // Observation states.
@@ -117,6 +121,8 @@ type Case struct {
 	// Filled in by Run.
 	Expected Verdict     `json:"expected"`
 	Observed Observation `json:"observed"`
+	// AuditEvent is, for an expected audit event, "logged" or "missing".
+	AuditEvent string `json:"audit_event,omitempty"`
 }
 
 // Local reports whether connector and listener share a node (loopback and
@@ -139,6 +145,9 @@ func (c *Case) Conn() policy.Conn {
 
 // Passed reports whether the observation matches the expectation.
 func (c *Case) Passed() bool {
+	if c.Expected.Audit && c.AuditEvent != AuditLogged {
+		return false
+	}
 	switch c.Observed.State {
 	case Allowed:
 		return c.Expected.Allow

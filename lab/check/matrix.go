@@ -127,7 +127,7 @@ func placement(l Launcher, i int, nodes []string) (start string, hosts []string)
 		return nodes[0], []string{at(1)}
 	case Srun:
 		return nodes[0], []string{at(i + 2)}
-	case Sbatch:
+	case Sbatch, Queued:
 		return nodes[0], []string{at(i + 1)}
 	case MPIRun:
 		return nodes[0], []string{at(0), at(1)}

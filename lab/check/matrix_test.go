@@ -57,7 +57,7 @@ func TestMatrixShape(t *testing.T) {
 	}
 	// Per connector host: 5 paths × 6 listeners × 2 protocols × 2 families
 	// = 120; mpirun runs on two hosts; outside → node adds 24 per user.
-	want := 5 * (120*4 + 240 + 24)
+	want := 5 * (120*5 + 240 + 24)
 	if len(m.cases) != want {
 		t.Errorf("%d cases, want %d", len(m.cases), want)
 	}
@@ -229,8 +229,8 @@ func TestSelectIdentities(t *testing.T) {
 	if len(seen) != 2 || !seen["bob"] || !seen["root"] || len(m.listeners) != len(quickListeners) {
 		t.Errorf("connectors %v, %d listeners", seen, len(m.listeners))
 	}
-	// 2 users × (4 launchers × 100 + mpirun 200) + outside 2 × 20
-	if want := 2*(4*100+200) + 2*20; len(m.cases) != want {
+	// 2 users × (5 launchers × 100 + mpirun 200) + outside 2 × 20
+	if want := 2*(5*100+200) + 2*20; len(m.cases) != want {
 		t.Errorf("%d cases, want %d", len(m.cases), want)
 	}
 	for _, bad := range [][2][]string{{{"mallory"}, nil}, {nil, {"alice+proj2"}}} {

@@ -21,6 +21,7 @@ var (
 	modes   = map[string]Expectation{
 		"none":     ExpectOpen,
 		"userwall": ExpectPolicy,
+		"audit":    ExpectAudit,
 	}
 )
 
@@ -108,5 +109,8 @@ func ExpectPolicy(c *Case) Verdict {
 		return Verdict{Allow: false, Rule: "no-policy"}
 	}
 	v := c.Policy.Decide(c.Conn())
+	if !v.Allow && unverified(c) {
+		return Verdict{Allow: true, Rule: RuleUnverified}
+	}
 	return Verdict{Allow: v.Allow, Rule: string(v.Rule)}
 }

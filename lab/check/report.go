@@ -189,6 +189,9 @@ func describeFailure(c *Case) string {
 	if c.Observed.Error != "" {
 		s += " — " + c.Observed.Error
 	}
+	if c.Expected.Audit && c.AuditEvent != AuditLogged {
+		s += " — no audit event in " + c.Listener.Node + "'s event log"
+	}
 	return s
 }
 
@@ -213,6 +216,9 @@ type CaseRecord struct {
 	Peer          *probe.Identity `json:"peer,omitempty"`
 	Micros        int64           `json:"us,omitempty"`
 	Pass          bool            `json:"pass"`
+	// AuditEvent: check --mode audit's finding for a case the policy
+	// refuses ("logged" or "missing").
+	AuditEvent string `json:"audit_event,omitempty"`
 }
 
 // Record flattens a case for machines.
@@ -221,7 +227,7 @@ func (c *Case) Record() CaseRecord {
 		Connector: c.Connector.Name, ConnectorNode: c.Connector.Node, Listener: c.Listener.Name,
 		ListenerNode: c.Listener.Node, Dst: c.Dst.String(), Expected: verdictWord(c.Expected.Allow),
 		Rule: c.Expected.Rule, Observed: c.Observed.State, Kind: c.Observed.Kind, Error: c.Observed.Error,
-		Peer: c.Observed.Peer, Micros: c.Observed.Micros, Pass: c.Passed()}
+		Peer: c.Observed.Peer, Micros: c.Observed.Micros, Pass: c.Passed(), AuditEvent: c.AuditEvent}
 	if c.Src.IsValid() {
 		rec.Src = c.Src.String()
 	}

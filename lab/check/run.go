@@ -100,6 +100,11 @@ func Run(ctx context.Context, tb *testbed.Testbed, opts Options) (*Report, error
 	for _, c := range m.cases {
 		c.Policy = pols[c.Listener.Node]
 		c.Expected = expect(c)
+		// Staged rollout (testbed up --agents): nothing decides on a node
+		// without the agent.
+		if opts.Mode != "none" && c.Managed() && !tb.Enforcing(c.Listener.Node) {
+			c.Expected = Verdict{Allow: true, Rule: RuleUnenforcedNode}
+		}
 	}
 
 	ctx, cancel := context.WithTimeout(ctx, opts.Timeout)
@@ -155,6 +160,7 @@ func Run(ctx context.Context, tb *testbed.Testbed, opts Options) (*Report, error
 	for _, p := range m.procs {
 		r.collect(p)
 	}
+	checkAuditEvents(tb, t0, m.cases)
 	rep := &Report{Mode: opts.Mode, Testbed: tb.Name, Nodes: len(tb.Nodes), Cases: m.cases,
 		Warnings: r.warnings, Elapsed: time.Since(t0)}
 	if ctx.Err() != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) {
@@ -491,6 +497,9 @@ func (r *runner) runProc(ctx context.Context, p *proc) {
 			mpi = append(mpi, "--mca", "plm_rsh_args", strings.Join(sshOpts(), " "))
 		}
 		cmd = r.tb.Command(ctx, p.Start, user, append(mpi, argv...)...)
+	case Queued:
+		r.runQueued(ctx, p)
+		return
 	default:
 		p.failure = fmt.Sprintf("launcher %s cannot run directly", p.Launcher)
 		return
@@ -689,6 +698,8 @@ func (p *proc) checkLaunch(st probe.Line, all map[string]probe.Line) error {
 		if env["SLURM_JOB_ID"] != p.jobID {
 			return fmt.Errorf("not in batch job %s (SLURM_JOB_ID=%q)", p.jobID, env["SLURM_JOB_ID"])
 		}
+	case Queued:
+		return p.checkQueued(env)
 	case MPIRun:
 		if env["OMPI_COMM_WORLD_SIZE"] != strconv.Itoa(len(p.Hosts)) || !has("OMPI_COMM_WORLD_RANK") {
 			return fmt.Errorf("not an mpirun rank of %d (environment %v)", len(p.Hosts), env)

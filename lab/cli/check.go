@@ -37,7 +37,11 @@ as plain processes, over ssh, in srun steps, in sbatch jobs and as mpirun ranks 
 nodes; every connector probes TCP and UDP over IPv4 and IPv6 via loopback, the node's own
 address, another node's eth0 and ib0, and the outside host (plus outside host → node).
 Each observed outcome is compared with what the mode expects: "none" expects everything
-open (today's shared cluster), "userwall" expects the policy core's verdict. Prints a table
+open (today's shared cluster), "userwall" expects the policy core's verdict (and, on a
+staged testbed — testbed up --agents — everything open on nodes without the agent, and
+traffic from them admitted as "unverified"), "audit" (testbed up --audit) expects every
+case open and an audit event in the listener node's event log for every case the policy
+refuses. Prints a table
 and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {

@@ -61,6 +61,8 @@ func testbedCommand() *cobra.Command {
 	up.Flags().IntVar(&opts.Nodes, "nodes", testbed.DefaultNodes, fmt.Sprintf("number of compute nodes (1..%d)", testbed.MaxNodes))
 	up.Flags().StringVar(&opts.Mode, "mode", "", "data-plane mode brought up after the cluster (none, or a registered mode)")
 	up.Flags().BoolVar(&opts.Egress, "egress", false, "also bring up the egress extension")
+	up.Flags().BoolVar(&opts.Audit, "audit", false, "with --mode userwall: audit mode on every node (decide and log, refuse nothing)")
+	up.Flags().StringSliceVar(&opts.Agents, "agents", nil, "with --mode userwall: staged rollout, the agent on these nodes only (e.g. node1,node2); the others are [cluster] unenforced_nodes")
 	up.Flags().BoolVar(&opts.VM, "vm", false, "run the testbed inside a VM (VRF-capable kernel)")
 	up.Flags().StringVar(&opts.Directory, "directory", "", "where the nodes' accounts come from: \"\" (the host's /etc files) or \"ldap\" (slapd + SSSD per node, no enumeration)")
 	up.Flags().IntVar(&opts.DirectoryUsers, "directory-users", 0, "with --directory ldap: add N synthetic users in N/5 groups (10 memberships each)")

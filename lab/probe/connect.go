@@ -30,8 +30,13 @@ type Target struct {
 // rank of an MPI job or a job whose node Slurm picks; the key "*" applies on
 // every host.
 type Plan struct {
-	// TCPTimeoutMS bounds a TCP connect (default 1000): the handshake is
-	// the kernel's, so only a silent drop reaches it.
+	// TCPTimeoutMS bounds a TCP connect (default 3000): the handshake is
+	// the kernel's and refusals are resets, so only a silent drop reaches
+	// it. It was 1000: that raced the kernel's first SYN retransmission
+	// (at 1 s) and, on a loaded machine, the scheduling of the connector
+	// itself — 13 of 74,400 cases of a 20-run repeat at load average
+	// 26–40 timed out, system ports included, with no SYN retransmitted
+	// and no listen drop counted in the node.
 	TCPTimeoutMS int `json:"tcp_timeout_ms,omitempty"`
 	// ReplyTimeoutMS bounds the wait for a TCP listener's reply once
 	// connected (default 3000). That needs the listener process to run,
@@ -40,7 +45,9 @@ type Plan struct {
 	ReplyTimeoutMS int `json:"reply_timeout_ms,omitempty"`
 	// UDPTries datagrams are sent before a UDP case counts as timed out;
 	// the first wait is UDPWaitMS and each next one twice as long
-	// (defaults 3 and 150: 150+300+600 ms). Refusals by ICMP surface at
+	// (defaults 4 and 150: 150+300+600+1200 ms; with 3 tries a listener
+	// that did not run within 1 s at load average 40 looked like a drop:
+	// 2 system-port cases of 74,400). Refusals by ICMP surface at
 	// once; the growing waits only keep a slow listener from looking
 	// like a silent drop.
 	UDPTries  int `json:"udp_tries,omitempty"`
@@ -182,7 +189,7 @@ type Connector struct {
 
 // NewConnector applies the plan's settings over the defaults.
 func NewConnector(p *Plan) *Connector {
-	c := &Connector{TCPTimeout: time.Second, ReplyTimeout: 3 * time.Second, UDPTries: 3,
+	c := &Connector{TCPTimeout: 3 * time.Second, ReplyTimeout: 3 * time.Second, UDPTries: 4,
 		UDPWait: 150 * time.Millisecond, Parallel: 512}
 	if p != nil {
 		if p.ReplyTimeoutMS > 0 {

@@ -9,8 +9,7 @@ import (
 	"sync"
 	"time"
 
-	"golang.org/x/net/ipv4"
-	"golang.org/x/net/ipv6"
+	"github.com/palisade-hpc/palisade/internal/sys/pktinfo"
 )
 
 // ListenConfig says what a Listener serves.
@@ -89,7 +88,11 @@ func Listen(cfg ListenConfig) (*Listener, error) {
 					return fail(fmt.Errorf("probe listen: %w", err))
 				}
 				l.udp = append(l.udp, uc)
-				if err := setPktinfo(uc, fam); err != nil {
+				// Replies leave from the address the connector sent to: a
+				// connected UDP socket ignores datagrams from any other
+				// source, and a multi-homed node (eth0 and ib0) would
+				// otherwise answer from whichever address its route prefers.
+				if err := pktinfo.Enable(uc); err != nil {
 					return fail(fmt.Errorf("probe listen: %s pktinfo: %w", addr, err))
 				}
 			}
@@ -160,44 +163,13 @@ func (l *Listener) serveTCP(tl net.Listener) {
 	}
 }
 
-// setPktinfo asks for each datagram's destination address so that replies
-// leave from the address the connector sent to: a connected UDP socket
-// ignores datagrams from any other source, and a multi-homed node (eth0 and
-// ib0) would otherwise answer from whichever address its route prefers.
-func setPktinfo(uc *net.UDPConn, fam int) error {
-	if fam == 4 {
-		return ipv4.NewPacketConn(uc).SetControlMessage(ipv4.FlagDst|ipv4.FlagInterface, true)
-	}
-	return ipv6.NewPacketConn(uc).SetControlMessage(ipv6.FlagDst|ipv6.FlagInterface, true)
-}
-
 func (l *Listener) serveUDP(uc *net.UDPConn) {
 	defer l.wg.Done()
 	port := uint16(uc.LocalAddr().(*net.UDPAddr).Port)
-	v4 := uc.LocalAddr().(*net.UDPAddr).IP.To4() != nil
-	p4, p6 := ipv4.NewPacketConn(uc), ipv6.NewPacketConn(uc)
 	buf := make([]byte, maxMsg)
+	oob := make([]byte, pktinfo.OOBSize)
 	for {
-		var (
-			n   int
-			src net.Addr
-			err error
-			dst net.IP
-			ifi int
-		)
-		if v4 {
-			var cm *ipv4.ControlMessage
-			n, cm, src, err = p4.ReadFrom(buf)
-			if cm != nil {
-				dst, ifi = cm.Dst, cm.IfIndex
-			}
-		} else {
-			var cm *ipv6.ControlMessage
-			n, cm, src, err = p6.ReadFrom(buf)
-			if cm != nil {
-				dst, ifi = cm.Dst, cm.IfIndex
-			}
-		}
+		n, from, dst, err := pktinfo.Read(uc, buf, oob)
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
 				return
@@ -208,19 +180,6 @@ func (l *Listener) serveUDP(uc *net.UDPConn) {
 		if err != nil {
 			continue
 		}
-		reply := formatReply(Reply{Nonce: nonce, Identity: l.self, Port: port, Proto: "udp"})
-		if v4 {
-			var cm *ipv4.ControlMessage
-			if dst != nil {
-				cm = &ipv4.ControlMessage{Src: dst}
-			}
-			p4.WriteTo(reply, cm, src)
-		} else {
-			var cm *ipv6.ControlMessage
-			if dst != nil {
-				cm = &ipv6.ControlMessage{Src: dst, IfIndex: ifi}
-			}
-			p6.WriteTo(reply, cm, src)
-		}
+		pktinfo.Reply(uc, formatReply(Reply{Nonce: nonce, Identity: l.self, Port: port, Proto: "udp"}), from, dst)
 	}
 }

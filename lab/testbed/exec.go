@@ -92,6 +92,12 @@ type LoginWrapper interface {
 	LoginPrefix(tb *Testbed, node, user string) []string
 }
 
+// SlurmConfer is optionally implemented by a Mode that needs settings in
+// slurm.conf (written before the daemons start): one "Key=Value" per line.
+type SlurmConfer interface {
+	SlurmConf(tb *Testbed) []string
+}
+
 // PAMSessioner is optionally implemented by a Mode that must see ssh
 // logins, as pam_exec would on a real node (uvn: into the user's VRF). Its
 // lines (e.g. "session required pam_exec.so /path/to/helper") end sshd's

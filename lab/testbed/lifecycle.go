@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -40,6 +41,14 @@ func validate(opts *Options) error {
 	if opts.Egress {
 		if _, ok := lookupExtension("egress"); !ok {
 			return errors.New("--egress: no egress extension is registered in this binary")
+		}
+	}
+	if (opts.Audit || len(opts.Agents) > 0) && opts.Mode == "none" {
+		return errors.New("--audit and --agents need a data-plane mode (--mode userwall)")
+	}
+	for _, a := range opts.Agents {
+		if n, err := strconv.Atoi(strings.TrimPrefix(a, "node")); err != nil || !strings.HasPrefix(a, "node") || n < 1 || n > opts.Nodes {
+			return fmt.Errorf("--agents: %q is not a node of this testbed (node1..node%d)", a, opts.Nodes)
 		}
 	}
 	if opts.Kernel != "" && !opts.VM {
@@ -123,7 +132,8 @@ func Up(ctx context.Context, opts Options) (*Testbed, error) {
 		if s.Phase == "up" && old.alive() {
 			if (explicitNodes && opts.Nodes != s.Nodes) || (explicitMode && opts.Mode != old.Mode) || (opts.VM && !s.VM) || (opts.Kernel != "" && opts.Kernel != s.Kernel) ||
 				(opts.Egress && !slices.Contains(s.Extensions, "egress")) ||
-				(opts.Directory != "" && (opts.Directory != s.Directory || opts.DirectoryUsers != s.DirUsers)) {
+				(opts.Directory != "" && (opts.Directory != s.Directory || opts.DirectoryUsers != s.DirUsers)) ||
+				(opts.Audit && !s.Audit) || (len(opts.Agents) > 0 && !slices.Equal(opts.Agents, s.Agents)) {
 				return nil, fmt.Errorf("testbed %s is already up with %d nodes, mode %s: run `palisade-lab testbed down --name %s` first",
 					s.Name, s.Nodes, old.Mode, s.Name)
 			}
@@ -157,7 +167,7 @@ func Up(ctx context.Context, opts Options) (*Testbed, error) {
 	}
 
 	s := &state{Name: opts.Name, Nodes: opts.Nodes, Mode: opts.Mode, VM: opts.VM, Kernel: opts.Kernel, Phase: "starting",
-		Directory: opts.Directory, DirUsers: opts.DirectoryUsers}
+		Directory: opts.Directory, DirUsers: opts.DirectoryUsers, Audit: opts.Audit, Agents: opts.Agents}
 	if opts.Egress {
 		s.Extensions = append(s.Extensions, "egress")
 	}

@@ -19,6 +19,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"sync"
 )
@@ -63,6 +64,14 @@ type Options struct {
 	// module the test runs in.
 	Binary    string
 	LabBinary string
+	// Audit writes [agent] audit = true on every node (the data plane
+	// decides and reports, refuses nothing) and an event rate high enough
+	// for `check --mode audit` to find every would-be refusal.
+	Audit bool
+	// Agents names the nodes that run the data plane's agent (staged
+	// rollout); empty = every node. The others are listed in every
+	// node's [cluster] unenforced_nodes.
+	Agents []string
 }
 
 // Node is one host of the testbed: a compute node or the outside host.
@@ -93,10 +102,13 @@ type Testbed struct {
 	// Directory is "" or "ldap" (Options.Directory).
 	Directory      string
 	DirectoryUsers int
-	Kernel         string // guest kernel series of a VM testbed
-	Nodes          []Node
-	Outside        Node
-	Router         string // router netns
+	// Audit and Agents are Options.Audit and Options.Agents.
+	Audit   bool
+	Agents  []string
+	Kernel  string // guest kernel series of a VM testbed
+	Nodes   []Node
+	Outside Node
+	Router  string // router netns
 	// MPIHello is an MPI program (built at up time with mpicc) that prints
 	// "rank R of N on HOST" for every rank; empty if mpicc failed.
 	MPIHello string
@@ -231,6 +243,8 @@ type state struct {
 	Directory  string   `json:"directory,omitempty"`
 	DirUsers   int      `json:"directory_users,omitempty"`
 	Kernel     string   `json:"kernel,omitempty"`
+	Audit      bool     `json:"audit,omitempty"`
+	Agents     []string `json:"agents,omitempty"`
 	// Phase is "starting" until bring-up (mode included) completed, then "up".
 	Phase    string `json:"phase"`
 	MPIHello string `json:"mpi_hello,omitempty"`
@@ -280,6 +294,7 @@ func build(s *state) *Testbed {
 		Directory:  s.Directory,
 	}
 	tb.DirectoryUsers = s.DirUsers
+	tb.Audit, tb.Agents = s.Audit, s.Agents
 	if tb.Mode == "" {
 		tb.Mode = "none"
 	}
@@ -409,4 +424,9 @@ func Open(name string) (*Testbed, error) {
 		return nil, fmt.Errorf("testbed %s has state but its namespaces are gone (reboot?): run `palisade-lab testbed down --name %s`", name, name)
 	}
 	return tb, nil
+}
+
+// Enforcing reports whether node runs the data plane's agent (Options.Agents).
+func (tb *Testbed) Enforcing(node string) bool {
+	return len(tb.Agents) == 0 || slices.Contains(tb.Agents, node)
 }

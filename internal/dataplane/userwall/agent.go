@@ -23,6 +23,7 @@ import (
 	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/membership"
 	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/sys/cgroup2"
 	"github.com/palisade-hpc/palisade/internal/sys/nldump"
 	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 	"github.com/palisade-hpc/palisade/internal/version"
@@ -179,7 +180,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	if err != nil {
 		return err
 	}
-	cg, err := CgroupRoot()
+	cg, err := cgroup2.MountPoint()
 	if err != nil {
 		return err
 	}
@@ -372,33 +373,12 @@ func (a *agent) syncAddrs() error {
 		return err
 	}
 	// Unicast addresses only: broadcast and multicast datagrams go to many
-	// sockets and are decided at each of them, never early. Subnet
-	// broadcasts are kept apart: the looped-back copies of a node's own
-	// broadcasts are identified by them (uw_skb_egress).
-	var addrs, bcasts []netip.Addr
+	// sockets and are decided at each of them, never early.
+	var addrs []netip.Addr
 	for _, x := range list {
 		if ip, ok := netip.AddrFromSlice(x.IP); ok {
 			addrs = append(addrs, ip)
 		}
-		if b, ok := netip.AddrFromSlice(x.Broadcast); ok && b.Unmap().Is4() && !b.IsUnspecified() {
-			bcasts = append(bcasts, b)
-		}
-		// The kernel treats the subnet's all-ones address as broadcast
-		// even when the address was added without one.
-		if x.IPNet != nil {
-			if ip4 := x.IPNet.IP.To4(); ip4 != nil {
-				if ones, _ := x.IPNet.Mask.Size(); ones <= 30 {
-					var b [4]byte
-					for i := range b {
-						b[i] = ip4[i] | ^x.IPNet.Mask[len(x.IPNet.Mask)-4+i]
-					}
-					bcasts = append(bcasts, netip.AddrFrom4(b))
-				}
-			}
-		}
-	}
-	if err := a.dp.SetBroadcasts(bcasts); err != nil {
-		return err
 	}
 	return a.dp.SetLocalAddrs(addrs)
 }

@@ -617,12 +617,18 @@ func (w *world) expect(c *tcase) (deliver bool, rule uwbpfUwRule, path uwbpfUwPa
 		v = w.offCluster(c.dport, proto)
 	}
 	// UDP replies: the socket sent to exactly this source, and its owner
-	// could reach the sender's socket (needs nothing more without an
-	// identity). "Could reach" is policy.Decide on the sender's port, so a
-	// system port counts (the C missed that once: found by this test).
+	// could reach the sender's socket. "Could reach" is policy.Decide on the
+	// sender's port, so a system port counts (the C missed that once: found
+	// by this test). Without a valid stamp the sender is unknown: such an
+	// answer is a reply only from off-cluster (not the cluster's subnets,
+	// not this node, not link-local), where no stamp can be had — from
+	// anywhere else it may be anyone's (redteam: IP options, fragments and
+	// spoofed sources leave a datagram unstamped).
+	offCluster := !inAny(w.pol.ClusterSubnets, c.src) && !w.isLocal(c.src) && !c.src.Unmap().IsLinkLocalUnicast()
 	if !v.Allow && (c.proto == ipUDP || c.proto == ipUDPLite) && c.sock.HasPeer != 0 &&
 		c.sock.PeerPort == c.sport && netip.AddrFrom16(c.sock.Peer) == netip.AddrFrom16(c.src.As16()) {
-		if !trusted || w.reach(luid, lgid, cuid, cgid, c.sport, proto).Allow {
+		if c.sport <= w.pol.SystemPortMax || (trusted && w.reach(luid, lgid, cuid, cgid, c.sport, proto).Allow) ||
+			(!trusted && offCluster) {
 			v = policy.Verdict{Allow: true, Rule: "udp-reply"}
 		}
 	}

@@ -14,6 +14,8 @@ import (
 	"github.com/cilium/ebpf/features"
 	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
+
+	"github.com/palisade-hpc/palisade/internal/sys/cgroup2"
 )
 
 // KernelFloor is the oldest kernel userwall supports (Debian 12's).
@@ -165,7 +167,7 @@ func ProbeKernel() (*Probe, error) {
 	}
 	add(f)
 
-	cg, cgErr := CgroupRoot()
+	cg, cgErr := cgroup2.MountPoint()
 	f = Feature{Name: "cgroup v2 hierarchy", Since: "4.5", Required: true, Present: cgErr == nil,
 		Needs: []string{"socket hooks (connect, sendmsg, sock_create)"}, Detail: cg}
 	if cgErr != nil {

@@ -1,8 +1,6 @@
 package userwall
 
 import (
-	"bufio"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -25,42 +23,6 @@ func NetnsCookie() (uint64, error) {
 		return 0, fmt.Errorf("SO_NETNS_COOKIE: %w (kernel ≥ 5.14 needed)", err)
 	}
 	return c, nil
-}
-
-// mountPoint finds the mount point of a filesystem type in a mounts file.
-func mountPoint(mounts, fstype, prefer string) string {
-	f, err := os.Open(mounts)
-	if err != nil {
-		return ""
-	}
-	defer f.Close()
-	found := ""
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fs := strings.Fields(sc.Text())
-		if len(fs) < 3 || fs[2] != fstype {
-			continue
-		}
-		if prefer == "" || fs[1] == prefer {
-			return fs[1]
-		}
-		if found == "" {
-			found = fs[1]
-		}
-	}
-	return found
-}
-
-// CgroupRoot finds the root of the cgroup v2 hierarchy: /sys/fs/cgroup on a
-// pure v2 host, /sys/fs/cgroup/unified on a hybrid one, anything /proc/mounts
-// names otherwise. A process in a private mount namespace with a fresh sysfs
-// (`ip netns exec`) sees no cgroup mount: then init's view is used, which is
-// the same hierarchy.
-func CgroupRoot() (string, error) {
-	if p := mountPoint("/proc/self/mounts", "cgroup2", "/sys/fs/cgroup"); p != "" {
-		return p, nil
-	}
-	return "", errors.New("no cgroup v2 hierarchy mounted in this mount namespace (a fresh sysfs from `ip netns exec`? enter the node with `nsenter --net=/run/netns/NS` instead; or mount -t cgroup2 none /sys/fs/cgroup/unified)")
 }
 
 func isBPFFS(path string) bool {

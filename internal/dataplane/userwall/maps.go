@@ -1,7 +1,6 @@
 package userwall
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -223,18 +222,6 @@ func (d *Dataplane) SetLocalAddrs(addrs []netip.Addr) error {
 		want[lpmKey(netip.PrefixFrom(a, a.BitLen()))] = true
 	}
 	return syncSet(d.Map("local_addrs"), want)
-}
-
-// SetBroadcasts makes the subnet-broadcast set exactly addrs (IPv4).
-func (d *Dataplane) SetBroadcasts(addrs []netip.Addr) error {
-	want := map[uint32]bool{}
-	for _, a := range addrs {
-		if a = a.Unmap(); a.Is4() {
-			b := a.As4()
-			want[binary.NativeEndian.Uint32(b[:])] = true
-		}
-	}
-	return syncSet(d.Map("bcast_addrs"), want)
 }
 
 // SetMembers loads NSS group membership (uid in gid) for the cross-node

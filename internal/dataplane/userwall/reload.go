@@ -354,8 +354,10 @@ func liveState(pidFile string, pid int) *AgentState {
 func (s *Status) addAgentState(cfg *policy.Config, cfgOK bool) {
 	st, err := ReadState(cfg.Agent.PidFile)
 	live := err == nil && s.AgentPID != 0 && st.PID == s.AgentPID
-	if os.Geteuid() != 0 && len(s.Links) == 0 {
-		// What the kernel inspection found is only what a user may see.
+	// A user may not read the pinned objects; root in another mount
+	// namespace (`ip netns exec` mounts a fresh sysfs) does not see them.
+	// Either way the running agent knows: never report "none" for it.
+	if s.Mode != "userwall" && (os.Geteuid() != 0 || live) {
 		s.Source, s.Mode, s.Nft, s.Counters, s.Warnings = "agent", "unknown", false, nil, nil
 		if !cfgOK {
 			s.Warnings = append(s.Warnings, "configuration "+cfg.Path+" invalid (a reload would be refused)")

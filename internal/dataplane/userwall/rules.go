@@ -34,6 +34,7 @@ var pathNames = map[uwbpfUwPath]string{
 	uwbpfUwPathP_LOCAL_OTHER:  "local-other",
 	uwbpfUwPathP_REMOTE_OTHER: "remote-other",
 	uwbpfUwPathP_BIND:         "bind",
+	uwbpfUwPathP_SOURCE:       "source",
 }
 
 // stampNames say what a packet's identity stamp was worth (enum uw_stamp).
@@ -57,7 +58,8 @@ func ruleName(r uint8) string {
 // ruleAllows mirrors allows() in the C.
 func ruleAllows(r uint8) bool {
 	switch uwbpfUwRule(r) {
-	case uwbpfUwRuleR_DENIED, uwbpfUwRuleR_OFFCLUSTER_DENIED, uwbpfUwRuleR_UNCLASSIFIED, uwbpfUwRuleR_COBIND:
+	case uwbpfUwRuleR_DENIED, uwbpfUwRuleR_OFFCLUSTER_DENIED, uwbpfUwRuleR_UNCLASSIFIED, uwbpfUwRuleR_COBIND,
+		uwbpfUwRuleR_FOREIGN_SOURCE:
 		return false
 	}
 	return true

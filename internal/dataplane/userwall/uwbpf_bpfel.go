@@ -53,23 +53,6 @@ type uwbpfUwKey struct {
 	Valid uint32
 }
 
-type uwbpfUwLoopKey struct {
-	_     structs.HostLayout
-	Src   [16]uint8
-	Dst   [16]uint8
-	Sport uint16
-	Dport uint16
-	Proto uint8
-	Pad   [3]uint8
-}
-
-type uwbpfUwLoopVal struct {
-	_   structs.HostLayout
-	Uid uint32
-	Gid uint32
-	Ts  uint64
-}
-
 type uwbpfUwLpmKey struct {
 	_         structs.HostLayout
 	Prefixlen uint32
@@ -101,7 +84,8 @@ const (
 	uwbpfUwPathP_LOCAL_OTHER  uwbpfUwPath = 5
 	uwbpfUwPathP_REMOTE_OTHER uwbpfUwPath = 6
 	uwbpfUwPathP_BIND         uwbpfUwPath = 7
-	uwbpfUwPathP_MAX          uwbpfUwPath = 8
+	uwbpfUwPathP_SOURCE       uwbpfUwPath = 8
+	uwbpfUwPathP_MAX          uwbpfUwPath = 9
 )
 
 type uwbpfUwPeers struct {
@@ -135,6 +119,7 @@ const (
 	uwbpfUwRuleR_UNVERIFIED        uwbpfUwRule = 12
 	uwbpfUwRuleR_UNCLASSIFIED      uwbpfUwRule = 13
 	uwbpfUwRuleR_COBIND            uwbpfUwRule = 14
+	uwbpfUwRuleR_FOREIGN_SOURCE    uwbpfUwRule = 15
 	uwbpfUwRuleR_MAX               uwbpfUwRule = 16
 )
 
@@ -174,7 +159,6 @@ type uwbpfUwUnixPeers struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	uwbpfMapBcastAddrs           = "bcast_addrs"
 	uwbpfMapClusterNets          = "cluster_nets"
 	uwbpfMapCounters             = "counters"
 	uwbpfMapEvents               = "events"
@@ -183,7 +167,6 @@ const (
 	uwbpfMapIfaces               = "ifaces"
 	uwbpfMapKeys                 = "keys"
 	uwbpfMapLocalAddrs           = "local_addrs"
-	uwbpfMapLoopIds              = "loop_ids"
 	uwbpfMapMembers              = "members"
 	uwbpfMapOffcPorts            = "offc_ports"
 	uwbpfMapSettings             = "settings"
@@ -283,7 +266,6 @@ type uwbpfProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type uwbpfMapSpecs struct {
-	BcastAddrs     *ebpf.MapSpec `ebpf:"bcast_addrs"`
 	ClusterNets    *ebpf.MapSpec `ebpf:"cluster_nets"`
 	Counters       *ebpf.MapSpec `ebpf:"counters"`
 	Events         *ebpf.MapSpec `ebpf:"events"`
@@ -292,7 +274,6 @@ type uwbpfMapSpecs struct {
 	Ifaces         *ebpf.MapSpec `ebpf:"ifaces"`
 	Keys           *ebpf.MapSpec `ebpf:"keys"`
 	LocalAddrs     *ebpf.MapSpec `ebpf:"local_addrs"`
-	LoopIds        *ebpf.MapSpec `ebpf:"loop_ids"`
 	Members        *ebpf.MapSpec `ebpf:"members"`
 	OffcPorts      *ebpf.MapSpec `ebpf:"offc_ports"`
 	Settings       *ebpf.MapSpec `ebpf:"settings"`
@@ -336,7 +317,6 @@ func (o *uwbpfObjects) Close() error {
 //
 // It can be passed to loadUwbpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type uwbpfMaps struct {
-	BcastAddrs     *ebpf.Map `ebpf:"bcast_addrs"`
 	ClusterNets    *ebpf.Map `ebpf:"cluster_nets"`
 	Counters       *ebpf.Map `ebpf:"counters"`
 	Events         *ebpf.Map `ebpf:"events"`
@@ -345,7 +325,6 @@ type uwbpfMaps struct {
 	Ifaces         *ebpf.Map `ebpf:"ifaces"`
 	Keys           *ebpf.Map `ebpf:"keys"`
 	LocalAddrs     *ebpf.Map `ebpf:"local_addrs"`
-	LoopIds        *ebpf.Map `ebpf:"loop_ids"`
 	Members        *ebpf.Map `ebpf:"members"`
 	OffcPorts      *ebpf.Map `ebpf:"offc_ports"`
 	Settings       *ebpf.Map `ebpf:"settings"`
@@ -358,7 +337,6 @@ type uwbpfMaps struct {
 
 func (m *uwbpfMaps) Close() error {
 	return _UwbpfClose(
-		m.BcastAddrs,
 		m.ClusterNets,
 		m.Counters,
 		m.Events,
@@ -367,7 +345,6 @@ func (m *uwbpfMaps) Close() error {
 		m.Ifaces,
 		m.Keys,
 		m.LocalAddrs,
-		m.LoopIds,
 		m.Members,
 		m.OffcPorts,
 		m.Settings,

@@ -19,30 +19,21 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/palisade-hpc/palisade/internal/policy"
+	cg2 "github.com/palisade-hpc/palisade/internal/sys/cgroup2"
 	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 )
 
-// cgroup2 is a private, detached mount of the cgroup2 hierarchy. Opening one
-// with fsopen/fsmount works the same on hybrid v1/v2 hosts (cgroup2 at
-// /sys/fs/cgroup/unified), pure v2 hosts (/sys/fs/cgroup), hosts that never
-// mounted cgroup2, and inside `ip netns exec`, which remounts /sys without
-// any cgroup mount. It is attached nowhere, so nothing leaks.
+// cgroup2 is a private, detached mount of the cgroup2 hierarchy
+// (sys/cgroup2.Open): it works on hybrid and pure v2 hosts alike, and inside
+// `ip netns exec`, which remounts /sys without any cgroup mount.
 type cgroup2 struct{ root int }
 
 func openCgroup2() (*cgroup2, error) {
-	fsfd, err := unix.Fsopen("cgroup2", unix.FSOPEN_CLOEXEC)
+	fd, err := cg2.Open()
 	if err != nil {
-		return nil, fmt.Errorf("fsopen cgroup2: %w", err)
+		return nil, err
 	}
-	defer unix.Close(fsfd)
-	if err := unix.FsconfigCreate(fsfd); err != nil {
-		return nil, fmt.Errorf("fsconfig cgroup2: %w", err)
-	}
-	mfd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV|unix.MOUNT_ATTR_NOEXEC)
-	if err != nil {
-		return nil, fmt.Errorf("fsmount cgroup2: %w", err)
-	}
-	return &cgroup2{root: mfd}, nil
+	return &cgroup2{root: fd}, nil
 }
 
 func (c *cgroup2) Close() { unix.Close(c.root) }

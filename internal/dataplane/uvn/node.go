@@ -6,12 +6,14 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"path"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
 
 	"github.com/cilium/ebpf"
+	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/internal/sys/nldump"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netlink/nl"
@@ -49,6 +51,12 @@ func (m *Manager) ensureNode() error {
 		return err
 	}
 	if found && ns.Complete {
+		if ns.SrunRange != "" {
+			// Put back a removed tc program (or its map) in place.
+			if err := m.ensureSrunTC(ns); err != nil {
+				return err
+			}
+		}
 		if guardPresent() {
 			return nil
 		}
@@ -138,6 +146,15 @@ func (m *Manager) buildNode(ns *NodeState) error {
 	// mirrored underlay addresses) would be delivered outside the VRF.
 	for _, fam := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
 		if err := m.moveLocalRule(ns, fam); err != nil {
+			return err
+		}
+	}
+
+	if m.Srun != (policy.PortRange{}) {
+		if err := m.step("srun"); err != nil {
+			return err
+		}
+		if err := m.buildSrun(ns); err != nil {
 			return err
 		}
 	}
@@ -361,6 +378,10 @@ func undo(u Undo) error {
 	case "rule":
 		r := netlink.NewRule()
 		r.Family, r.Priority, r.Table = u.Family, u.Pref, int(u.Table)
+		if u.Mark != 0 {
+			mask := uint32(0xffffffff)
+			r.Mark, r.Mask = u.Mark, &mask
+		}
 		if u.Dst != "" {
 			_, n, err := net.ParseCIDR(u.Dst)
 			if err != nil {
@@ -375,6 +396,10 @@ func undo(u Undo) error {
 		if err := removeGuard(); err != nil {
 			return fmt.Errorf("remove nftables table: %w", err)
 		}
+	case "tc":
+		return undoSrunFilter(u.Name)
+	case "clsact":
+		return undoClsact(u.Name)
 	default:
 		return fmt.Errorf("unknown journal record %q", u.Kind)
 	}
@@ -402,6 +427,11 @@ func (m *Manager) teardownLocked(st *UserState) error {
 				}
 			}
 			cg.Close()
+		}
+	}
+	if vl, err := netlink.LinkByName(st.VRF); err == nil {
+		if err := m.dropSrunClaims(vl.Attrs().Index); err != nil {
+			errs = append(errs, fmt.Errorf("srun port claims: %w", err))
 		}
 	}
 	if err := m.undoAll(st.Undo); err != nil {
@@ -456,6 +486,14 @@ func (m *Manager) attach(st *UserState, pid, holder int) error {
 		return err
 	}
 	defer cg.Close()
+	var h Holder
+	if holder > 0 {
+		start, ok := procStart(holder)
+		if !ok {
+			return fmt.Errorf("holder pid %d does not exist", holder)
+		}
+		h = Holder{PID: holder, Start: start}
+	}
 	path, created, err := cg.sessionCgroup(pid, st.UID)
 	if err != nil {
 		return err
@@ -468,7 +506,7 @@ func (m *Manager) attach(st *UserState, pid, holder int) error {
 	}
 	if !have {
 		// Record the cgroup first (so a failure below still removes it).
-		a := Attachment{Cgroup: path, Created: created}
+		a := Attachment{Cgroup: path, Created: created, Holder: h}
 		st.Attach = append(st.Attach, a)
 		if err := m.st.saveUser(st); err != nil {
 			return err
@@ -482,50 +520,81 @@ func (m *Manager) attach(st *UserState, pid, holder int) error {
 		if err := m.attachUnderlay(cg, a0, st); err != nil {
 			return err
 		}
+		if err := m.attachSrun(cg, a0, vl.Attrs().Index, vl.Attrs().HardwareAddr); err != nil {
+			return err
+		}
 	}
 	if holder > 0 {
-		start, ok := procStart(holder)
-		if !ok {
-			return fmt.Errorf("holder pid %d does not exist", holder)
-		}
 		st.pruneHolders(0)
-		h := Holder{PID: holder, Start: start}
-		dup := false
-		for _, o := range st.Holders {
-			dup = dup || o == h
-		}
-		if !dup {
+		if !slices.Contains(st.Holders, h) {
 			st.Holders = append(st.Holders, h)
 		}
 	}
-	m.pruneAttachments(st, cg)
+	m.pruneAttachments(st, cg, nil)
 	return m.st.saveUser(st)
 }
 
-// pruneAttachments forgets attachments whose cgroup is gone and removes
-// empty cgroups Palisade created for sessions that ended.
-func (m *Manager) pruneAttachments(st *UserState, cg *cgroup2) {
+// pruneAttachments removes the attachments whose holder is no longer a live
+// holder of st and in whose cgroup no process is left but those of leaving
+// (the holder being released, this process): their programs are detached,
+// leaving processes move back to the parent of a cgroup Palisade made, and
+// that cgroup goes. An attachment that still holds other processes stays
+// (they keep their VRF: a user process never leaves it), and so does the
+// network (see Release).
+func (m *Manager) pruneAttachments(st *UserState, cg *cgroup2, leaving []int) {
 	kept := st.Attach[:0]
 	for _, a := range st.Attach {
 		if !cg.exists(a.Cgroup) {
 			continue
 		}
-		if a.Created {
-			if pids, err := cg.procs(a.Cgroup, true); err == nil && len(pids) == 0 {
-				cg.detachAll(a)
-				if cg.removeCgroup(a.Cgroup) == nil {
-					continue
+		if a.Holder.PID != 0 && slices.Contains(st.Holders, a.Holder) {
+			kept = append(kept, a)
+			continue
+		}
+		pids, err := cg.procs(a.Cgroup, true)
+		if err != nil {
+			kept = append(kept, a)
+			continue
+		}
+		var others []int
+		for _, p := range pids {
+			if slices.Contains(leaving, p) {
+				if a.Created {
+					cg.writeFile(path.Dir(a.Cgroup), "cgroup.procs", strconv.Itoa(p))
 				}
+				continue
+			}
+			if _, alive := procStart(p); alive {
+				others = append(others, p)
 			}
 		}
-		kept = append(kept, a)
+		if len(others) > 0 {
+			m.logf("uvn: uid %d: cgroup %s keeps its VRF: %d process(es) still in it (%v)", st.UID, a.Cgroup, len(others), others)
+			kept = append(kept, a)
+			continue
+		}
+		if err := cg.detachAll(a); err != nil {
+			m.logf("uvn: uid %d: %v", st.UID, err)
+			kept = append(kept, a)
+			continue
+		}
+		if a.Created {
+			if err := cg.removeCgroup(a.Cgroup); err != nil {
+				m.logf("uvn: uid %d: remove cgroup %s: %v", st.UID, a.Cgroup, err)
+				a.ProgID, a.ConnectID, a.SendmsgID, a.Bind4ID, a.Bind6ID, a.ReleaseID = 0, 0, 0, 0, 0, 0
+				kept = append(kept, a)
+				continue
+			}
+		}
 	}
 	st.Attach = kept
 }
 
 // Release drops holder (0: none, just prune dead holders) from uid's
-// holders; when no live holder is left, the user's network is torn down.
-// It reports whether it tore down.
+// holders and removes exactly the attachments made for it (and for holders
+// that died), moving holder and this process out of cgroups Palisade made.
+// When no live holder and no attachment is left, the user's network is torn
+// down. It reports whether it tore down.
 func (m *Manager) Release(uid uint32, holder int) (bool, error) {
 	unlock, err := m.st.lockUser(uid)
 	if err != nil {
@@ -537,11 +606,17 @@ func (m *Manager) Release(uid uint32, holder int) (bool, error) {
 		return false, err
 	}
 	st.pruneHolders(holder)
-	if len(st.Holders) > 0 {
-		if cg, err := openCgroup2(); err == nil {
-			m.pruneAttachments(st, cg)
-			cg.Close()
-		}
+	leaving := []int{os.Getpid()}
+	if holder > 0 {
+		leaving = append(leaving, holder)
+	}
+	cg, err := openCgroup2()
+	if err != nil {
+		return false, err
+	}
+	m.pruneAttachments(st, cg, leaving)
+	cg.Close()
+	if len(st.Holders) > 0 || len(st.Attach) > 0 {
 		return false, m.st.saveUser(st)
 	}
 	return true, m.teardownLocked(st)
@@ -656,6 +731,9 @@ func (m *Manager) StateDir() string { return filepath.Clean(m.st.dir) }
 // detachAll removes every program of a.
 func (c *cgroup2) detachAll(a Attachment) error {
 	return errors.Join(
+		c.detachAs(a.Cgroup, a.Bind4ID, ebpf.AttachCGroupInet4PostBind),
+		c.detachAs(a.Cgroup, a.Bind6ID, ebpf.AttachCGroupInet6PostBind),
+		c.detachAs(a.Cgroup, a.ReleaseID, ebpf.AttachCgroupInetSockRelease),
 		c.detachAs(a.Cgroup, a.ConnectID, ebpf.AttachCGroupInet4Connect),
 		c.detachAs(a.Cgroup, a.SendmsgID, ebpf.AttachCGroupUDP4Sendmsg),
 		c.detach(a.Cgroup, a.ProgID))

@@ -22,7 +22,7 @@ import (
 // object is made, so a crash or failure half-way leaves a journal that
 // removes everything (removing an object that was never made is a no-op).
 type Undo struct {
-	Kind   string `json:"kind"`             // link, route, rule, sysctl, nft, fdb
+	Kind   string `json:"kind"`             // link, route, rule, sysctl, nft, tc, clsact
 	Name   string `json:"name,omitempty"`   // link name, sysctl path, nft table
 	Value  string `json:"value,omitempty"`  // sysctl old value; route/rule description
 	Table  uint32 `json:"table,omitempty"`  // route/rule table
@@ -32,6 +32,7 @@ type Undo struct {
 	Metric uint32 `json:"metric,omitempty"` // route priority
 	Pref   int    `json:"pref,omitempty"`   // rule preference
 	Dev    string `json:"dev,omitempty"`    // route device
+	Mark   uint32 `json:"mark,omitempty"`   // rule fwmark (full mask)
 }
 
 // Holder is a live session or job step keeping a user's network up: a PID and
@@ -53,6 +54,14 @@ type Attachment struct {
 	// ConnectID and SendmsgID are the underlay-port programs (0: none).
 	ConnectID uint32 `json:"connect_id,omitempty"`
 	SendmsgID uint32 `json:"sendmsg_id,omitempty"`
+	// Bind4ID, Bind6ID and ReleaseID claim SrunPortRange ports for the VRF
+	// (bpf/srun.c; 0: none).
+	Bind4ID   uint32 `json:"bind4_id,omitempty"`
+	Bind6ID   uint32 `json:"bind6_id,omitempty"`
+	ReleaseID uint32 `json:"release_id,omitempty"`
+	// Holder is the session or step this attachment was made for; its
+	// release removes exactly this attachment.
+	Holder Holder `json:"holder"`
 }
 
 // UserState is a user's journal and bookkeeping on this node.
@@ -74,8 +83,12 @@ type NodeState struct {
 	Complete bool `json:"complete"`
 	// ForwardGuard: uvn turned forwarding on, so the guard's forward
 	// chain admits only NAT-pool traffic.
-	ForwardGuard bool   `json:"forward_guard,omitempty"`
-	Undo         []Undo `json:"undo"`
+	ForwardGuard bool `json:"forward_guard,omitempty"`
+	// SrunRange is the SrunPortRange the Slurm-callback path was built for
+	// ("" = none) and SrunMap the id of its port map (bpf/srun.c).
+	SrunRange string `json:"srun_range,omitempty"`
+	SrunMap   uint32 `json:"srun_map,omitempty"`
+	Undo      []Undo `json:"undo"`
 }
 
 // store is the state directory with its locks.

@@ -29,6 +29,9 @@ type Manager struct {
 	FailAt string
 	// Logf receives progress messages (nil: silent).
 	Logf func(format string, args ...any)
+	// Srun is SrunPortRange: Slurm's daemons reach users' listeners on
+	// these ports (bpf/srun.c). Zero: no such path.
+	Srun policy.PortRange
 }
 
 // New returns a manager for a validated [uvn] section; nodes are the
@@ -56,7 +59,7 @@ func (m *Manager) step(name string) error {
 // CheckUID rejects uids the configuration does not serve.
 func (m *Manager) CheckUID(uid uint32) error {
 	if int64(uid) < m.cfg.MinUID {
-		return fmt.Errorf("uid %d is below uvn.min_uid %d: system accounts get no VRF", uid, m.cfg.MinUID)
+		return fmt.Errorf("uid %d is below uvn.min_uid %d (VRF table ids start there)", uid, m.cfg.MinUID)
 	}
 	if int64(uid) > m.cfg.UIDMax {
 		return fmt.Errorf("uid %d is above uvn.uid_max %d (raise uid_max and space the underlay ports by %d)", uid, m.cfg.UIDMax, uint64(uid>>vniBits)+1)
@@ -138,11 +141,12 @@ func (m *Manager) intact(st *UserState, repair bool) bool {
 			return false
 		}
 	}
-	if !guardPresent() {
+	if !guardPresent() || !m.srunIntact() {
 		if !repair {
 			return false
 		}
-		// Restore the node-wide guard in place; the user's objects are fine.
+		// Restore the node-wide guard (and the Slurm-callback program) in
+		// place; the user's objects are fine.
 		unlock, err := m.st.lockNode()
 		if err != nil {
 			return false
@@ -235,6 +239,16 @@ func (m *Manager) build(st *UserState) error {
 		if err := addAddr(vl, netip.MustParsePrefix(a)); err != nil {
 			// Never disable IPv6 host-wide (prior art did): fail closed.
 			return fmt.Errorf("add %s to %s: %w", a, st.VRF, err)
+		}
+	}
+
+	// Slurm's callbacks from this node's own default VRF (bpf/srun.c)
+	// arrive on the VRF device with a source address that is local in the
+	// VRF too (the node's address, mirrored): accept it there. The setting
+	// goes with the device.
+	if m.Srun != (policy.PortRange{}) {
+		if err := writeSysctl("net/ipv4/conf/"+st.VRF+"/accept_local", "1"); err != nil {
+			return fmt.Errorf("%s: accept_local: %w", st.VRF, err)
 		}
 	}
 

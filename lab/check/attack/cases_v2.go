@@ -170,10 +170,10 @@ func coBindMapped() *Case {
 
 func coBindUDPLite() *Case {
 	return &Case{Name: "reuseaddr-cobind-udplite-cross-v4", Class: "port-reuse",
-		Why: "alice's UDP-Lite service listens on 0.0.0.0:P with SO_REUSEADDR; bob co-binds A's address, port P (the bind check looks up UDP sockets only): his socket wins alice's unicast",
+		Why: "alice's UDP-Lite service listens on 0.0.0.0:P; bob co-binds A's address, port P with SO_REUSEADDR (no lookup helper searches the UDP-Lite table): his socket would win alice's unicast. Users' UDP-Lite sockets may not set SO_REUSEADDR at bind (uw_bind4/6), so alice's socket cannot share its port either",
 		Run: func(e *Env, r *Run) error {
 			p := e.Port
-			s, err := e.Sink(r, e.A.Name, Victim, SinkSpec{Sock: Sock{Proto: "udplite", Family: 4, Bind: ap(wild(4), p), ReuseAddr: true}})
+			s, err := e.Sink(r, e.A.Name, Victim, SinkSpec{Sock: Sock{Proto: "udplite", Family: 4, Bind: ap(wild(4), p)}})
 			var se *SinkError
 			if errors.As(err, &se) && (se.Errno == "EPROTONOSUPPORT" || se.Errno == "ESOCKTNOSUPPORT") {
 				r.NA = "the kernel has no UDP-Lite (" + se.Errno + ")"

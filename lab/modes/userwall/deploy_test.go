@@ -182,7 +182,7 @@ func TestStatusAsUser(t *testing.T) {
 		code = cmd.ProcessState.ExitCode()
 	}
 	if code != 0 && code != 1 || !strings.Contains(string(out), "mode:        userwall") ||
-		!strings.Contains(string(out), "source:      the agent's state") || !strings.Contains(string(out), root.Agent.ConfigSHA) {
+		!strings.Contains(string(out), "source:      the agent's state (") || !strings.Contains(string(out), root.Agent.ConfigSHA) {
 		t.Errorf("status as alice: exit %d\n%s", code, out)
 	}
 	if (code == 1) != (len(root.Warnings) > 0) {

@@ -140,7 +140,12 @@ func eachNode(tb *testbed.Testbed, f func(testbed.Node) error) error {
 // StartAgents starts the agent on every node; on failure the ones started
 // are removed again.
 func StartAgents(ctx context.Context, tb *testbed.Testbed) error {
-	err := eachNode(tb, func(n testbed.Node) error { return StartAgent(ctx, tb, n) })
+	err := eachNode(tb, func(n testbed.Node) error {
+		if !tb.Enforcing(n.Name) {
+			return nil // staged rollout (testbed up --agents): not yet
+		}
+		return StartAgent(ctx, tb, n)
+	})
 	if err != nil {
 		_ = StopAgents(context.Background(), tb)
 	}
@@ -150,4 +155,10 @@ func StartAgents(ctx context.Context, tb *testbed.Testbed) error {
 // StopAgents uninstalls the agent on every node.
 func StopAgents(ctx context.Context, tb *testbed.Testbed) error {
 	return eachNode(tb, func(n testbed.Node) error { return StopAgent(ctx, tb, n) })
+}
+
+// NodeCommand runs the product binary in a node as the agent's site units
+// would (see nodeCommand), for tests of other packages.
+func NodeCommand(ctx context.Context, tb *testbed.Testbed, n testbed.Node, args ...string) *exec.Cmd {
+	return nodeCommand(ctx, tb, n, args...)
 }

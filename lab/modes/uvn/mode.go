@@ -53,13 +53,15 @@ peers = [%s]
 `, filepath.Join(tb.RunDir(), n.Name, "uvn"), TestbedPortEth, TestbedPortIB, strings.Join(peers, ", "))
 }
 
-// PAMLine is the session line added to sshd's PAM stack.
+// PAMLine is the session line added to sshd's PAM stack: pam_exec's
+// stdout reaches the user (a refused login says why); the helper keeps its
+// own log (pam_exec's log= would swallow stdout).
 func PAMLine(binary, config, log string) string {
-	l := "session required pam_exec.so"
+	l := "session required pam_exec.so stdout " + binary + " --config " + config + " uvn pam"
 	if log != "" {
-		l += " log=" + log
+		l += " --log " + log
 	}
-	return l + " " + binary + " --config " + config + " uvn pam"
+	return l
 }
 
 // Up configures the nodes (inside the VM).
@@ -103,9 +105,29 @@ func (UVNMode) Up(ctx context.Context, tb *testbed.Testbed) error {
 
 // PAMSession is the uvn line of sshd's PAM stack on node (the testbed runs
 // sshd with UsePAM yes and a per-node /etc/pam.d for it).
+//
+// With Slurm's pam_slurm_adopt installed, the account stack also adopts an
+// ssh session into the user's job on the node (before the session line
+// puts it in the user's VRF: account runs before session). Sessions of
+// users without a job there are let in (action_no_jobs=ignore), so ssh and
+// mpirun keep working outside jobs.
 func (UVNMode) PAMSession(tb *testbed.Testbed, node string) []string {
-	return []string{PAMLine(tb.Binary, "/etc/palisade/palisade.toml", filepath.Join(tb.LogDir(), "uvn-pam-"+node+".log"))}
+	lines := []string{PAMLine(tb.Binary, "/etc/palisade/palisade.toml", filepath.Join(tb.LogDir(), "uvn-pam-"+node+".log"))}
+	if _, err := os.Stat(AdoptModule); err == nil {
+		lines = append(lines, "account required "+AdoptModule+" action_no_jobs=ignore")
+	}
+	return lines
 }
+
+// SlurmConf gives every job an extern step on each of its nodes
+// (PrologFlags=Contain): pam_slurm_adopt adopts ssh sessions into it, and
+// its slurmstepd holds the user's network on the node for the job's life.
+func (UVNMode) SlurmConf(tb *testbed.Testbed) []string {
+	return []string{"PrologFlags=Contain"}
+}
+
+// AdoptModule is Debian's pam_slurm_adopt (package libpam-slurm-adopt).
+const AdoptModule = "/lib/security/pam_slurm_adopt.so"
 
 // Down removes every user's network on every node.
 func (UVNMode) Down(ctx context.Context, tb *testbed.Testbed) error {

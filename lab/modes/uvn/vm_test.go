@@ -248,7 +248,7 @@ func TestVM(t *testing.T) {
 		}
 		// srun from inside alice's VRF (node1) to node2+node3: slurmstepd and
 		// the tasks are moved by the SPANK plugin.
-		out = e.run(t, "node1", "alice", `srun -N2 -w node2,node3 sh -c 'echo "$(hostname) $(cat /proc/self/cgroup) $(timeout 8 socat -t6 - TCP:198.18.0.2:29101 </dev/null)"'`)
+		out = e.run(t, "node1", "alice", `srun -N2 -w node2,node3 sh -c 'echo "$(hostname) $(cat /proc/self/cgroup) $(timeout 40 socat -t30 - TCP:198.18.0.2:29101 </dev/null)"'`)
 		for _, n := range []string{"node2", "node3"} {
 			ok := false
 			for _, l := range strings.Split(out, "\n") {
@@ -259,6 +259,8 @@ func TestVM(t *testing.T) {
 			}
 		}
 	})
+
+	slurmSuite(t, e)
 
 	t.Run("rollback", func(t *testing.T) {
 		for _, step := range []string{"vrf-addr", "routes", "vxlan", "complete", "attach"} {
@@ -348,7 +350,7 @@ func checkMatrix(t *testing.T, ctx context.Context, tb *testbed.Testbed) {
 			seen[c.Rule] = true
 		}
 	}
-	for _, l := range []string{"plain", "ssh", "srun", "sbatch", "mpirun"} {
+	for _, l := range []string{"plain", "ssh", "srun", "sbatch", "mpirun", "queued"} {
 		for _, o := range []string{"allowed", "refused"} {
 			if !seen[l+"/"+o] {
 				t.Errorf("no passing %s case observed %s", l, o)

@@ -96,6 +96,7 @@ enum uw_rule {
 	R_UNVERIFIED = 12,
 	R_UNCLASSIFIED = 13,
 	R_COBIND = 14,
+	R_FOREIGN_SOURCE = 15,
 	R_MAX = 16,
 };
 
@@ -109,7 +110,8 @@ enum uw_path {
 	P_LOCAL_OTHER = 5,
 	P_REMOTE_OTHER = 6,
 	P_BIND = 7,
-	P_MAX = 8,
+	P_SOURCE = 8,
+	P_MAX = 9,
 };
 
 /* What the stamp of a packet was worth. */
@@ -299,40 +301,7 @@ struct {
 	__uint(max_entries, 256 * 1024);
 } events SEC(".maps");
 
-/* Multicast and broadcast that a node loops back to its own sockets are
- * copied before tc egress and carry no stamp. The cgroup egress program sees
- * each such datagram with its sending socket and notes the sender here; the
- * looped copy (PACKET_LOOPBACK) finds it by its addresses and ports. */
-struct uw_loop_key {
-	__u8 src[16];
-	__u8 dst[16];
-	__u16 sport, dport;
-	__u8 proto;
-	__u8 pad[3];
-};
-
-struct uw_loop_val {
-	__u32 uid, gid;
-	__u64 ts;
-};
-
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 4096);
-	__type(key, struct uw_loop_key);
-	__type(value, struct uw_loop_val);
-} loop_ids SEC(".maps");
-
-/* This node's IPv4 subnet broadcast addresses (the agent keeps them). */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 256);
-	__type(key, __u32);
-	__type(value, __u8);
-} bcast_addrs SEC(".maps");
-
 #define PACKET_LOOPBACK 5
-#define LOOP_TTL_NS 1000000000ULL
 
 /* Differential test only (test_mode): the receiving socket's facts. */
 struct uw_test_sock {
@@ -400,7 +369,7 @@ static __always_inline void count(__u32 path, __u32 rule)
 static __always_inline int allows(__u32 rule)
 {
 	return rule != R_DENIED && rule != R_OFFCLUSTER_DENIED && rule != R_UNCLASSIFIED &&
-	       rule != R_COBIND;
+	       rule != R_COBIND && rule != R_FOREIGN_SOURCE;
 }
 
 static __always_inline int lpm_has(void *map, const __u8 *addr)
@@ -451,6 +420,13 @@ static __always_inline int group_addr(const __u8 *a)
 	if (is_v4mapped(a))
 		return (a[12] & 0xf0) == 0xe0 || (a[12] == 255 && a[13] == 255 && a[14] == 255 && a[15] == 255);
 	return a[0] == 0xff;
+}
+
+/* A source no cluster node (nor this node) uses: its datagrams never carry
+ * a stamp, so identity-less is all they can be. */
+static __always_inline int offcluster_src(const __u8 *a)
+{
+	return !lpm_has(&cluster_nets, a) && !lpm_has(&local_addrs, a) && !link_local(a);
 }
 
 static __always_inline int offcluster_port(__u16 port)
@@ -884,8 +860,25 @@ static __always_inline int bind_check(struct bpf_sock_addr *ctx, int v4)
 		return 1;
 	struct bpf_sock_tuple t = {};
 	struct bpf_sock *sk;
+	__u32 other = uid;
+	if (ctx->protocol == IPPROTO_UDPLITE) {
+		/* No lookup helper searches the UDP-Lite table: a user's
+		 * UDP-Lite socket may not share ports at all (SO_REUSEADDR),
+		 * so it cannot co-bind another's. */
+		int reuse = 1;
+		if (bpf_getsockopt(ctx, 1 /* SOL_SOCKET */, 2 /* SO_REUSEADDR */, &reuse, sizeof(reuse)) || reuse) {
+			other = (__u32)-1;
+			goto refuse;
+		}
+		return 1;
+	}
 	if (v4) {
 		t.ipv4.daddr = ctx->user_ip4;
+		t.ipv4.dport = ctx->user_port;
+		sk = bpf_sk_lookup_udp(ctx, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
+	} else if (ctx->user_ip6[0] == 0 && ctx->user_ip6[1] == 0 && ctx->user_ip6[2] == bpf_htonl(0xffff)) {
+		/* ::ffff:a.b.c.d binds an IPv4 address: the IPv4 table. */
+		t.ipv4.daddr = ctx->user_ip6[3];
 		t.ipv4.dport = ctx->user_port;
 		sk = bpf_sk_lookup_udp(ctx, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
 	} else {
@@ -899,10 +892,11 @@ static __always_inline int bind_check(struct bpf_sock_addr *ctx, int v4)
 	if (!sk)
 		return 1;
 	struct uw_owner *o = owner_of(sk);
-	__u32 other = o ? o->uid : uid;
+	other = o ? o->uid : uid;
 	bpf_sk_release(sk);
 	if (other == uid)
 		return 1;
+refuse:
 	count(P_BIND, R_COBIND);
 	if (c->audit)
 		return 1;
@@ -911,7 +905,7 @@ static __always_inline int bind_check(struct bpf_sock_addr *ctx, int v4)
 	e.luid = other;
 	e.lgid = (__u32)-1;
 	e.dport = port;
-	e.proto = IPPROTO_UDP;
+	e.proto = ctx->protocol;
 	e.family = v4 ? 4 : 6;
 	e.rule = R_COBIND;
 	e.path = P_BIND;
@@ -1052,10 +1046,13 @@ static __always_inline __u32 decide(struct uw_config *c, struct pkt *p, __u8 st,
 	}
 	if (!allows(rule) && dgram_proto(p->proto) && sent_to_peer(sk, p)) {
 		/* Reverse: the socket's owner reaching the sender's socket. */
-		/* (anyone may reach a system port: a stamped answer from one is
-		 * a reply like an identity-less one) */
-		int rev = st != S_VALID || p->sport <= c->system_port_max ||
-			  allows(decide_ids(l->uid, l->gid, p->uid, p->gid));
+		/* Anyone may reach a system port. An answer without a valid
+		 * stamp is a reply only from off-cluster: from a cluster or
+		 * local address it may be anyone's (IP options, fragments and
+		 * spoofed sources leave a datagram unstamped). */
+		int rev = p->sport <= c->system_port_max ||
+			  (st == S_VALID ? allows(decide_ids(l->uid, l->gid, p->uid, p->gid))
+					 : offcluster_src(p->src));
 		if (rev)
 			rule = R_UDP_REPLY;
 	}
@@ -1103,6 +1100,35 @@ static __always_inline void report(struct pkt *p, __u32 rule, __u32 path, __u8 s
 	emit(&e);
 }
 
+/*
+ * A TCP socket of this namespace without an owner record: one the kernel
+ * created itself, without a bind on the user's behalf — the listening
+ * subflow of an MPTCP socket that called listen() without bind(), or one
+ * that predates the agent and escaped the iterator. Its namespace is read
+ * through BTF; an MPTCP subflow takes its parent socket's record, any other
+ * the socket's uid (no group: sharing needs a record).
+ */
+static __always_inline struct uw_owner *kernel_tcp_owner(struct bpf_sock *sk, struct uw_owner *o)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+	if (!tp)
+		return 0;
+	struct sock *ks = (struct sock *)tp;
+	if (BPF_CORE_READ(ks, __sk_common.skc_net.net, net_cookie) != netns_cookie)
+		return 0;
+	struct mptcp_sock *msk = bpf_skc_to_mptcp_sock(sk);
+	if (msk) {
+		struct uw_owner *po = bpf_sk_storage_get(&sk_owners, msk, 0, 0);
+		if (po)
+			return po;
+	}
+	o->uid = BPF_CORE_READ(ks, sk_uid.val);
+	o->gid = (__u32)-1;
+	o->set = 1;
+	o->pad = 0;
+	return o;
+}
+
 SEC("cgroup_skb/ingress")
 int uw_skb_ingress(struct __sk_buff *skb)
 {
@@ -1145,6 +1171,8 @@ int uw_skb_ingress(struct __sk_buff *skb)
 			return 1;
 		l = owner_of(sk);
 		if (!l)
+			l = kernel_tcp_owner(sk, &tl);
+		if (!l)
 			return 1; /* not a socket of this namespace */
 	}
 	struct uw_config *c = uw_cfg();
@@ -1173,24 +1201,46 @@ int uw_skb_ingress(struct __sk_buff *skb)
 		return c->audit ? 1 : 0;
 	}
 
+	if (p.dport <= c->system_port_max) {
+		/* Everyone may reach a system port: no MAC to compute. */
+		count(path_of(skb, p.proto), R_SYSTEM_PORT);
+		return 1;
+	}
 	__u8 st = verify(c, &p);
 	if (st == S_VALID && !lpm_has(&cluster_nets, p.src) && !lpm_has(&local_addrs, p.src) &&
 	    !link_local(p.src))
 		st = S_UNTRUSTED_SOURCE;
-	if (st == S_NONE && !test_mode && skb->pkt_type == PACKET_LOOPBACK && dgram_proto(p.proto)) {
-		/* A multicast/broadcast copy looped back on this node: its
-		 * sender was noted by uw_skb_egress. */
-		struct uw_loop_key lk = {};
-		__builtin_memcpy(lk.src, p.src, 16);
-		__builtin_memcpy(lk.dst, p.dst, 16);
-		lk.sport = p.sport;
-		lk.dport = p.dport;
-		lk.proto = p.proto;
-		struct uw_loop_val *lv = bpf_map_lookup_elem(&loop_ids, &lk);
-		if (lv && bpf_ktime_get_ns() - lv->ts < LOOP_TTL_NS) {
-			p.uid = lv->uid;
-			p.gid = lv->gid;
-			st = S_VALID;
+	if (st == S_NONE && !test_mode && skb->pkt_type == PACKET_LOOPBACK && p.proto == IPPROTO_UDP &&
+	    lpm_has(&local_addrs, p.src)) {
+		/* A multicast/broadcast copy this node looped back to its own
+		 * sockets: it was copied before tc egress and has no stamp. Its
+		 * sender is the socket bound to its source address and port
+		 * (connected, if so, to its destination): no other user can
+		 * hold that port there (uw_bind4/6), nor send from an address
+		 * that is not the node's (uw_skb_egress). */
+		struct bpf_sock_tuple t = {};
+		struct bpf_sock *snd;
+		if (p.v4) {
+			__builtin_memcpy(&t.ipv4.saddr, &p.dst[12], 4);
+			__builtin_memcpy(&t.ipv4.daddr, &p.src[12], 4);
+			t.ipv4.sport = bpf_htons(p.dport);
+			t.ipv4.dport = bpf_htons(p.sport);
+			snd = bpf_sk_lookup_udp(skb, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
+		} else {
+			__builtin_memcpy(t.ipv6.saddr, p.dst, 16);
+			__builtin_memcpy(t.ipv6.daddr, p.src, 16);
+			t.ipv6.sport = bpf_htons(p.dport);
+			t.ipv6.dport = bpf_htons(p.sport);
+			snd = bpf_sk_lookup_udp(skb, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
+		}
+		if (snd) {
+			struct uw_owner *so = owner_of(snd);
+			if (so) {
+				p.uid = so->uid;
+				p.gid = so->gid;
+				st = S_VALID;
+			}
+			bpf_sk_release(snd);
 		}
 	}
 	__u32 rule = decide(c, &p, st, l, sk);
@@ -1206,9 +1256,12 @@ int uw_skb_ingress(struct __sk_buff *skb)
 }
 
 /*
- * cgroup_skb egress: note the sender of each multicast or broadcast datagram
- * to a user port (see loop_ids). Runs for every packet a socket sends; all
- * others leave after a few loads.
+ * cgroup_skb egress: a user's packet must leave from one of the node's own
+ * addresses. IP_FREEBIND / IPV6_FREEBIND let an unprivileged user send from
+ * any address; tc egress would then seal the user's identity over a forged
+ * source (and an identity-less one could pose as a node of the staged
+ * rollout). A TCP segment that is not a pure SYN leaves at once: its
+ * connection's SYN was checked here.
  */
 SEC("cgroup_skb/egress")
 int uw_skb_egress(struct __sk_buff *skb)
@@ -1216,50 +1269,39 @@ int uw_skb_egress(struct __sk_buff *skb)
 	struct bpf_sock *sk = skb->sk;
 	void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
 	__u8 *h = data;
-	if (!sk || (void *)(h + 48) > end)
+	if (!sk || (void *)(h + 40) > end)
 		return 1;
-	struct uw_loop_key lk = {};
-	__u32 l4;
-	if ((h[0] >> 4) == 4) {
-		if (!dgram_proto(h[9]))
+	int v4 = (h[0] >> 4) == 4;
+	__u8 proto = v4 ? h[9] : h[6];
+	if (proto == IPPROTO_TCP) {
+		__u32 hl = v4 ? (h[0] & 0xf) * 4 : 40;
+		if (hl > 60)
+			hl = 60;
+		__u8 *th = h + hl;
+		if ((void *)(th + 14) <= end && !TCP_SYN_ONLY(th[13]))
 			return 1;
-		__u32 d;
-		__builtin_memcpy(&d, &h[16], 4);
-		if ((h[16] & 0xf0) != 0xe0 && d != 0xffffffff && !bpf_map_lookup_elem(&bcast_addrs, &d))
-			return 1;
+	}
+	__u8 src[16];
+	if (v4) {
 		__u32 sa;
 		__builtin_memcpy(&sa, &h[12], 4);
-		map4(lk.src, sa);
-		map4(lk.dst, d);
-		lk.proto = h[9];
-		l4 = (h[0] & 0xf) * 4;
+		map4(src, sa);
 	} else {
-		if (!dgram_proto(h[6]) || h[24] != 0xff)
-			return 1;
-		__builtin_memcpy(lk.src, &h[8], 16);
-		__builtin_memcpy(lk.dst, &h[24], 16);
-		lk.proto = h[6];
-		l4 = 40;
+		__builtin_memcpy(src, &h[8], 16);
 	}
-	if (l4 > 60)
-		return 1;
-	__u8 *uh = h + l4;
-	if ((void *)(uh + 4) > end)
-		return 1;
-	lk.sport = (uh[0] << 8) | uh[1];
-	lk.dport = (uh[2] << 8) | uh[3];
-	struct uw_config *c = uw_cfg();
-	if (!c || lk.dport <= c->system_port_max)
+	if (lpm_has(&local_addrs, src))
 		return 1;
 	sk = bpf_sk_fullsock(sk);
 	if (!sk)
 		return 1;
 	struct uw_owner *o = owner_of(sk);
-	if (!o)
-		return 1; /* not a socket of this namespace */
-	struct uw_loop_val v = {.uid = o->uid, .gid = o->gid, .ts = bpf_ktime_get_ns()};
-	bpf_map_update_elem(&loop_ids, &lk, &v, BPF_ANY);
-	return 1;
+	if (!o || bpf_map_lookup_elem(&exempt_conn, &o->uid))
+		return 1; /* not this namespace's, or root/services (IP_TRANSPARENT proxies) */
+	struct uw_config *c = uw_cfg();
+	if (!c)
+		return 1;
+	count(P_SOURCE, R_FOREIGN_SOURCE);
+	return c->audit ? 1 : 0;
 }
 
 /* ---------------------------------------------------------------------------
