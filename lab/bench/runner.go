@@ -287,17 +287,18 @@ type PlanAdjuster interface {
 
 // session is one measured set: one mode, one variant, one round.
 type session struct {
-	ctx     context.Context
-	env     *Env
-	plan    Plan
-	drv     Driver
-	mode    string
-	variant string
-	round   int
-	res     *Results
-	log     io.Writer
-	mpiProg string
-	servers []*server
+	ctx       context.Context
+	env       *Env
+	plan      Plan
+	drv       Driver
+	mode      string
+	variant   string
+	round     int
+	res       *Results
+	log       io.Writer
+	mpiProg   string
+	servers   []*server
+	iperfRuns int // iperf3 clients run: which server is next
 	// progs are the data plane's eBPF programs (mode rounds; nil if none
 	// or without run-time statistics).
 	progs *progSet

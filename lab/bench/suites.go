@@ -13,8 +13,13 @@ import (
 // above the system ports, below the ephemeral range).
 const (
 	PortIperf = 29201
-	PortRR    = 29202
-	PortConn  = 29203
+	// iperfServers: iperf3 servers on PortIperf, PortIperf+10, …; clients
+	// take them in turn. An iperf3 server runs one test at a time and,
+	// on a loaded machine, is still finishing the last one when the next
+	// client connects ("the server is busy running a test").
+	iperfServers = 3
+	PortRR       = 29202
+	PortConn     = 29203
 	// PortCheck serves only the enforcement check, so that the measured
 	// connections' TIME_WAIT sockets never share its 4-tuples.
 	PortCheck = 29204
@@ -48,7 +53,7 @@ func (s *session) startServers() error {
 			return err
 		}
 		srv, err := s.startAs(n.Name, BenchUser, s.env.LabBinary, "bench", "serve",
-			"--iperf", strconv.Itoa(PortIperf), "--rr", strconv.Itoa(PortRR), "--conn", joinInts([]int{PortConn, PortCheck}),
+			"--iperf", joinInts(iperfPorts()), "--rr", strconv.Itoa(PortRR), "--conn", joinInts([]int{PortConn, PortCheck}),
 			"--udp-sink", strconv.Itoa(PortUDPSink), "--udp-echo", strconv.Itoa(PortUDPEcho))
 		if err != nil {
 			s.stopServers()
@@ -64,6 +69,14 @@ func (s *session) stopServers() {
 		_ = srv.stop()
 	}
 	s.servers = nil
+}
+
+func iperfPorts() []int {
+	var ps []int
+	for i := range iperfServers {
+		ps = append(ps, PortIperf+10*i)
+	}
+	return ps
 }
 
 // paths returns the client node and the (localhost, cross-node) targets.
@@ -122,7 +135,9 @@ func (s *session) iperf(node string, target netip.Addr, extra ...string) (gbit, 
 }
 
 func (s *session) iperfFull(node string, target netip.Addr, extra ...string) (ir iperfRun, err error) {
-	argv := []string{"iperf3", "-c", target.String(), "-p", strconv.Itoa(PortIperf), "-J",
+	port := PortIperf + 10*(s.iperfRuns%iperfServers)
+	s.iperfRuns++
+	argv := []string{"iperf3", "-c", target.String(), "-p", strconv.Itoa(port), "-J",
 		"-t", strconv.Itoa(s.plan.IperfSeconds)}
 	if s.plan.IperfOmit > 0 {
 		argv = append(argv, "-O", strconv.Itoa(s.plan.IperfOmit))

@@ -369,15 +369,12 @@ func TestCrossNode(t *testing.T) {
 			tcase{"outside", "", "tcp", a, 22, "OK*", nil}, // sshd answers with its banner
 		)
 	}
-	start := time.Now()
+	// Refusals are immediate (reset / ICMP), never a silent drop: each
+	// case's outcome says so (a drop would read TIMEOUT, not the error).
 	run(t, cases)
-	// Refusals are immediate (reset / ICMP), never a silent drop: the
-	// whole list, ~40 attempts, runs far below one SYN retransmit each.
-	if d := time.Since(start); d > 30*time.Second {
-		t.Errorf("cross-node cases took %v: refusals are not immediate", d)
-	}
-	// A UDP reply from off-cluster to a user's socket gets through (flow
-	// noted at egress): alice on node1 asks a UDP echo service outside.
+	// A UDP reply from off-cluster to a user's socket gets through (the
+	// socket noted its peer at sendmsg): alice on node1 asks a UDP echo
+	// service outside.
 	listen(t, "outside", "bob", "udp", "::", 5123)
 	run(t, []tcase{{"node1", "alice", "udp", tb.Outside.Eth0V4.String(), 5123, "OK", nil}})
 }
