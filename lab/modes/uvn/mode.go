@@ -79,7 +79,9 @@ func (UVNMode) Up(ctx context.Context, tb *testbed.Testbed) error {
 			return err
 		}
 	}
-	conf := fmt.Sprintf("# uvn SPANK plugin (written by the uvn testbed mode)\nrequired %s palisade=%s config=/etc/palisade/palisade.toml\n", so, tb.Binary)
+	// timeout=120: under emulation on a loaded host a setup has taken more
+	// than the default 30 s (a real node takes seconds).
+	conf := fmt.Sprintf("# uvn SPANK plugin (written by the uvn testbed mode)\nrequired %s palisade=%s config=/etc/palisade/palisade.toml timeout=120\n", so, tb.Binary)
 	if err := os.WriteFile(filepath.Join(tb.SlurmConfDir(), "plugstack.conf.d", "uvn.conf"), []byte(conf), 0o644); err != nil {
 		return err
 	}

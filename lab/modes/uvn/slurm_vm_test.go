@@ -265,10 +265,14 @@ func brokenConfig(t *testing.T, e *vmEnv) {
 	if hasLine(out, "node3") || !strings.Contains(out, "Palisade: node3:") || !strings.Contains(out, "configuration") || strings.Contains(out, "exit=0") || d == 0 || d > 30*time.Second {
 		t.Errorf("srun: want a failure naming Palisade and the configuration within 30 s, got (%v):\n%s", d, out)
 	}
+	// The same login to a healthy node, timed the same way: under
+	// emulation on a loaded host an ssh login alone can take most of 30 s;
+	// the refusal must not take noticeably longer than a login does.
+	_, base := timed("ssh -o ConnectTimeout=90 node2 true")
 	out, d = timed("ssh -o ConnectTimeout=90 node3 hostname")
-	t.Logf("ssh with a broken config on node3: %v:\n%s", d, out)
-	if hasLine(out, "node3") || !strings.Contains(out, "Palisade: node3:") || !strings.Contains(out, "configuration") || d == 0 || d > 30*time.Second {
-		t.Errorf("ssh: want a refusal naming Palisade and the configuration within 30 s, got (%v):\n%s", d, out)
+	t.Logf("ssh with a broken config on node3: %v (a login to node2: %v):\n%s", d, base, out)
+	if hasLine(out, "node3") || !strings.Contains(out, "Palisade: node3:") || !strings.Contains(out, "configuration") || d == 0 || (d > 30*time.Second && d > base+5*time.Second) {
+		t.Errorf("ssh: want a refusal naming Palisade and the configuration within 30 s (or a login's time + 5 s), got %v (login %v):\n%s", d, base, out)
 	}
 	// Never locked out: root and Slurm's account (SlurmUser, uid 64030 —
 	// above any uid threshold) run jobs on node3; the PAM entry point lets

@@ -1,0 +1,243 @@
+package uvn
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"strconv"
+	"testing"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+
+	"github.com/palisade-hpc/palisade/internal/policy"
+)
+
+// srunTestColl loads the node part (tc program + its map) for the range.
+func srunTestColl(t *testing.T, r policy.PortRange) *ebpf.Collection {
+	t.Helper()
+	spec, err := srunSpec(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{"pal_uvn_pbind4", "pal_uvn_pbind6", "pal_uvn_release"} {
+		delete(spec.Programs, p)
+	}
+	coll, err := ebpf.NewCollection(spec)
+	if err != nil {
+		t.Fatalf("load tc program: %v", err)
+	}
+	t.Cleanup(coll.Close)
+	us := []policy.UVNUnderlay{{Nets: []netip.Prefix{netip.MustParsePrefix("198.18.0.0/24"), netip.MustParsePrefix("2001:2::/64")}}}
+	if err := fillSrunSources(coll, us); err != nil {
+		t.Fatal(err)
+	}
+	return coll
+}
+
+// frame builds Ethernet + IPv4 + TCP SYN src:sport → dst:dport.
+func frame(src, dst string, sport, dport uint16) []byte {
+	var b bytes.Buffer
+	b.Write([]byte{2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2, 0x08, 0x00}) // dst MAC, src MAC, IPv4
+	ip := make([]byte, 20)
+	ip[0], ip[8], ip[9] = 0x45, 64, unix.IPPROTO_TCP
+	binary.BigEndian.PutUint16(ip[2:], 40)
+	s4, d4 := netip.MustParseAddr(src).As4(), netip.MustParseAddr(dst).As4()
+	copy(ip[12:], s4[:])
+	copy(ip[16:], d4[:])
+	b.Write(ip)
+	tcp := make([]byte, 20)
+	binary.BigEndian.PutUint16(tcp[0:], sport)
+	binary.BigEndian.PutUint16(tcp[2:], dport)
+	tcp[12], tcp[13] = 5<<4, 0x02
+	b.Write(tcp)
+	return b.Bytes()
+}
+
+// TestSrunTCProgram runs the hand-over program on crafted frames
+// (BPF_PROG_TEST_RUN): only a segment from a cluster address to a claimed
+// srun port is redirected, addressed to the VRF device's MAC; everything
+// else passes untouched.
+func TestSrunTCProgram(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root")
+	}
+	coll := srunTestColl(t, policy.PortRange{First: 61000, Last: 62999})
+	mac := net.HardwareAddr{0x02, 0xaa, 0xbb, 0xcc, 0xdd, 0xee}
+	owner := srunbpfSrunOwner{Ifindex: 1, Port: 61234}
+	copy(owner.Mac[:], mac)
+	if err := coll.Maps["pal_srun_ports"].Put(uint64(61234), owner); err != nil {
+		t.Fatal(err)
+	}
+	prog := coll.Programs["pal_uvn_srun_in"]
+	for _, c := range []struct {
+		name     string
+		in       []byte
+		redirect bool
+	}{
+		{"cluster source, claimed port", frame("198.18.0.1", "198.18.0.2", 40000, 61234), true},
+		{"cluster source, unclaimed srun port", frame("198.18.0.1", "198.18.0.2", 40000, 61235), false},
+		{"cluster source, port outside the range", frame("198.18.0.1", "198.18.0.2", 40000, 29101), false},
+		{"off-cluster source, claimed port", frame("198.18.200.1", "198.18.0.2", 40000, 61234), false},
+	} {
+		ret, out, err := prog.Test(c.in)
+		if err != nil {
+			t.Fatalf("%s: %v", c.name, err)
+		}
+		const tcActRedirect = 7
+		if got := ret == tcActRedirect; got != c.redirect {
+			t.Errorf("%s: verdict %d, want redirect=%v", c.name, ret, c.redirect)
+		}
+		if c.redirect && !bytes.Equal(out[:6], mac) {
+			t.Errorf("%s: destination MAC %x, want the VRF device's %s", c.name, out[:6], mac)
+		}
+		if !c.redirect && !bytes.Equal(out, c.in) {
+			t.Errorf("%s: frame changed", c.name)
+		}
+	}
+}
+
+// TestSrunClaims attaches the claiming programs of two "VRFs" to two
+// scratch cgroups and binds real sockets from each: a port in the range is
+// claimed by the first binder, refused (EPERM) to the other VRF, kept when
+// an accepted connection closes, and given back when the listener closes;
+// ports outside the range are never claimed.
+func TestSrunClaims(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root")
+	}
+	r := policy.PortRange{First: 61000, Last: 62999}
+	coll := srunTestColl(t, r)
+	ports := coll.Maps["pal_srun_ports"]
+	cg, err := openCgroup2()
+	if err != nil {
+		t.Skip("no cgroup2:", err)
+	}
+	defer cg.Close()
+	home, err := procCgroup(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	mk := func(name string, ifindex int) string {
+		path := fmt.Sprintf("/pal-uvntest-%d-%s", os.Getpid(), name)
+		if err := unix.Mkdirat(cg.root, rel(path), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			cg.writeFile(home, "cgroup.procs", strconv.Itoa(os.Getpid()))
+			unix.Unlinkat(cg.root, rel(path), unix.AT_REMOVEDIR)
+		})
+		spec, err := srunSpec(r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var mac [6]byte
+		spec.Variables["vrf_ifindex"].Set(uint32(ifindex))
+		spec.Variables["vrf_mac"].Set(mac)
+		delete(spec.Programs, "pal_uvn_srun_in")
+		delete(spec.Maps, "pal_srun_src4")
+		delete(spec.Maps, "pal_srun_src6")
+		c, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{MapReplacements: map[string]*ebpf.Map{"pal_srun_ports": ports}})
+		if err != nil {
+			t.Fatalf("load claim programs: %v", err)
+		}
+		defer c.Close()
+		for name, at := range map[string]ebpf.AttachType{"pal_uvn_pbind4": ebpf.AttachCGroupInet4PostBind,
+			"pal_uvn_pbind6": ebpf.AttachCGroupInet6PostBind, "pal_uvn_release": ebpf.AttachCgroupInetSockRelease} {
+			if _, err := cg.attachProg(path, c.Programs[name], at); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return path
+	}
+	a, b := mk("a", 101), mk("b", 102)
+	enter := func(path string) {
+		if err := cg.writeFile(path, "cgroup.procs", strconv.Itoa(os.Getpid())); err != nil {
+			t.Fatal(err)
+		}
+	}
+	owner := func(port int) uint32 {
+		var o srunbpfSrunOwner
+		if err := ports.Lookup(uint64(port), &o); err != nil {
+			return 0
+		}
+		return o.Ifindex
+	}
+	// Plain TCP, as in a VRF cgroup, where the VRF program refuses MPTCP
+	// (Go's default): an MPTCP listener's claim would be made by its
+	// kernel subflow and never given back.
+	var lc net.ListenConfig
+	lc.SetMultipathTCP(false)
+	listen := func(port int) (net.Listener, error) {
+		return lc.Listen(context.Background(), "tcp4", "127.0.0.1:"+strconv.Itoa(port))
+	}
+
+	enter(a)
+	la, err := listen(61777)
+	if err != nil {
+		t.Fatalf("VRF a binds 61777: %v", err)
+	}
+	if owner(61777) != 101 {
+		t.Fatalf("61777 claimed by %d, want 101", owner(61777))
+	}
+	lo, err := listen(29777)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lo.Close()
+	if owner(29777) != 0 {
+		t.Errorf("a port outside SrunPortRange was claimed")
+	}
+	// An accepted connection shares the port; closing it keeps the claim.
+	go func() {
+		if c, err := net.Dial("tcp4", "127.0.0.1:61777"); err == nil {
+			c.Close()
+		}
+	}()
+	conn, err := la.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn.Close()
+	if owner(61777) != 101 {
+		t.Errorf("closing an accepted connection dropped the claim")
+	}
+
+	// The other VRF cannot take the port: another address, so the kernel
+	// itself sees no conflict; the claim refuses it.
+	enter(b)
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	err = unix.Bind(fd, &unix.SockaddrInet4{Port: 61777, Addr: [4]byte{127, 0, 0, 2}})
+	if !errors.Is(err, unix.EPERM) {
+		t.Errorf("VRF b bound VRF a's claimed port: %v", err)
+	}
+	if owner(61777) != 101 {
+		t.Errorf("VRF b took the claim: owner %d", owner(61777))
+	}
+
+	// The listener closes: the claim goes, and b may have the port.
+	enter(a)
+	la.Close()
+	if owner(61777) != 0 {
+		t.Errorf("claim kept after the listener closed")
+	}
+	enter(b)
+	lb, err := listen(61777)
+	if err != nil {
+		t.Fatalf("VRF b binds the released port: %v", err)
+	}
+	if owner(61777) != 102 {
+		t.Errorf("61777 owner %d, want 102", owner(61777))
+	}
+	lb.Close()
+	enter(home)
+}
