@@ -52,7 +52,8 @@ type PolicyConfig struct {
 	// SystemPortMax: ports <= it are system ports, reachable by everyone
 	// (default 1023). Nil when the key is absent.
 	SystemPortMax *int64 `toml:"system_port_max"`
-	// ExemptConnectors and ExemptListeners are user names or uids.
+	// ExemptConnectors and ExemptListeners are user names or uids, or
+	// "@group" (the group's members).
 	ExemptConnectors []Principal `toml:"exempt_connectors"`
 	ExemptListeners  []Principal `toml:"exempt_listeners"`
 }
@@ -89,8 +90,9 @@ type Node struct {
 	Addr netip.Addr
 }
 
-// Principal is a user given as a name or a decimal uid; the config accepts a
-// TOML string or integer and keeps it as text.
+// Principal is a user given as a name or a decimal uid, or "@group" for the
+// members of a group (name or decimal gid); the config accepts a TOML
+// string or integer and keeps it as text.
 type Principal string
 
 // UnmarshalTOML implements toml.Unmarshaler.
@@ -358,10 +360,24 @@ func (c *Config) buildPolicy(res identity.Resolver, bad func(key, value string, 
 			p.SystemPortMax = uint16(*v)
 		}
 	}
-	exempt := func(key string, list []Principal) []uint32 {
-		var uids []uint32
+	exempt := func(key string, list []Principal) (uids, gids []uint32) {
 		seen := map[uint32]string{}
+		seenGroup := map[uint32]string{}
 		for _, pr := range list {
+			if g, ok := strings.CutPrefix(string(pr), "@"); ok {
+				gid, err := identity.GID(res, g)
+				if err != nil {
+					bad(key, string(pr), err)
+					continue
+				}
+				if prev, dup := seenGroup[gid]; dup {
+					bad(key, string(pr), fmt.Errorf("duplicate: %q is gid %d, already listed as %q", pr, gid, prev))
+					continue
+				}
+				seenGroup[gid] = string(pr)
+				gids = append(gids, gid)
+				continue
+			}
 			uid, err := identity.UID(res, string(pr))
 			if err != nil {
 				bad(key, string(pr), err)
@@ -374,16 +390,16 @@ func (c *Config) buildPolicy(res identity.Resolver, bad func(key, value string, 
 			seen[uid] = string(pr)
 			uids = append(uids, uid)
 		}
-		return uids
+		return uids, gids
 	}
 	// Absent lists keep the default (root exempt); an explicit empty list
 	// means no exemptions at all.
 	p.ExemptConnectors, p.ExemptListeners = []uint32{0}, []uint32{0}
 	if c.Rules.ExemptConnectors != nil {
-		p.ExemptConnectors = exempt("policy.exempt_connectors", c.Rules.ExemptConnectors)
+		p.ExemptConnectors, p.ExemptConnectorGroups = exempt("policy.exempt_connectors", c.Rules.ExemptConnectors)
 	}
 	if c.Rules.ExemptListeners != nil {
-		p.ExemptListeners = exempt("policy.exempt_listeners", c.Rules.ExemptListeners)
+		p.ExemptListeners, p.ExemptListenerGroups = exempt("policy.exempt_listeners", c.Rules.ExemptListeners)
 	}
 
 	for _, s := range c.Cluster.Subnets {

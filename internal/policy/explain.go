@@ -66,9 +66,9 @@ func (p *Policy) ExplainWith(c Conn, res identity.Resolver) string {
 		fmt.Fprintf(&b, "the listener (%s) runs with %s, which the connector (%s) holds as %s",
 			user(c.Listener.UID), group(c.Listener.GID), user(c.Connector.UID), how)
 	case RuleExemptConnector:
-		fmt.Fprintf(&b, "the connector (%s) is listed in policy.exempt_connectors, so it may reach any listener", user(c.Connector.UID))
+		fmt.Fprintf(&b, "the connector (%s) is listed in policy.exempt_connectors (by name, uid or @group), so it may reach any listener", user(c.Connector.UID))
 	case RuleExemptListener:
-		fmt.Fprintf(&b, "the listener (%s) is listed in policy.exempt_listeners, so anyone in the cluster may reach it", user(c.Listener.UID))
+		fmt.Fprintf(&b, "the listener (%s) is listed in policy.exempt_listeners (by name, uid or @group), so anyone in the cluster may reach it", user(c.Listener.UID))
 	case RuleDenied:
 		fmt.Fprintf(&b, "the connector (%s; %s) is not the listener's user (%s), does not hold the listener's group (%s), neither is exempt, and %s is above %s",
 			user(c.Connector.UID), groups(c.Connector), user(c.Listener.UID), group(c.Listener.GID), port, system)
@@ -130,14 +130,18 @@ func (c *Config) Describe(res identity.Resolver) string {
 	} else {
 		fmt.Fprintf(&b, "# effective policy from %s\n", c.Path)
 	}
-	uids := func(list []uint32) string {
+	uids := func(list, groups []uint32) string {
 		var ids, names []string
 		for _, u := range list {
 			ids = append(ids, strconv.FormatUint(uint64(u), 10))
 			names = append(names, identity.UserName(res, u))
 		}
+		for _, g := range groups {
+			ids = append(ids, strconv.Quote("@"+strconv.FormatUint(uint64(g), 10)))
+			names = append(names, "@"+identity.GroupName(res, g))
+		}
 		s := "[" + strings.Join(ids, ", ") + "]"
-		if res != nil && len(list) > 0 {
+		if res != nil && len(ids) > 0 {
 			s += "  # " + strings.Join(names, " ")
 		}
 		return s
@@ -149,8 +153,8 @@ func (c *Config) Describe(res identity.Resolver) string {
 		return "[" + strings.Join(items, ", ") + "]"
 	}
 	fmt.Fprintf(&b, "[policy]\nsystem_port_max   = %d\n", p.SystemPortMax)
-	fmt.Fprintf(&b, "exempt_connectors = %s\n", uids(p.ExemptConnectors))
-	fmt.Fprintf(&b, "exempt_listeners  = %s\n", uids(p.ExemptListeners))
+	fmt.Fprintf(&b, "exempt_connectors = %s\n", uids(p.ExemptConnectors, p.ExemptConnectorGroups))
+	fmt.Fprintf(&b, "exempt_listeners  = %s\n", uids(p.ExemptListeners, p.ExemptListenerGroups))
 	var subnets, nodes, ports []string
 	for _, s := range p.ClusterSubnets {
 		subnets = append(subnets, s.String())

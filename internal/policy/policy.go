@@ -101,6 +101,12 @@ type Policy struct {
 	// ExemptConnectors and ExemptListeners are uids.
 	ExemptConnectors []uint32
 	ExemptListeners  []uint32
+	// ExemptConnectorGroups and ExemptListenerGroups are gids ("@group" in
+	// the configuration): their members are exempt, resolved like the
+	// shared-group membership (the agent looks up each group's member list
+	// and keeps it fresh; internal/membership).
+	ExemptConnectorGroups []uint32
+	ExemptListenerGroups  []uint32
 	// ClusterSubnets are the networks identity is trusted from.
 	ClusterSubnets []netip.Prefix
 	// OffClusterPorts are the non-system ports off-cluster sources may reach.
@@ -162,9 +168,9 @@ func (p *Policy) Decide(c Conn) Verdict {
 		return Verdict{true, RuleSameUser}
 	case c.Connector.HasGroup(c.Listener.GID):
 		return Verdict{true, RuleSharedGroup}
-	case slices.Contains(p.ExemptConnectors, c.Connector.UID):
+	case slices.Contains(p.ExemptConnectors, c.Connector.UID) || slices.ContainsFunc(p.ExemptConnectorGroups, c.Connector.HasGroup):
 		return Verdict{true, RuleExemptConnector}
-	case slices.Contains(p.ExemptListeners, c.Listener.UID):
+	case slices.Contains(p.ExemptListeners, c.Listener.UID) || slices.ContainsFunc(p.ExemptListenerGroups, c.Listener.HasGroup):
 		return Verdict{true, RuleExemptListener}
 	}
 	return Verdict{false, RuleDenied}

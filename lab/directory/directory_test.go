@@ -121,4 +121,59 @@ func TestDirectoryUserwall(t *testing.T) {
 			t.Logf("bob added to proj1: applied in %v (bound %v)", d.Round(time.Millisecond), bound)
 		}
 	})
+	t.Run("exempt-group", func(t *testing.T) {
+		// bob listens on node2 as himself; carol (node1) shares nothing
+		// with him. The nodes exempt the connectors of "@2300" (hpc-portal
+		// in the directory, svc only at first).
+		lctx, lcancel := context.WithCancel(ctx)
+		defer lcancel()
+		l := dt.Command(lctx, "node2", "bob", dt.LabBinary, "probe", "listen", "--ports", "29501", "--exit-on-stdin-eof", "--lifetime", "10m")
+		stdin, _ := l.StdinPipe()
+		stdout, _ := l.StdoutPipe()
+		if err := l.Start(); err != nil {
+			t.Fatal(err)
+		}
+		defer func() { stdin.Close(); lcancel(); l.Wait() }()
+		if line, err := bufio.NewReader(stdout).ReadString('\n'); err != nil || !strings.Contains(line, `"ready"`) {
+			t.Fatalf("listener: %q %v", line, err)
+		}
+		allowed := func(user string) bool {
+			out, err := dt.Output(ctx, "node1", user, dt.LabBinary, "probe", "connect", "tcp:198.18.0.2:29501")
+			if err != nil {
+				t.Fatal(err)
+			}
+			return strings.Contains(out, `"allowed":true`)
+		}
+		until := func(want bool) time.Duration {
+			t0 := time.Now()
+			for allowed("carol") != want {
+				if time.Since(t0) > bound+10*time.Second {
+					t.Fatalf("carol still allowed=%v after %v", !want, time.Since(t0))
+				}
+				time.Sleep(100 * time.Millisecond) // sampling the kernel's decision
+			}
+			if !allowed("svc") || allowed("alice") {
+				t.Fatal("controls: svc (in hpc-portal) must reach bob's listener, alice never")
+			}
+			return time.Since(t0)
+		}
+		until(false)
+		modify := func(op string) {
+			if err := dt.LDAPModify(ctx, "dn: cn=hpc-portal,ou=groups,"+testbed.LDAPBase+"\nchangetype: modify\n"+op+": memberUid\nmemberUid: carol\n"); err != nil {
+				t.Fatal(err)
+			}
+		}
+		modify("add")
+		if d := until(true); d > bound {
+			t.Errorf("carol added to hpc-portal: exempt after %v, bound %v", d, bound)
+		} else {
+			t.Logf("carol added to hpc-portal: exempt connector after %v", d.Round(time.Millisecond))
+		}
+		modify("delete")
+		if d := until(false); d > bound {
+			t.Errorf("carol removed from hpc-portal: still exempt after %v, bound %v", d, bound)
+		} else {
+			t.Logf("carol removed from hpc-portal: refused again after %v", d.Round(time.Millisecond))
+		}
+	})
 }

@@ -208,6 +208,16 @@ func (tb *Testbed) directoryPolicy() string {
 		SSSDCacheTimeout, GroupRefresh.String())
 }
 
+// directoryExempt adds the directory group hpc-portal (svc) to the exempt
+// connectors by gid: a number, so the policy also loads where the group
+// does not resolve (check reads every node's policy on the host).
+func (tb *Testbed) directoryExempt() string {
+	if tb.Directory == "" {
+		return ""
+	}
+	return fmt.Sprintf(`, "@%d"`, HPCPortalGID)
+}
+
 // writeDirectoryConfig writes each node's files view, nsswitch.conf,
 // sssd.conf and SSSD state directory, and slapd's configuration.
 func (tb *Testbed) writeDirectoryConfig() error {

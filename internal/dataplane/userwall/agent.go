@@ -86,6 +86,7 @@ type agent struct {
 	metrics   *http.Server
 	stopIdent func()
 	members   *membership.Tracker // fills the kernel's members map (internal/membership)
+	exempt    groupExempts        // "@group" exemptions' members
 	notes     []string
 	pinDir    string
 
@@ -201,6 +202,8 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	}
 	defer a.dp.Close()
 	a.dp.TC = useTC
+	a.exempt.changed = make(chan struct{}, 1)
+	a.exempt.setGroups(cfg.Policy)
 	a.members = a.newMembers()
 	log.Info("tc programs attach with "+attachName(useTC), "why", why, "kernel", probe.Kernel)
 	if err := a.install(cg); err != nil {
@@ -299,6 +302,8 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 				<-linkCh
 			}
 			a.syncNode()
+		case <-a.exempt.changed:
+			a.applyGroupExempts()
 		case <-tick.C:
 			a.syncNode()
 			if err := a.dp.RefreshClock(); err != nil {
@@ -319,7 +324,7 @@ func (a *agent) install(cgroupRoot string) error {
 	if err := a.loadKeys(); err != nil {
 		return err
 	}
-	if err := a.dp.ApplyPolicy(a.cfg.Policy, a.cfg.Agent.Audit); err != nil {
+	if err := a.dp.ApplyPolicy(a.exempt.withUIDs(a.cfg.Policy), a.cfg.Agent.Audit); err != nil {
 		return err
 	}
 	if err := InstallNft(); err != nil {

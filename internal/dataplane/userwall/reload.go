@@ -163,13 +163,15 @@ func (a *agent) applyReload() error {
 		a.reopenEvents(a.cfg)
 		return fmt.Errorf("%s changed: needs a restart (systemctl restart palisade-agent); nothing applied", strings.Join(keys, ", "))
 	}
-	if err := a.dp.Fits(cfg.Policy); err != nil {
+	// "@group" exemptions: the members known now (a group new to the
+	// policy gets its members at the tracker's next round, Refresh below).
+	if err := a.dp.Fits(a.exempt.withUIDs(cfg.Policy)); err != nil {
 		a.reopenEvents(a.cfg)
 		return err
 	}
-	if err := a.dp.ApplyPolicy(cfg.Policy, cfg.Agent.Audit); err != nil {
+	if err := a.dp.ApplyPolicy(a.exempt.withUIDs(cfg.Policy), cfg.Agent.Audit); err != nil {
 		// Half-applied maps: put the running policy back.
-		if rerr := a.dp.ApplyPolicy(a.cfg.Policy, a.cfg.Agent.Audit); rerr != nil {
+		if rerr := a.dp.ApplyPolicy(a.exempt.withUIDs(a.cfg.Policy), a.cfg.Agent.Audit); rerr != nil {
 			a.log.Error("running policy not restored", "err", rerr)
 		}
 		a.reopenEvents(a.cfg)
@@ -195,6 +197,7 @@ func (a *agent) applyReload() error {
 	if d := cfg.Agent.GroupRefreshInterval(); d != old.Agent.GroupRefreshInterval() {
 		a.members.SetRefresh(d)
 	}
+	a.exempt.setGroups(cfg.Policy)
 	a.members.Refresh()
 	a.syncNode()
 	return nil
