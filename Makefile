@@ -21,7 +21,7 @@ BUILD_DATE ?= $(shell if [ -n "$$SOURCE_DATE_EPOCH" ]; then date -u -d @$$SOURCE
 VPKG    := github.com/palisade-hpc/palisade/internal/version
 LDFLAGS := -X $(VPKG).version=$(VERSION) -X $(VPKG).commit=$(COMMIT) -X $(VPKG).date=$(BUILD_DATE)
 
-.PHONY: all build deps generate demo test unit lint lint-imports vm-kernel package clean
+.PHONY: all build deps generate demo test test-kernels unit lint lint-imports vm-kernel package clean
 
 include internal/dataplane/uvn/spank/spank.mk
 
@@ -96,8 +96,17 @@ unit: build
 	$(GO) test -short ./...
 
 # Integration tests need root: they bring up real namespaces, Slurm and BPF.
+# (lab/kernels runs the userwall matrix subset and the attack suite in the
+# 6.1 VM.)
 test: deps build lint vm-kernel
-	$(GO) test -count=1 -timeout 30m ./...
+	PALISADE_TEST_KERNELS=6.1 $(GO) test -count=1 -timeout 30m ./...
+
+# On demand: userwall in the VM on every guest kernel (Debian 12's 6.1 and
+# 6.12) and the agent's refusal below the floor (Debian 11's 5.10).
+KERNELS ?= 6.1 6.12 5.10
+test-kernels: build
+	for k in $(KERNELS); do ./$(LAB) vm kernel --version $$k || exit 1; done
+	PALISADE_TEST_KERNELS="$(KERNELS)" $(GO) test -count=1 -timeout 120m -v -run 'TestUserwallOnKernels|TestBelowFloor' ./lab/kernels
 
 clean:
 	rm -rf bin dist
