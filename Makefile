@@ -21,7 +21,7 @@ BUILD_DATE ?= $(shell if [ -n "$$SOURCE_DATE_EPOCH" ]; then date -u -d @$$SOURCE
 VPKG    := github.com/palisade-hpc/palisade/internal/version
 LDFLAGS := -X $(VPKG).version=$(VERSION) -X $(VPKG).commit=$(COMMIT) -X $(VPKG).date=$(BUILD_DATE)
 
-.PHONY: all build deps generate demo test test-kernels unit lint lint-imports vm-kernel package clean
+.PHONY: all build deps generate demo test test-kernels unit race lint lint-imports vm-kernel package clean
 
 include internal/dataplane/uvn/spank/spank.mk
 
@@ -95,10 +95,15 @@ demo: deps build
 unit: build
 	$(GO) test -short ./...
 
+# The race detector over every package's short tests (-short leaves out the
+# testbed, VM and packaging suites; they run below without it). -race needs cgo.
+race:
+	CGO_ENABLED=1 $(GO) test -race -short -count=1 ./...
+
 # Integration tests need root: they bring up real namespaces, Slurm and BPF.
 # (lab/kernels runs the userwall matrix subset and the attack suite in the
 # 6.1 VM.)
-test: deps build lint vm-kernel
+test: deps build lint race vm-kernel
 	PALISADE_TEST_KERNELS=6.1 $(GO) test -count=1 -timeout 30m ./...
 
 # On demand: userwall in the VM on every guest kernel (Debian 12's 6.1 and
