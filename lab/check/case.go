@@ -40,6 +40,10 @@ const (
 	IB         Path = "ib0"         // another node's ib0 (IPoIB stand-in) address
 	OutsideIn  Path = "outside-in"  // outside host → a node's eth0
 	OutsideOut Path = "outside-out" // a node → the outside host
+	// Unix is an abstract Unix socket on the connector's node (Proto TCP
+	// = stream, UDP = datagram; Family 0): enforced by userwall's BPF LSM
+	// programs where the kernel allows them (Options.Unix).
+	Unix Path = "unix"
 )
 
 // Paths lists every path in table order.
@@ -109,6 +113,8 @@ type Case struct {
 	Listener  Party        `json:"listener"`
 	// Dst is the address and port the connector dials.
 	Dst netip.AddrPort `json:"dst"`
+	// Abstract is the abstract socket name of a Unix case ("@palprobe-…").
+	Abstract string `json:"abstract,omitempty"`
 	// Src is the connector's address as the listener's node sees it: the
 	// connector node's address on the network of Dst (eth0, ib0, or the
 	// outside host's address). Invalid when both ends are on one node.
@@ -137,6 +143,10 @@ func (c *Case) Managed() bool { return c.Listener.Node != OutsideHost }
 func (c *Case) Conn() policy.Conn {
 	conn := policy.Conn{Connector: c.Connector.Identity(), Listener: c.Listener.Identity(),
 		Port: c.Dst.Port(), Proto: c.Proto}
+	if c.Path == Unix {
+		// No port: an abstract socket is always a user service.
+		conn.Port = 65535
+	}
 	if !c.Local() {
 		conn.Source = c.Src
 	}
@@ -158,7 +168,23 @@ func (c *Case) Passed() bool {
 }
 
 // ProtoFamily is "tcp4", "udp6", ….
-func (c *Case) ProtoFamily() string { return fmt.Sprintf("%s%d", c.Proto, c.Family) }
+func (c *Case) ProtoFamily() string {
+	if c.Path == Unix {
+		if c.Proto == policy.UDP {
+			return "unix-dgram"
+		}
+		return "unix-stream"
+	}
+	return fmt.Sprintf("%s%d", c.Proto, c.Family)
+}
+
+// Target is where the connector dials.
+func (c *Case) Target() string {
+	if c.Abstract != "" {
+		return c.Abstract
+	}
+	return c.Dst.String()
+}
 
 func (c *Case) String() string {
 	return fmt.Sprintf("%s %s %s@%s → %s@%s %s %s", c.ID, c.Launcher, c.Connector.Name, c.Connector.Node,

@@ -7,6 +7,7 @@ import (
 
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/lab/probe"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
 
@@ -67,6 +68,7 @@ type matrix struct {
 	parties   map[string]Party // listener label → party (Node unset)
 	procs     []*proc
 	cases     []*Case
+	unix      bool // listeners also serve abstract Unix sockets
 }
 
 // hostAddrs is what the matrix needs of a host.
@@ -292,4 +294,35 @@ func (m *matrix) listenerHosts() []string {
 	}
 	slices.Sort(hs)
 	return hs
+}
+
+// addUnix adds, for every connector process on every node it runs on, a
+// stream and a datagram case to each listener's abstract Unix sockets on
+// that same node (abstract names are per network namespace).
+func (m *matrix) addUnix() {
+	m.unix = true
+	for _, p := range m.procs {
+		for _, h := range p.Hosts {
+			if h == OutsideHost {
+				continue
+			}
+			for _, proto := range []policy.Proto{policy.TCP, policy.UDP} {
+				for _, l := range m.listeners {
+					lp := m.parties[l.Name]
+					lp.Node = h
+					cp := p.Connector
+					cp.Node = h
+					pp := probe.ProtoUnixStream
+					if proto == policy.UDP {
+						pp = probe.ProtoUnixDgram
+					}
+					c := &Case{ID: fmt.Sprintf("c%04d", len(m.cases)+1), Launcher: p.Launcher, Path: Unix, Proto: proto,
+						Connector: cp, Listener: lp, Dst: netip.AddrPortFrom(netip.Addr{}, l.Port),
+						Abstract: probe.UnixName(l.Port, pp)}
+					p.Cases = append(p.Cases, c)
+					m.cases = append(m.cases, c)
+				}
+			}
+		}
+	}
 }

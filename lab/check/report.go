@@ -81,10 +81,15 @@ func (r *Report) WriteTable(w io.Writer) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "LAUNCHER\tPATH\tTCP4\tTCP6\tUDP4\tUDP6\tRESULT\t")
 	for _, l := range Launchers {
-		for _, p := range Paths {
+		for _, p := range append(Paths[:len(Paths):len(Paths)], Unix) {
 			row := []string{string(l), string(p)}
 			total, failed := 0, 0
-			for _, pf := range protoFams {
+			pfs := protoFams
+			if p == Unix {
+				// Abstract Unix sockets: stream under TCP, datagram under UDP.
+				pfs = []string{"unix-stream", "", "unix-dgram", ""}
+			}
+			for _, pf := range pfs {
 				x := cells[key{l, p, pf}]
 				if x == nil {
 					row = append(row, "-")
@@ -185,7 +190,7 @@ func describeFailure(c *Case) string {
 	}
 	s := fmt.Sprintf("%s %s %s@%s → %s@%s %s %s %s: expected %s (%s), observed %s", c.ID, c.Launcher,
 		c.Connector.Name, c.Connector.Node, c.Listener.Name, c.Listener.Node, c.ProtoFamily(), c.Path,
-		c.Dst, verdictWord(c.Expected.Allow), c.Expected.Rule, obs)
+		c.Target(), verdictWord(c.Expected.Allow), c.Expected.Rule, obs)
 	if c.Observed.Error != "" {
 		s += " — " + c.Observed.Error
 	}
@@ -225,7 +230,7 @@ type CaseRecord struct {
 func (c *Case) Record() CaseRecord {
 	rec := CaseRecord{ID: c.ID, Launcher: c.Launcher, Path: c.Path, Proto: c.Proto.String(), Family: c.Family,
 		Connector: c.Connector.Name, ConnectorNode: c.Connector.Node, Listener: c.Listener.Name,
-		ListenerNode: c.Listener.Node, Dst: c.Dst.String(), Expected: verdictWord(c.Expected.Allow),
+		ListenerNode: c.Listener.Node, Dst: c.Target(), Expected: verdictWord(c.Expected.Allow),
 		Rule: c.Expected.Rule, Observed: c.Observed.State, Kind: c.Observed.Kind, Error: c.Observed.Error,
 		Peer: c.Observed.Peer, Micros: c.Observed.Micros, Pass: c.Passed(), AuditEvent: c.AuditEvent}
 	if c.Src.IsValid() {

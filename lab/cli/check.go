@@ -19,6 +19,7 @@ import (
 func checkCommand() *cobra.Command {
 	var (
 		mode, name, launchers string
+		unix                  string
 		connectors, listeners string
 		asJSON, quick, quiet  bool
 		maxMismatches         int
@@ -93,7 +94,7 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 				}
 			}
 			opts := check.Options{Mode: mode, Quick: quick, Timeout: timeout,
-				Connectors: splitList(connectors), Listeners: splitList(listeners)}
+				Connectors: splitList(connectors), Listeners: splitList(listeners), Unix: unix}
 			for _, l := range splitList(launchers) {
 				opts.Launchers = append(opts.Launchers, check.Launcher(l))
 			}
@@ -150,6 +151,7 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 	f.IntVar(&maxMismatches, "max-mismatches", 0, "list at most this many mismatches in the table (0 = all)")
 	f.BoolVar(&quiet, "quiet", false, "no progress lines on stderr")
 	f.DurationVar(&timeout, "timeout", 0, "give up on the run after this long (default 5m; 30m inside the uvn VM)")
+	f.StringVar(&unix, "unix", "auto", "abstract Unix socket cases: on, off, or auto (mode userwall where node1's agent enforces them)")
 	f.BoolVar(&attacks, "attacks", false, "run the attack suite (userwall testbed): real attacks, each with a control; see docs/check.md")
 	f.StringVar(&only, "only", "", "with --attacks: run only the cases whose name contains one of these comma-separated strings")
 	f.BoolVar(&verbose, "verbose", false, "with --attacks: print every case's rationale and steps, not only the failures'")

@@ -67,8 +67,10 @@ SIGTERM/SIGINT, --lifetime, or (with --exit-on-stdin-eof) until stdin closes.`,
 					cfg.TCP = true
 				case "udp":
 					cfg.UDP = true
+				case "unix":
+					cfg.Unix = true // abstract stream and datagram sockets
 				default:
-					return fmt.Errorf("bad protocol %q (want tcp, udp)", s)
+					return fmt.Errorf("bad protocol %q (want tcp, udp, unix)", s)
 				}
 			}
 			for _, s := range probeList(families) {
@@ -105,7 +107,7 @@ SIGTERM/SIGINT, --lifetime, or (with --exit-on-stdin-eof) until stdin closes.`,
 		},
 	}
 	c.Flags().StringVar(&ports, "ports", "", "ports to serve: list and ranges, e.g. 29101,29110-29120")
-	c.Flags().StringVar(&protos, "proto", "tcp,udp", "protocols: tcp, udp")
+	c.Flags().StringVar(&protos, "proto", "tcp,udp", "protocols: tcp, udp, unix (abstract @palprobe-PORT stream and @palprobe-PORT-dg datagram sockets)")
 	c.Flags().StringVar(&families, "family", "4,6", "address families: 4, 6")
 	c.Flags().BoolVar(&stdinEOF, "exit-on-stdin-eof", false, "exit when stdin reaches EOF (the starter died)")
 	c.Flags().DurationVar(&lifetime, "lifetime", 0, "exit after this long (0 = never)")

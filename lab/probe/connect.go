@@ -61,8 +61,14 @@ type Plan struct {
 func (p *Plan) Validate() error {
 	for host, ts := range p.Hosts {
 		for _, t := range ts {
+			if t.Proto == ProtoUnixStream || t.Proto == ProtoUnixDgram {
+				if !strings.HasPrefix(t.Addr, "@palprobe-") {
+					return fmt.Errorf("plan: host %s case %q: %q is not an abstract probe socket", host, t.ID, t.Addr)
+				}
+				continue
+			}
 			if t.Proto != "tcp" && t.Proto != "udp" {
-				return fmt.Errorf("plan: host %s case %q: proto %q (want tcp or udp)", host, t.ID, t.Proto)
+				return fmt.Errorf("plan: host %s case %q: proto %q (want tcp, udp, unix or unixgram)", host, t.ID, t.Proto)
 			}
 			if _, err := netip.ParseAddrPort(t.Addr); err != nil {
 				return fmt.Errorf("plan: host %s case %q: %w", host, t.ID, err)
@@ -240,9 +246,14 @@ func (c *Connector) Probe(ctx context.Context, t Target) Result {
 		rep Reply
 		err error
 	)
-	if t.Proto == "udp" {
+	switch t.Proto {
+	case "udp":
 		rep, err = c.udp(ctx, t, nonce)
-	} else {
+	case ProtoUnixStream:
+		rep, err = c.unixStream(ctx, t, nonce)
+	case ProtoUnixDgram:
+		rep, err = c.unixDgram(ctx, t, nonce)
+	default:
 		rep, err = c.tcp(ctx, t, nonce)
 	}
 	r := Result{Target: t, Elapsed: time.Since(start)}

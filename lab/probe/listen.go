@@ -23,16 +23,21 @@ type ListenConfig struct {
 	Families []int
 	// Addr4 and Addr6 are the bind addresses; empty means the wildcard.
 	Addr4, Addr6 string
+	// Unix also serves abstract Unix stream and datagram sockets per port
+	// (unix.go).
+	Unix bool
 }
 
 // Listener serves probe requests on every configured socket.
 type Listener struct {
-	self  Identity
-	tcp   []net.Listener
-	udp   []*net.UDPConn
-	ports []uint16
-	wg    sync.WaitGroup
-	once  sync.Once
+	self     Identity
+	tcp      []net.Listener
+	udp      []*net.UDPConn
+	unix     []net.Listener
+	unixgram []*net.UnixConn
+	ports    []uint16
+	wg       sync.WaitGroup
+	once     sync.Once
 }
 
 // Listen binds every socket of cfg or none: on any failure the sockets
@@ -41,7 +46,7 @@ func Listen(cfg ListenConfig) (*Listener, error) {
 	if len(cfg.Ports) == 0 {
 		return nil, errors.New("probe listen: no ports")
 	}
-	if !cfg.TCP && !cfg.UDP {
+	if !cfg.TCP && !cfg.UDP && !cfg.Unix {
 		return nil, errors.New("probe listen: neither tcp nor udp")
 	}
 	if len(cfg.Families) == 0 {
@@ -98,6 +103,11 @@ func Listen(cfg ListenConfig) (*Listener, error) {
 			}
 		}
 	}
+	if cfg.Unix {
+		if err := l.listenUnix(cfg.Ports); err != nil {
+			return fail(err)
+		}
+	}
 	return l, nil
 }
 
@@ -117,6 +127,14 @@ func (l *Listener) Serve(ctx context.Context) {
 		l.wg.Add(1)
 		go l.serveUDP(uc)
 	}
+	for _, tl := range l.unix {
+		l.wg.Add(1)
+		go l.serveUnix(tl)
+	}
+	for _, uc := range l.unixgram {
+		l.wg.Add(1)
+		go l.serveUnixgram(uc)
+	}
 	<-ctx.Done()
 	l.Close()
 	l.wg.Wait()
@@ -129,6 +147,12 @@ func (l *Listener) Close() {
 			tl.Close()
 		}
 		for _, uc := range l.udp {
+			uc.Close()
+		}
+		for _, tl := range l.unix {
+			tl.Close()
+		}
+		for _, uc := range l.unixgram {
 			uc.Close()
 		}
 	})

@@ -86,6 +86,9 @@ func RunAgent(port string, args AgentArgs) error {
 // copy is visible through the overlay), hides that directory in the guest
 // and brings the testbed up natively inside the guest.
 func agentUp(ctx context.Context, args AgentArgs, logf func(string, ...any)) (*testbed.Testbed, error) {
+	// Everything in the guest runs under emulation; code that waits for
+	// processes (agents starting, listeners, launchers) reads this.
+	os.Setenv("PALISADE_VM", "1")
 	if err := os.MkdirAll(guestRun, 0o755); err != nil {
 		return nil, err
 	}

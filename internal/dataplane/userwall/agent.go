@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net/http"
 	"net/netip"
 	"os"
 	"os/signal"
@@ -63,6 +62,14 @@ func (o *AgentOptions) LoadConfig() (*policy.Config, error) {
 	return cfg, nil
 }
 
+// agent is one running agent. Its goroutines: the main loop (RunAgent's
+// loop, reload), which alone writes the fields below unless a field says
+// otherwise; and the services (startServices), which read only what is safe
+// for them — dp (its own lock), sink (its own lock), members (its own lock),
+// exempt (atomics and a channel to the loop),
+// nftRepairs (atomic), state (stateMu) and what is set before they start
+// and never written after (log, opts, pinDir). cfg, attached, keyErr,
+// notes, metrics, ident and stopIdent belong to the main loop.
 type agent struct {
 	opts     AgentOptions
 	cfg      *policy.Config
@@ -79,11 +86,18 @@ type agent struct {
 	// nftRepairs counts restorations of the nft table (metrics).
 	nftRepairs atomic.Int64
 
+	// Set by newAgent, read-only after: the kernel's features, how the tc
+	// programs attach and why, why the LSM programs are left out.
+	probe *Probe
+	useTC bool
+	tcWhy string
+	noLSM error
+
 	// Owned by the main loop (RunAgent, reload): ctx of the services,
 	// the metrics server, the ident service's stop, and problems of the
 	// running agent for the state (notes).
 	ctx       context.Context
-	metrics   *http.Server
+	metrics   *metricsServer
 	stopIdent func()
 	members   *membership.Tracker // fills the kernel's members map (internal/membership)
 	exempt    groupExempts        // "@group" exemptions' members
@@ -122,6 +136,48 @@ func ReadPid(path string) int {
 // ctx ends or SIGTERM/SIGINT. Leaving does not remove anything: the pinned
 // programs go on enforcing (restart adopts them; --uninstall removes them).
 func RunAgent(ctx context.Context, o AgentOptions) error {
+	a, err := newAgent(o)
+	if err != nil {
+		return err
+	}
+	unlock, err := a.lockNamespace()
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	if err := a.enforce(); err != nil {
+		return err
+	}
+	defer a.dp.Close() // after every service has stopped reading it
+	ctx, stop := signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	var svc services
+	defer svc.stop()
+	if err := a.startServices(ctx, &svc); err != nil {
+		return err
+	}
+	pidFile := a.cfg.Agent.PidFile
+	if err := os.WriteFile(pidFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
+		return err
+	}
+	defer func() {
+		if ReadPid(pidFile) == os.Getpid() {
+			os.Remove(pidFile)
+		}
+	}()
+	a.initState()
+	// Readiness for systemd (Type=notify): enforcement, metrics and ident
+	// are in place, so units ordered after this one (slurmd, sshd) start
+	// only on a node that already isolates users. A no-op without systemd.
+	daemon.SdNotify(false, daemon.SdNotifyReady+"\nSTATUS=enforcing")
+	defer daemon.SdNotify(false, daemon.SdNotifyStopping)
+	return a.loop(ctx)
+}
+
+// newAgent loads the configuration and checks, before anything changes,
+// that the kernel has what the data plane needs (if not: one clear message
+// and nothing touched).
+func newAgent(o AgentOptions) (*agent, error) {
 	log := o.Logger
 	if log == nil {
 		log = slog.Default()
@@ -131,52 +187,61 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 		"go", v.GoVersion, "cilium_ebpf", v.EBPF)
 	cfg, err := o.LoadConfig()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if cfg.Default {
 		log.Warn("no configuration file; using the built-in default policy", "path", o.ConfigPath)
 	}
-	// Before anything changes: does this kernel have what the data plane
-	// needs? If not, one clear message and nothing touched.
 	probe, err := ProbeKernel()
 	if err != nil {
-		return fmt.Errorf("kernel feature probe: %w", err)
+		return nil, fmt.Errorf("kernel feature probe: %w", err)
 	}
 	if err := probe.Err(); err != nil {
-		return err
+		return nil, err
 	}
-	useTC, why, err := chooseTC(cfg.Agent.TCAttach, probe)
-	if err != nil {
-		return err
+	a := &agent{opts: o, cfg: cfg, log: log, attached: map[string]int{}, probe: probe}
+	if a.useTC, a.tcWhy, err = chooseTC(cfg.Agent.TCAttach, probe); err != nil {
+		return nil, err
 	}
-	var noLSM error
 	switch {
 	case !cfg.Agent.UnixSockets:
-		noLSM = errors.New("disabled by configuration (unix_sockets = false)")
+		a.noLSM = errors.New("disabled by configuration (unix_sockets = false)")
 	case !probe.Has(FeatLSMActive) && strings.HasPrefix(featureDetail(probe, FeatLSMActive), "/"):
-		noLSM = fmt.Errorf("the bpf LSM is not enabled (%s); boot with lsm=...,bpf", featureDetail(probe, FeatLSMActive))
+		a.noLSM = fmt.Errorf("the bpf LSM is not enabled (%s); boot with lsm=...,bpf", featureDetail(probe, FeatLSMActive))
 	case !probe.Has(FeatLSMAttach):
-		noLSM = fmt.Errorf("BPF LSM programs cannot attach on this kernel: %s", featureDetail(probe, FeatLSMAttach))
+		a.noLSM = fmt.Errorf("BPF LSM programs cannot attach on this kernel: %s", featureDetail(probe, FeatLSMAttach))
 	}
-	a := &agent{opts: o, cfg: cfg, log: log, attached: map[string]int{}}
-	// One agent per namespace: an exclusive lock next to the pid file
-	// (held until exit; a stale pid file alone does not block a restart).
-	if err := os.MkdirAll(filepath.Dir(cfg.Agent.PidFile), 0o755); err != nil {
-		return err
+	return a, nil
+}
+
+// lockNamespace makes this the namespace's only agent: an exclusive lock
+// next to the pid file, held until unlock (a stale pid file alone does not
+// block a restart).
+func (a *agent) lockNamespace() (unlock func(), err error) {
+	pidFile := a.cfg.Agent.PidFile
+	if err := os.MkdirAll(filepath.Dir(pidFile), 0o755); err != nil {
+		return nil, err
 	}
-	lock, err := os.OpenFile(cfg.Agent.PidFile+".lock", os.O_RDWR|os.O_CREATE, 0o600)
+	lock, err := os.OpenFile(pidFile+".lock", os.O_RDWR|os.O_CREATE, 0o600)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	defer lock.Close()
 	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
-		return fmt.Errorf("an agent is already running (pid %d, %s)", ReadPid(cfg.Agent.PidFile), cfg.Agent.PidFile)
+		lock.Close()
+		return nil, fmt.Errorf("an agent is already running (pid %d, %s)", ReadPid(pidFile), pidFile)
 	}
+	return func() { lock.Close() }, nil
+}
+
+// enforce loads (or adopts) the programs and maps and installs them. A first
+// install that fails half-way leaves nothing behind; an adopted data plane
+// keeps enforcing what it did.
+func (a *agent) enforce() error {
 	cookie, err := NetnsCookie()
 	if err != nil {
 		return err
 	}
-	fs, err := BPFFS(cfg.Agent.BPFFS)
+	fs, err := BPFFS(a.cfg.Agent.BPFFS)
 	if err != nil {
 		return err
 	}
@@ -187,12 +252,11 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	pinDir := PinDir(fs, cookie)
 	a.pinDir = pinDir
 	if gone := CollectStale(fs); len(gone) > 0 {
-		log.Info("removed the pins of deleted network namespaces", "cookies", gone)
+		a.log.Info("removed the pins of deleted network namespaces", "cookies", gone)
 	}
 	_, statErr := os.Stat(filepath.Join(pinDir, "settings"))
 	adopting := statErr == nil
-	a.dp, err = Load(pinDir, cookie, noLSM)
-	if err != nil {
+	if a.dp, err = Load(pinDir, cookie, a.noLSM); err != nil {
 		if !adopting {
 			// The loader pins each map as it creates it and does not
 			// unpin them when a later program fails to load.
@@ -200,108 +264,127 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 		}
 		return err
 	}
-	defer a.dp.Close()
-	a.dp.TC = useTC
+	a.dp.TC = a.useTC
 	a.exempt.changed = make(chan struct{}, 1)
-	a.exempt.setGroups(cfg.Policy)
+	a.exempt.setGroups(a.cfg.Policy)
 	a.members = a.newMembers()
-	log.Info("tc programs attach with "+attachName(useTC), "why", why, "kernel", probe.Kernel)
+	a.log.Info("tc programs attach with "+attachName(a.useTC), "why", a.tcWhy, "kernel", a.probe.Kernel)
 	if err := a.install(cg); err != nil {
+		a.dp.Close()
 		if !adopting {
-			// A first install that failed half-way leaves nothing behind
-			// (tc filters are not pinned: remove them by name).
-			a.dp.Close()
+			// tc filters are not pinned: remove them by name.
 			RemovePins(pinDir)
 			removeTCFilters()
 			RemoveNft()
 		}
 		return err
 	}
-	log.Info("userwall enforcing", "netns_cookie", cookie, "pins", pinDir, "adopted", adopting,
+	a.log.Info("userwall enforcing", "netns_cookie", cookie, "pins", pinDir, "adopted", adopting,
 		"links", len(a.dp.Links()), "interfaces", a.dp.Interfaces(), "cgroup", cg)
-	if a.dp.LSMErr != nil {
-		log.Warn("abstract Unix sockets are NOT isolated", "reason", a.dp.LSMErr)
+	if err := a.dp.LSMErr(); err != nil {
+		a.log.Warn("abstract Unix sockets are NOT isolated", "reason", err)
 	}
+	return nil
+}
 
+// services are the agent's goroutines beside its main loop. stop ends them
+// in the reverse order of their start and waits for each.
+type services struct{ stops []func() }
+
+func (s *services) add(stop func()) { s.stops = append(s.stops, stop) }
+
+func (s *services) stop() {
+	for i := len(s.stops) - 1; i >= 0; i-- {
+		s.stops[i]()
+	}
+	s.stops = nil
+}
+
+// startServices starts the event sink, the nft watcher, the metrics server,
+// the ident service and the membership tracker; what started is in svc
+// (also on error).
+func (a *agent) startServices(ctx context.Context, svc *services) error {
 	rd, err := ringbuf.NewReader(a.dp.Map("events"))
 	if err != nil {
 		return err
 	}
-	defer rd.Close()
-	if a.sink, err = newEventSink(cfg.Agent.EventLog, cfg.Agent.Syslog, cfg.Agent.EventRate, log); err != nil {
+	if a.sink, err = newEventSink(a.cfg.Agent.EventLog, a.cfg.Agent.Syslog, a.cfg.Agent.EventRate, a.log); err != nil {
+		rd.Close()
 		return err
 	}
-	defer a.sink.close()
 	a.sink.seen = a.members.Seen
-	go a.sink.run(rd)
+	svc.add(goJoined(func() { a.sink.run(rd) }, func() { rd.Close() }, a.sink.close))
 
-	ctx, stop := signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
-	defer stop()
-	nftDone := make(chan struct{})
-	go func() {
-		defer close(nftDone)
-		WatchNft(ctx, a.repairNft)
-	}()
-	defer func() { <-nftDone }()
+	nftCtx, cancel := context.WithCancel(ctx)
+	svc.add(goJoined(func() { WatchNft(nftCtx, a.repairNft) }, cancel, nil))
+
 	a.ctx = ctx
 	a.startMetrics()
-	defer a.stopMetrics()
+	svc.add(a.stopMetrics)
 	a.stopIdent = a.startIdent(ctx)
-	defer func() { a.stopIdent() }()
-	defer a.runMembers(ctx)()
+	svc.add(func() { a.stopIdent() }) // reload may replace it
+	svc.add(a.runMembers(ctx))
+	return nil
+}
 
-	if err := os.WriteFile(cfg.Agent.PidFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
-		return err
-	}
-	defer func() {
-		if ReadPid(cfg.Agent.PidFile) == os.Getpid() {
-			os.Remove(cfg.Agent.PidFile)
-		}
+// goJoined runs fn in a goroutine; the returned stop calls end (which makes
+// fn return), waits for fn, then calls after (either may be nil).
+func goJoined(fn, end, after func()) (stop func()) {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		fn()
 	}()
-	a.initState()
+	return func() {
+		if end != nil {
+			end()
+		}
+		<-done
+		if after != nil {
+			after()
+		}
+	}
+}
 
-	// Readiness for systemd (Type=notify): enforcement, metrics and ident
-	// are in place, so units ordered after this one (slurmd, sshd) start
-	// only on a node that already isolates users. A no-op without systemd.
-	daemon.SdNotify(false, daemon.SdNotifyReady+"\nSTATUS=enforcing")
-	defer daemon.SdNotify(false, daemon.SdNotifyStopping)
-
+// loop keeps the data plane in step with the node until ctx ends: SIGHUP
+// reloads, address and link changes (netlink) and a 5 s poll resync.
+func (a *agent) loop(ctx context.Context) error {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)
-	addrCh := make(chan netlink.AddrUpdate, 64)
-	done := make(chan struct{})
-	defer close(done)
-	if err := netlink.AddrSubscribe(addrCh, done); err != nil {
-		log.Warn("address updates unavailable; polling only", "err", err)
-	}
+	addrs := newSubscription("address", subscriptionGap, func(ch chan netlink.AddrUpdate, done chan struct{}) error {
+		return netlink.AddrSubscribe(ch, done)
+	})
+	defer addrs.stop()
 	// New interfaces get the tc programs at once, not at the next poll.
-	linkCh := make(chan netlink.LinkUpdate, 64)
-	if err := netlink.LinkSubscribe(linkCh, done); err != nil {
-		log.Warn("link updates unavailable; polling only", "err", err)
+	links := newSubscription("link", subscriptionGap, func(ch chan netlink.LinkUpdate, done chan struct{}) error {
+		return netlink.LinkSubscribe(ch, done)
+	})
+	defer links.stop()
+	for _, s := range []renewable{addrs, links} {
+		if err := s.start(time.Now()); err != nil {
+			a.log.Warn(s.label()+" updates unavailable; polling only", "err", err)
+		}
 	}
 	tick := time.NewTicker(5 * time.Second)
 	defer tick.Stop()
 	for {
 		select {
 		case <-ctx.Done():
-			log.Info("agent stopping; pinned programs stay in force")
+			a.log.Info("agent stopping; pinned programs stay in force")
 			return nil
 		case <-hup:
 			daemon.SdNotify(false, daemon.SdNotifyReloading)
 			a.reload()
 			daemon.SdNotify(false, daemon.SdNotifyReady)
-		case <-addrCh:
-			// Drain a burst, then resync once.
-			for len(addrCh) > 0 {
-				<-addrCh
-			}
-			a.syncNode()
-		case <-linkCh:
-			for len(linkCh) > 0 {
-				<-linkCh
-			}
-			a.syncNode()
+		case _, ok := <-addrs.C():
+			a.nodeChanged(addrs, ok && drain(addrs.C()))
+		case _, ok := <-links.C():
+			a.nodeChanged(links, ok && drain(links.C()))
+		case <-addrs.Retry():
+			a.renew(addrs, addrs.due)
+		case <-links.Retry():
+			a.renew(links, links.due)
 		case <-a.exempt.changed:
 			a.applyGroupExempts()
 		case <-tick.C:
@@ -310,6 +393,34 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 				a.log.Warn("clock offset not refreshed", "err", err)
 			}
 		}
+	}
+}
+
+// subscriptionGap is the least time between two netlink subscriptions of
+// one kind (the 5 s poll covers the gap).
+const subscriptionGap = 5 * time.Second
+
+// renewable is what the loop needs of a subscription of either kind.
+type renewable interface {
+	label() string
+	start(time.Time) error
+	lost(time.Time) error
+}
+
+// nodeChanged resyncs after a burst of updates (drained: one resync); when
+// the subscription ended (ok false: updates were lost) it is renewed first,
+// so nothing after the resync is missed.
+func (a *agent) nodeChanged(s renewable, ok bool) {
+	if !ok {
+		a.log.Warn(s.label() + " updates lost (netlink subscription ended); resubscribing and resyncing")
+		a.renew(s, s.lost)
+	}
+	a.syncNode()
+}
+
+func (a *agent) renew(s renewable, how func(time.Time) error) {
+	if err := how(time.Now()); err != nil {
+		a.log.Warn(s.label()+" updates unavailable; polling until the next attempt", "err", err)
 	}
 }
 

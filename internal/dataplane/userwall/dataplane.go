@@ -4,10 +4,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
+	"sync"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -55,22 +58,61 @@ var lsmHooks = []struct{ link, prog string }{
 
 // Dataplane is the loaded programs and maps of one network namespace, pinned
 // under PinDir (maps directly, links under links/).
+//
+// One goroutine drives it (the agent's main loop: attach, detach, Set...,
+// Close). Others (the metrics scrape) may call Links, LSMErr, Map and
+// ReadCounters at any time before Close: mu guards what the driver changes
+// under them. PinDir, Cookie, coll and TC are set before the Dataplane is
+// shared and only read after; Close comes after every reader has stopped.
 type Dataplane struct {
 	PinDir string
 	Cookie uint64
 	coll   *ebpf.Collection
-	links  map[string]link.Link
-	// LSMErr says why abstract Unix sockets are not enforced (nil: they are).
-	LSMErr error
 	// TC attaches the tc programs as clsact cls_bpf filters (tc.go)
 	// instead of tcx links: kernels before 6.6, or tc_attach = "tc".
 	TC bool
+
+	mu    sync.Mutex
+	links map[string]link.Link // by pin name
+	// lsmErr says why abstract Unix sockets are not enforced (nil: they are).
+	lsmErr error
 }
 
 func (d *Dataplane) linkDir() string { return filepath.Join(d.PinDir, "links") }
 
 // Map returns one of the collection's maps.
 func (d *Dataplane) Map(name string) *ebpf.Map { return d.coll.Maps[name] }
+
+// LSMErr says why abstract Unix sockets are not enforced (nil: they are).
+func (d *Dataplane) LSMErr() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.lsmErr
+}
+
+func (d *Dataplane) setLSMErr(err error) {
+	d.mu.Lock()
+	d.lsmErr = err
+	d.mu.Unlock()
+}
+
+// link returns the attached link of a pin name (nil: none).
+func (d *Dataplane) link(name string) link.Link {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.links[name]
+}
+
+// setLink records (l != nil) or forgets (nil) the link of a pin name.
+func (d *Dataplane) setLink(name string, l link.Link) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if l == nil {
+		delete(d.links, name)
+	} else {
+		d.links[name] = l
+	}
+}
 
 // Load loads the programs for the namespace with the given cookie, reusing
 // (adopting) maps already pinned in pinDir, so a restarted agent keeps the
@@ -94,18 +136,18 @@ func Load(pinDir string, cookie uint64, noLSM error) (*Dataplane, error) {
 	}
 	d := &Dataplane{PinDir: pinDir, Cookie: cookie, links: map[string]link.Link{}}
 	if noLSM != nil {
-		d.LSMErr = noLSM
+		d.lsmErr = noLSM
 	} else if ok, how := LSMActive(); !ok && !strings.HasPrefix(how, "unknown") {
-		d.LSMErr = fmt.Errorf("the bpf LSM is not enabled (%s); boot with lsm=...,bpf", how)
+		d.lsmErr = fmt.Errorf("the bpf LSM is not enabled (%s); boot with lsm=...,bpf", how)
 	}
-	if d.LSMErr != nil {
+	if d.lsmErr != nil {
 		for _, h := range lsmHooks {
 			delete(spec.Programs, h.prog)
 		}
 	}
 	opts := ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: pinDir}}
 	coll, err := ebpf.NewCollectionWithOptions(spec, opts)
-	if err != nil && d.LSMErr == nil {
+	if err != nil && d.lsmErr == nil {
 		// A kernel without CONFIG_BPF_LSM refuses LSM programs: enforce
 		// the rest and report it.
 		var verr *ebpf.VerifierError
@@ -116,7 +158,7 @@ func Load(pinDir string, cookie uint64, noLSM error) (*Dataplane, error) {
 			}
 			c2, err2 := ebpf.NewCollectionWithOptions(spec, opts)
 			if err2 == nil {
-				d.LSMErr = fmt.Errorf("LSM programs not loaded: %w", err)
+				d.lsmErr = fmt.Errorf("LSM programs not loaded: %w", err)
 				coll, err = c2, nil
 			} else {
 				err = err2 // the failure that matters: not the LSM's
@@ -142,14 +184,14 @@ func (d *Dataplane) attach(name string, prog *ebpf.Program, attach func() (link.
 	old, err := link.LoadPinnedLink(path, nil)
 	if err == nil {
 		if err := old.Update(prog); err == nil {
-			d.links[name] = old
+			d.setLink(name, old)
 			return nil
 		}
 	}
 	nl, err := attach()
 	if err != nil {
 		if old != nil {
-			d.links[name] = old // keep the old program enforcing
+			d.setLink(name, old) // keep the old program enforcing
 		}
 		return fmt.Errorf("attach %s: %w", name, err)
 	}
@@ -161,7 +203,7 @@ func (d *Dataplane) attach(name string, prog *ebpf.Program, attach func() (link.
 		nl.Close()
 		return fmt.Errorf("pin %s: %w", name, err)
 	}
-	d.links[name] = nl
+	d.setLink(name, nl)
 	return nil
 }
 
@@ -187,13 +229,13 @@ func (d *Dataplane) AttachCgroup(cgroupRoot string) error {
 			return err
 		}
 	}
-	if d.LSMErr == nil {
+	if d.LSMErr() == nil {
 		for _, h := range lsmHooks {
 			p := d.coll.Programs[h.prog]
 			if err := d.attach(h.link, p, func() (link.Link, error) {
 				return link.AttachLSM(link.LSMOptions{Program: p})
 			}); err != nil {
-				d.LSMErr = err
+				d.setLSMErr(err)
 				d.detach(lsmHooks[0].link)
 				d.detach(lsmHooks[1].link)
 				break
@@ -323,7 +365,7 @@ func (d *Dataplane) DetachInterface(ifname string) {
 }
 
 func (d *Dataplane) detach(name string) {
-	l := d.links[name]
+	l := d.link(name)
 	if l == nil {
 		var err error
 		if l, err = link.LoadPinnedLink(filepath.Join(d.linkDir(), name), nil); err != nil {
@@ -333,15 +375,14 @@ func (d *Dataplane) detach(name string) {
 	}
 	_ = l.Unpin()
 	_ = l.Close()
-	delete(d.links, name)
+	d.setLink(name, nil)
 }
 
 // Links returns the names of the attached links (and tc filters).
 func (d *Dataplane) Links() []string {
-	var out []string
-	for n := range d.links {
-		out = append(out, n)
-	}
+	d.mu.Lock()
+	out := slices.Collect(maps.Keys(d.links))
+	d.mu.Unlock()
 	if d.TC {
 		fs, _ := ourTCFilters()
 		for _, f := range fs {
@@ -356,10 +397,12 @@ func (d *Dataplane) Links() []string {
 // A second Close does nothing (a failed install closes before the deferred
 // Close runs).
 func (d *Dataplane) Close() {
+	d.mu.Lock()
 	for n, l := range d.links {
 		l.Close()
 		delete(d.links, n)
 	}
+	d.mu.Unlock()
 	if d.coll != nil {
 		d.coll.Close()
 		d.coll = nil

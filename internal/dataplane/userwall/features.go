@@ -3,6 +3,7 @@ package userwall
 import (
 	"errors"
 	"fmt"
+	"os"
 	"slices"
 	"sort"
 	"strconv"
@@ -168,6 +169,13 @@ func ProbeKernel() (*Probe, error) {
 	add(f)
 
 	cg, cgErr := cgroup2.MountPoint()
+	if cgErr != nil {
+		// A command run with a fresh sysfs (`ip netns exec`, a testbed
+		// login) sees no cgroup mount; the kernel's hierarchy is init's.
+		if b, err := os.ReadFile("/proc/1/mounts"); err == nil && strings.Contains(string(b), " cgroup2 ") {
+			cg, cgErr = "mounted in init's mount namespace", nil
+		}
+	}
 	f = Feature{Name: "cgroup v2 hierarchy", Since: "4.5", Required: true, Present: cgErr == nil,
 		Needs: []string{"socket hooks (connect, sendmsg, sock_create)"}, Detail: cg}
 	if cgErr != nil {
@@ -360,14 +368,17 @@ func ProbeKernel() (*Probe, error) {
 	add(f)
 
 	active, how := LSMActive()
-	f = Feature{Name: FeatLSMActive, Since: "5.7", Present: active, Fallback: optionalProgs[progUnixStream],
-		Needs: []string{progUnixStream, progUnixDgram}, Detail: how}
-	add(f)
 	lsmErr := errors.New("bpf LSM not active")
 	if active || !strings.HasPrefix(how, "/") {
 		// Unknown (no securityfs): attaching tells.
 		lsmErr = probeLSMAttach()
 	}
+	if !active && lsmErr == nil {
+		active, how = true, "an LSM program attached ("+how+")"
+	}
+	f = Feature{Name: FeatLSMActive, Since: "5.7", Present: active, Fallback: optionalProgs[progUnixStream],
+		Needs: []string{progUnixStream, progUnixDgram}, Detail: how}
+	add(f)
 	f = Feature{Name: FeatLSMAttach, Since: "5.7", Present: lsmErr == nil, Fallback: optionalProgs[progUnixStream],
 		Needs: []string{progUnixStream, progUnixDgram}}
 	if lsmErr != nil {

@@ -161,10 +161,14 @@ func GetStatus(o AgentOptions) (*Status, error) {
 			}
 		}
 	}
-	if p, err := ProbeKernel(); err == nil {
-		s.Kernel = p
-	} else {
-		s.Warnings = append(s.Warnings, "kernel feature probe failed: "+err.Error())
+	// The probe loads programs: only root can run it (as a user every
+	// answer would be EPERM).
+	if os.Geteuid() == 0 {
+		if p, err := ProbeKernel(); err == nil {
+			s.Kernel = p
+		} else {
+			s.Warnings = append(s.Warnings, "kernel feature probe failed: "+err.Error())
+		}
 	}
 	if m, err := ebpf.LoadPinnedMap(filepath.Join(s.PinDir, "settings"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
 		var c uwbpfUwConfig

@@ -95,7 +95,7 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ch <- prometheus.MustNewConstMetric(descLinks, prometheus.GaugeValue, float64(len(d.Links())))
 	lsm := 0.0
-	if d.LSMErr == nil {
+	if d.LSMErr() == nil {
 		lsm = 1
 	}
 	ch <- prometheus.MustNewConstMetric(descLSM, prometheus.GaugeValue, lsm)

@@ -99,7 +99,7 @@ func (a *agent) initState() {
 	a.setState(func(s *AgentState) {
 		*s = AgentState{PID: os.Getpid(), Version: v.Version, Commit: v.Commit, Started: time.Now().UTC(),
 			Config: cfg.Path, ConfigSHA: cfg.SHA256, Generation: 1, Audit: cfg.Agent.Audit,
-			UnenforcedNodes: cfg.Cluster.UnenforcedNodes, UnixLSM: a.dp.LSMErr == nil, PinDir: a.pinDir, Findings: findings(cfg),
+			UnenforcedNodes: cfg.Cluster.UnenforcedNodes, UnixLSM: a.dp.LSMErr() == nil, PinDir: a.pinDir, Findings: findings(cfg),
 			Notes: a.notes}
 	})
 	for _, f := range a.stateSnapshot().Findings {
@@ -130,6 +130,19 @@ func needsRestart(old, cfg *policy.AgentConfig) []string {
 // in every case (logrotate sends SIGHUP after moving it).
 func (a *agent) reload() {
 	err := a.applyReload()
+	var fs []policy.Finding
+	if err != nil {
+		a.log.Error("configuration refused; the running configuration stays", "err", err)
+	} else {
+		fs = findings(a.cfg)
+		for _, f := range fs {
+			a.log.Warn("configuration: "+f.String(a.cfg.Path), "level", f.Level)
+		}
+		a.log.Info("configuration reloaded", "path", a.cfg.Path, "sha256", a.cfg.SHA256,
+			"generation", a.stateSnapshot().Generation+1, "audit", a.cfg.Agent.Audit)
+	}
+	// Last, once everything is applied and logged: the state file is the
+	// acknowledgement that `agent --reload` and the tests wait on.
 	a.setState(func(s *AgentState) {
 		s.Reloads++
 		s.LastReload = time.Now().UTC()
@@ -140,17 +153,8 @@ func (a *agent) reload() {
 		}
 		s.Generation++
 		s.Config, s.ConfigSHA, s.Audit = a.cfg.Path, a.cfg.SHA256, a.cfg.Agent.Audit
-		s.UnenforcedNodes, s.Findings, s.Notes = a.cfg.Cluster.UnenforcedNodes, findings(a.cfg), a.notes
+		s.UnenforcedNodes, s.Findings, s.Notes = a.cfg.Cluster.UnenforcedNodes, fs, a.notes
 	})
-	if err != nil {
-		a.log.Error("configuration refused; the running configuration stays", "err", err)
-		return
-	}
-	st := a.stateSnapshot()
-	for _, f := range st.Findings {
-		a.log.Warn("configuration: "+f.String(a.cfg.Path), "level", f.Level)
-	}
-	a.log.Info("configuration reloaded", "path", a.cfg.Path, "sha256", a.cfg.SHA256, "generation", st.Generation, "audit", a.cfg.Agent.Audit)
 }
 
 func (a *agent) applyReload() error {
@@ -257,21 +261,41 @@ func (a *agent) startMetrics() {
 	a.metrics = srv
 }
 
-func (a *agent) serveMetrics(addr string) (*http.Server, error) {
+func (a *agent) serveMetrics(addr string) (*metricsServer, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, err
 	}
-	srv := &http.Server{Handler: a.metricsHandler(), ReadHeaderTimeout: 5 * time.Second}
-	go srv.Serve(ln)
-	return srv, nil
+	m := &metricsServer{srv: &http.Server{Handler: a.metricsHandler(), ReadHeaderTimeout: 5 * time.Second}, done: make(chan struct{})}
+	go func() {
+		defer close(m.done)
+		m.srv.Serve(ln)
+	}()
+	return m, nil
+}
+
+// metricsServer is the HTTP server of the metrics and its goroutine.
+type metricsServer struct {
+	srv  *http.Server
+	done chan struct{}
+}
+
+// stop closes the listener, lets scrapes in flight finish (they read the
+// data plane, which is closed after) and waits for the server.
+func (m *metricsServer) stop() {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if m.srv.Shutdown(ctx) != nil {
+		m.srv.Close()
+	}
+	<-m.done
 }
 
 // restartMetrics moves the metrics to the new address: bound first, so a
 // failure keeps them where they were.
 func (a *agent) restartMetrics(oldAddr string) {
 	addr := a.cfg.Agent.MetricsAddress
-	var srv *http.Server
+	var srv *metricsServer
 	if addr != "" {
 		var err error
 		if srv, err = a.serveMetrics(addr); err != nil {
@@ -281,7 +305,7 @@ func (a *agent) restartMetrics(oldAddr string) {
 		}
 	}
 	if a.metrics != nil {
-		a.metrics.Close()
+		a.metrics.stop()
 	}
 	a.metrics = srv
 	a.log.Info("metrics address changed", "addr", addr, "old", oldAddr)
@@ -289,7 +313,8 @@ func (a *agent) restartMetrics(oldAddr string) {
 
 func (a *agent) stopMetrics() {
 	if a.metrics != nil {
-		a.metrics.Close()
+		a.metrics.stop()
+		a.metrics = nil
 	}
 }
 

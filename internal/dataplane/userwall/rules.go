@@ -19,6 +19,7 @@ var ruleNames = map[uwbpfUwRule]string{
 	uwbpfUwRuleR_UNVERIFIED:        "unverified",
 	uwbpfUwRuleR_UNCLASSIFIED:      "unclassified",
 	uwbpfUwRuleR_COBIND:            "co-bind",
+	uwbpfUwRuleR_FOREIGN_SOURCE:    "foreign-source",
 }
 
 // numRules is the stride of the counters array (R_MAX).

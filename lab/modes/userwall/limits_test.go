@@ -5,11 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
-	"time"
-
-	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 )
 
 // A policy larger than the maps (exempt lists hold 1024 uids) passes the
@@ -24,13 +20,9 @@ func TestPolicyTooLargeRefused(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hup := func() {
-		syscall.Kill(uw.ReadPid(AgentPidFile(tb, "node1")), syscall.SIGHUP)
-		time.Sleep(300 * time.Millisecond)
-	}
 	defer func() {
 		os.WriteFile(p, orig, 0o644)
-		hup()
+		reload(t, "node1")
 	}()
 	run(t, []tcase{{"node1", "carol", "tcp", "127.0.0.1", 5171, eperm, nil}})
 
@@ -47,7 +39,7 @@ func TestPolicyTooLargeRefused(t *testing.T) {
 	}
 	logPath := filepath.Join(tb.LogDir(), "node1-agent.log")
 	before, _ := os.ReadFile(logPath)
-	hup()
+	reloadRefused(t, "node1")
 	after, _ := os.ReadFile(logPath)
 	if msg := string(after[len(before):]); !strings.Contains(msg, "configuration refused") ||
 		!strings.Contains(msg, "policy.exempt_connectors: ") || !strings.Contains(msg, "the data plane holds at most 1024") {

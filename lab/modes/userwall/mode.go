@@ -82,7 +82,14 @@ func StartAgent(ctx context.Context, tb *testbed.Testbed, n testbed.Node) error 
 	}
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()
-	deadline := time.NewTimer(30 * time.Second)
+	// Under emulation (the VM testbed: PALISADE_VM=1) three agents probe the
+	// kernel and load their programs through the verifier at once, at
+	// TCG speed: minutes, not seconds.
+	ready := 30 * time.Second
+	if os.Getenv("PALISADE_VM") == "1" {
+		ready = 5 * time.Minute
+	}
+	deadline := time.NewTimer(ready)
 	defer deadline.Stop()
 	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()
@@ -92,7 +99,7 @@ func StartAgent(ctx context.Context, tb *testbed.Testbed, n testbed.Node) error 
 			return fmt.Errorf("%s: agent exited (%v): %s", n.Name, err, tail(logPath))
 		case <-deadline.C:
 			_ = cmd.Process.Kill()
-			return fmt.Errorf("%s: agent not ready after 30 s: %s", n.Name, tail(logPath))
+			return fmt.Errorf("%s: agent not ready after %v: %s", n.Name, ready, tail(logPath))
 		case <-ctx.Done():
 			_ = cmd.Process.Kill()
 			return ctx.Err()

@@ -53,6 +53,15 @@ func TestTCAttach(t *testing.T) {
 	pid := filepath.Join(dir, "agent.pid")
 	os.WriteFile(cfg, []byte(fmt.Sprintf("[agent]\ntc_attach = \"tc\"\npid_file = %q\nevent_log = \"\"\nmetrics_address = \"\"\nident_port = 0\nident_socket = \"\"\nsyslog = false\n", pid)), 0o644)
 	logPath := filepath.Join(dir, "agent.log")
+	// A failing check must not leave an agent running (it would keep the
+	// deleted namespace alive): stop the last one started.
+	var last *exec.Cmd
+	t.Cleanup(func() {
+		if last != nil && last.ProcessState == nil {
+			last.Process.Signal(syscall.SIGTERM)
+			last.Wait()
+		}
+	})
 	start := func() *exec.Cmd {
 		t.Helper()
 		lf, _ := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
@@ -62,6 +71,7 @@ func TestTCAttach(t *testing.T) {
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
+		last = cmd
 		for i := 0; i < 200 && uw.ReadPid(pid) != cmd.Process.Pid; i++ {
 			time.Sleep(50 * time.Millisecond)
 		}

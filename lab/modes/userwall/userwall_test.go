@@ -140,12 +140,14 @@ func setupAndRun(m *testing.M) int {
 		if err == nil && !strings.Contains(string(b), `"slurm", "svc"]`+"\nexempt_listeners") && strings.Contains(string(b), `exempt_connectors = ["root", "svc"]`) {
 			b = []byte(strings.Replace(string(b), `exempt_connectors = ["root", "svc"]`, `exempt_connectors = ["root", "slurm", "svc"]`, 1))
 			os.WriteFile(p, b, 0o644)
-			if pid := uw.ReadPid(AgentPidFile(tb, n.Name)); pid != 0 {
-				syscall.Kill(pid, syscall.SIGHUP)
+			if uw.ReadPid(AgentPidFile(tb, n.Name)) != 0 {
+				if s, err := signalReload(n.Name); err != nil || s.LastReloadError != "" {
+					fmt.Fprintln(os.Stderr, "reload with slurm exempt:", n.Name, err, s)
+					return 1
+				}
 			}
 		}
 	}
-	time.Sleep(300 * time.Millisecond)
 	// PALISADE_TEST_TC_ATTACH=tc runs the whole suite with the classic-tc
 	// attachment (kernels < 6.6): each agent restarts with tc_attach = "tc",
 	// which also moves its interfaces from tcx links to clsact filters.
@@ -596,8 +598,7 @@ func TestBadConfigRefused(t *testing.T) {
 	}
 	defer func() {
 		os.WriteFile(p, orig, 0o644)
-		syscall.Kill(uw.ReadPid(AgentPidFile(tb, "node1")), syscall.SIGHUP)
-		time.Sleep(300 * time.Millisecond)
+		reload(t, "node1")
 	}()
 	before := status(t, "node1")
 	// carol exempt, but with an invalid key in the same file: refused as a whole.
@@ -611,8 +612,9 @@ exempt_connectors = ["carol", `, 1)
 	if err == nil || !strings.Contains(string(out), "no_such_key") {
 		t.Errorf("--reload with a bad config: err %v, output %q", err, out)
 	}
-	syscall.Kill(uw.ReadPid(AgentPidFile(tb, "node1")), syscall.SIGHUP) // the daemon must refuse it too
-	time.Sleep(300 * time.Millisecond)
+	if why := reloadRefused(t, "node1"); !strings.Contains(why, "no_such_key") { // the daemon must refuse it too
+		t.Errorf("the agent refused the bad config for: %s", why)
+	}
 	run(t, []tcase{{"node1", "carol", "tcp", "127.0.0.1", 5151, eperm, nil}})
 	after := status(t, "node1")
 	for i := range before.Links {
@@ -628,8 +630,7 @@ exempt_connectors = ["carol", `, 1)
 	// The valid version of the same change applies on reload, without a restart.
 	good := strings.Replace(string(orig), `exempt_connectors = [`, `exempt_connectors = ["carol", `, 1)
 	os.WriteFile(p, []byte(good), 0o644)
-	syscall.Kill(uw.ReadPid(AgentPidFile(tb, "node1")), syscall.SIGHUP)
-	time.Sleep(300 * time.Millisecond)
+	reload(t, "node1")
 	run(t, []tcase{{"node1", "carol", "tcp", "127.0.0.1", 5151, "OK", nil}})
 }
 
@@ -728,10 +729,7 @@ func TestSocketStorage(t *testing.T) {
 	needTestbed(t)
 	p := tb.ConfigPath("node1")
 	orig, _ := os.ReadFile(p)
-	hup := func() {
-		syscall.Kill(uw.ReadPid(AgentPidFile(tb, "node1")), syscall.SIGHUP)
-		time.Sleep(400 * time.Millisecond)
-	}
+	hup := func() { reload(t, "node1") }
 	defer func() { os.WriteFile(p, orig, 0o644); hup() }()
 	os.WriteFile(p, []byte(strings.Replace(string(orig), "[agent]\n", "[agent]\nsocket_storage = true\n", 1)), 0o644)
 	hup()

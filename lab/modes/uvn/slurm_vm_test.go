@@ -2,6 +2,7 @@ package uvn
 
 import (
 	"fmt"
+	"os"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -79,6 +80,17 @@ func hasLine(out, line string) bool {
 	return false
 }
 
+// slurmFull runs the long Slurm tests too (queued salloc, arrays, het jobs,
+// back-to-back steps, the 50-step release test): 10+ minutes under TCG, so
+// on demand (PALISADE_UVN_SLURM=full go test ./lab/modes/uvn), outside make
+// test's VM budget. make test keeps the srun-port path, a queued srun and
+// the broken-config test.
+func slurmFull(t *testing.T) {
+	if os.Getenv("PALISADE_UVN_SLURM") != "full" {
+		t.Skip("on demand: PALISADE_UVN_SLURM=full")
+	}
+}
+
 func slurmSuite(t *testing.T, e *vmEnv) {
 	tb := e.tb
 	t.Run("slurm-port-path", func(t *testing.T) {
@@ -132,6 +144,7 @@ func slurmSuite(t *testing.T, e *vmEnv) {
 	})
 
 	t.Run("slurm-queued-salloc", func(t *testing.T) {
+		slurmFull(t)
 		out, _ := e.queued(t, "alice", "node3", "salloc -N1 -w node3 srun hostname")
 		if !hasLine(out, "node3") || !strings.Contains(out, "exit=0") {
 			t.Errorf("queued salloc did not run:\n%s", out)
@@ -139,6 +152,7 @@ func slurmSuite(t *testing.T, e *vmEnv) {
 	})
 
 	t.Run("slurm-array-het-back-to-back", func(t *testing.T) {
+		slurmFull(t)
 		out := e.run(t, "node1", "alice", `set -e
 id=$(sbatch --parsable --array=1-3 -N1 -w node2 -o "$HOME/pal-arr-%A-%a.out" --wrap 'echo "array-task=$SLURM_ARRAY_TASK_ID $(hostname)"')
 srun -N1 -w node2 hostname : -N1 -w node3 hostname | sed 's/^/het /'
@@ -153,7 +167,7 @@ cat "$HOME"/pal-arr-"$id"-*.out; rm -f "$HOME"/pal-arr-"$id"-*.out`)
 		}
 	})
 
-	t.Run("steps-release", func(t *testing.T) { stepsRelease(t, e) })
+	t.Run("steps-release", func(t *testing.T) { slurmFull(t); stepsRelease(t, e) })
 	t.Run("broken-config", func(t *testing.T) { brokenConfig(t, e) })
 }
 

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/miekg/dns"
@@ -97,8 +98,10 @@ func (r *Responder) soa() dns.RR {
 // Serve runs the responder on a packet conn and, if l is non-nil, on a TCP
 // listener, until they are closed.
 func (r *Responder) Serve(pc net.PacketConn, l net.Listener) {
+	var wg sync.WaitGroup
 	if l != nil {
-		go (&dns.Server{Listener: l, Handler: r}).ActivateAndServe()
+		wg.Go(func() { (&dns.Server{Listener: l, Handler: r}).ActivateAndServe() })
 	}
 	(&dns.Server{PacketConn: pc, Handler: r}).ActivateAndServe()
+	wg.Wait()
 }

@@ -239,9 +239,13 @@ func Start(cfg Config) (g *Gateway, err error) {
 		}
 	}
 	g.mode = mode
-	g.closers = append(g.closers, func() { dnsPC.Close(); dnsL.Close() })
 	resp := &dns.Responder{Domain: cfg.Domain, Upstream: cfg.Upstream, Lookup: g.lookupName}
-	go resp.Serve(dnsPC, dnsL)
+	dnsDone := make(chan struct{})
+	go func() {
+		defer close(dnsDone)
+		resp.Serve(dnsPC, dnsL)
+	}()
+	g.closers = append(g.closers, func() { dnsPC.Close(); dnsL.Close(); <-dnsDone })
 
 	logger := &device.Logger{Verbosef: device.DiscardLogf, Errorf: func(f string, a ...any) { cfg.Logf("wireguard: "+f, a...) }}
 	g.dev = device.NewDevice(g.filt, conn.NewStdNetBind(), logger)
@@ -269,15 +273,18 @@ func Start(cfg Config) (g *Gateway, err error) {
 		return g, fmt.Errorf("join port: %w", err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	g.closers = append(g.closers, func() { cancel(); jc.Close() })
-	go g.serveJoins(jc)
-	go g.housekeeping(ctx)
+	var wg sync.WaitGroup
+	wg.Go(func() { g.serveJoins(jc) })
+	wg.Go(func() { g.housekeeping(ctx) })
+	// Joins and housekeeping change peers: they end before the device.
+	g.closers = append(g.closers, func() { cancel(); jc.Close(); wg.Wait() })
 	cfg.Logf("gateway up: mode %s, key %s, wireguard :%d, joins :%d, pool %s, self %s, %d leases restored",
 		mode, g.PublicKey(), cfg.ListenPort, cfg.ListenPort+1, cfg.Pool, self, len(g.pool.Leases()))
 	return g, nil
 }
 
-// Close tears down the device, tun, NAT rules and listeners.
+// Close tears down the device, tun, NAT rules and listeners, and waits for
+// the gateway's goroutines.
 func (g *Gateway) Close() {
 	for i := len(g.closers) - 1; i >= 0; i-- {
 		g.closers[i]()

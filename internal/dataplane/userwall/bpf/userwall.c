@@ -1327,7 +1327,12 @@ static __always_inline int needs_look(struct __sk_buff *skb, int l3)
 	void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
 	if (l3 < 0 || l3 > 64)
 		return 0;
-	__u8 *ip = data + l3;
+	/* 6.1's verifier loses the range check above on the sign-extended
+	 * copy clang adds to the packet pointer: mask an opaque copy. */
+	__u32 off = l3;
+	asm volatile("" : "+r"(off));
+	off &= 0x7f;
+	__u8 *ip = data + off;
 	if ((void *)(ip + 40) > end)
 		return 2;
 	__u8 proto;
