@@ -18,8 +18,10 @@
 //   - the local files (/etc/passwd, /etc/group), read directly: cheap and
 //     complete for files accounts, never an NSS enumeration.
 //
-// Every tracked gid and uid is looked up again every Refresh; new gids are
-// found by a local scan every Scan and looked up at once. All lookups go
+// Every tracked gid's member list and every tracked connector's groups are
+// looked up again every Refresh (a member name's uid is reused for NameTTL:
+// membership changes show in the member lists); new gids are found by a
+// local scan every Scan and looked up at once. All lookups go
 // through one token bucket (Rate, Burst), so the directory load per node is
 // bounded whatever happens on the node. A membership change in the
 // directory is in the kernel within Refresh + the NSS cache's lifetime
@@ -107,7 +109,7 @@ type Tracker struct {
 	groups map[uint32][]uint32 // tracked gid → member uids (last answer)
 	users  map[uint32][]uint32 // refused connector uid → its gids
 	lastAt map[uint32]time.Time
-	names  map[string]uint32 // member name → uid, from the last round
+	names  map[string]name // member name → uid, with when it was asked
 	pairs  int
 	last   time.Time
 }
@@ -132,7 +134,7 @@ func New(cfg Config) *Tracker {
 	return &Tracker{
 		cfg: cfg, lim: rate.NewLimiter(cfg.Rate, cfg.Burst),
 		seen: make(chan uint32, 256), wake: make(chan struct{}, 1), period: make(chan time.Duration, 1),
-		groups: map[uint32][]uint32{}, users: map[uint32][]uint32{}, lastAt: map[uint32]time.Time{}, names: map[string]uint32{},
+		groups: map[uint32][]uint32{}, users: map[uint32][]uint32{}, lastAt: map[uint32]time.Time{}, names: map[string]name{},
 	}
 }
 
@@ -351,8 +353,21 @@ func (t *Tracker) wait(ctx context.Context, n int) error {
 // chunk bounds the keys of one getent call.
 const chunk = 200
 
+// name is a member name's uid as last asked.
+type name struct {
+	uid uint32
+	at  time.Time
+}
+
+// NameTTL is how long a member name's uid is reused before it is asked
+// again: uids are not renumbered in practice, and membership changes are
+// seen in the groups' member lists, which every full round asks.
+const NameTTL = 30 * time.Minute
+
 // resolveGroups looks up gids' member lists, then the uids of member names
-// (names already known from earlier rounds only on a full round's miss).
+// not known yet, plus — on a full round — a share of the stale ones (at most
+// a quarter of a round's lookup budget, oldest first), so that refreshing
+// thousands of names never starves the member lists.
 func (t *Tracker) resolveGroups(ctx context.Context, gids []uint32, full bool) (map[uint32][]uint32, error) {
 	var errs []error
 	members := map[uint32][]string{}
@@ -368,23 +383,29 @@ func (t *Tracker) resolveGroups(ctx context.Context, gids []uint32, full bool) (
 		}
 		maps.Copy(members, got)
 	}
-	// A full round asks every name again (a uid may change); a scan round
-	// only names it has not seen.
 	t.mu.Lock()
 	known := maps.Clone(t.names)
 	t.mu.Unlock()
-	if full {
-		known = map[string]uint32{}
-	}
-	need := map[string]bool{}
+	now := time.Now()
+	var need, stale []string
+	seen := map[string]bool{}
 	for _, ns := range members {
 		for _, n := range ns {
-			if _, ok := known[n]; !ok {
-				need[n] = true
+			if seen[n] {
+				continue
+			}
+			seen[n] = true
+			if e, ok := known[n]; !ok {
+				need = append(need, n)
+			} else if full && now.Sub(e.at) > NameTTL {
+				stale = append(stale, n)
 			}
 		}
 	}
-	names := slices.Sorted(maps.Keys(need))
+	slices.SortFunc(stale, func(a, b string) int { return known[a].at.Compare(known[b].at) })
+	budget := max(1, int(float64(t.cfg.Rate)*t.cfg.Refresh.Seconds()/4))
+	names := append(need, stale[:min(len(stale), budget)]...)
+	slices.Sort(names)
 	for i := 0; i < len(names); i += chunk {
 		part := names[i:min(i+chunk, len(names))]
 		if err := t.wait(ctx, len(part)); err != nil {
@@ -395,25 +416,43 @@ func (t *Tracker) resolveGroups(ctx context.Context, gids []uint32, full bool) (
 			errs = append(errs, err)
 			continue
 		}
-		maps.Copy(known, got)
+		for _, n := range part {
+			if u, ok := got[n]; ok {
+				known[n] = name{u, now}
+			} else {
+				delete(known, n) // gone from the directory
+			}
+		}
 	}
 	out := make(map[uint32][]uint32, len(members))
-	used := map[string]uint32{}
 	for g, ns := range members {
 		uids := []uint32{}
 		for _, n := range ns {
-			if u, ok := known[n]; ok {
-				uids = append(uids, u)
-				used[n] = u
+			if e, ok := known[n]; ok {
+				uids = append(uids, e.uid)
 			}
 		}
 		out[g] = uids
 	}
 	t.mu.Lock()
+	// Keep the names of groups still tracked (and the ones just asked).
+	keep := map[string]name{}
+	for g := range t.groups {
+		for _, n := range members[g] {
+			if e, ok := known[n]; ok {
+				keep[n] = e
+			}
+		}
+	}
+	for n := range seen {
+		if e, ok := known[n]; ok {
+			keep[n] = e
+		}
+	}
 	if full {
-		t.names = used
+		t.names = keep
 	} else {
-		maps.Copy(t.names, used)
+		maps.Copy(t.names, keep)
 	}
 	t.mu.Unlock()
 	return out, errors.Join(errs...)

@@ -163,3 +163,21 @@ func MissingMembers(pinDir string, pairs []MemberPair) ([]MemberPair, error) {
 	}
 	return missing, nil
 }
+
+// CountMembers returns the number of (uid, gid) entries of the members map
+// pinned in pinDir (benchmarks).
+func CountMembers(pinDir string) (int, error) {
+	m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, "members"), &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		return 0, err
+	}
+	defer m.Close()
+	var k uwbpfUwMemberKey
+	var v uint8
+	n := 0
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		n++
+	}
+	return n, it.Err()
+}

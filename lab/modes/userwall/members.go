@@ -109,3 +109,20 @@ func WaitMembers(ctx context.Context, tb *testbed.Testbed, node string, pairs []
 		}
 	}
 }
+
+// NodePinDir is the pin directory of node's agent (from the host).
+func NodePinDir(tb *testbed.Testbed, node string) (string, error) {
+	n, ok := tb.Node(node)
+	if !ok {
+		return "", fmt.Errorf("no node %s", node)
+	}
+	cookie, err := nodeCookie(n)
+	if err != nil {
+		return "", err
+	}
+	fs := "/sys/fs/bpf"
+	if c, err := policy.Load(tb.ConfigPath(node)); err == nil {
+		fs = c.Agent.BPFFS
+	}
+	return uw.PinDir(fs, cookie), nil
+}
