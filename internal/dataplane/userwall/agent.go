@@ -226,7 +226,15 @@ func (a *agent) lockNamespace() (unlock func(), err error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+	err = syscall.Flock(int(lock.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+	// An agent that is stopping has removed its pid file but still holds
+	// the lock while it joins its services: a restart waits for it (up to
+	// 10 s) instead of failing.
+	for deadline := time.Now().Add(10 * time.Second); err != nil && ReadPid(pidFile) == 0 && time.Now().Before(deadline); {
+		time.Sleep(50 * time.Millisecond)
+		err = syscall.Flock(int(lock.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+	}
+	if err != nil {
 		lock.Close()
 		return nil, fmt.Errorf("an agent is already running (pid %d, %s)", ReadPid(pidFile), pidFile)
 	}
