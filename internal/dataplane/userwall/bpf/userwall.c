@@ -619,6 +619,21 @@ static __always_inline __u8 verify(const struct uw_config *c, struct pkt *p)
 	return S_VALID;
 }
 
+/* read_stamp: the 18 bytes common to both carriers (ver, meta, uid, gid,
+ * tag), at b. */
+static __always_inline void read_stamp(struct pkt *p, const __u8 *b)
+{
+	__u32 u, g;
+	p->has_stamp = 1;
+	p->ver = b[0];
+	p->meta = b[1];
+	__builtin_memcpy(&u, &b[2], 4);
+	__builtin_memcpy(&g, &b[6], 4);
+	p->uid = bpf_ntohl(u);
+	p->gid = bpf_ntohl(g);
+	__builtin_memcpy(&p->tag, &b[10], 8);
+}
+
 /*
  * parse: the IP packet at offset l3 of the skb (tc: after the L2 header;
  * cgroup_skb: 0). Header bytes are read with bpf_skb_load_bytes so that
@@ -644,15 +659,7 @@ static __always_inline int parse(struct __sk_buff *skb, __u32 l3, struct pkt *p)
 			__u8 o[UW_IPOPT_LEN];
 			if (!bpf_skb_load_bytes(skb, l3 + 20, o, sizeof(o)) && o[0] == UW_IPOPT_TYPE) {
 				if (o[1] == UW_IPOPT_LEN && o[2] == UW_STAMP_VER) {
-					p->has_stamp = 1;
-					p->ver = o[2];
-					p->meta = o[3];
-					__u32 u, g;
-					__builtin_memcpy(&u, &o[4], 4);
-					__builtin_memcpy(&g, &o[8], 4);
-					p->uid = bpf_ntohl(u);
-					p->gid = bpf_ntohl(g);
-					__builtin_memcpy(&p->tag, &o[12], 8);
+					read_stamp(p, &o[2]);
 				} else {
 					p->old_stamp = 1;
 				}
@@ -694,15 +701,7 @@ static __always_inline int parse(struct __sk_buff *skb, __u32 l3, struct pkt *p)
 				__u8 o[UW_DSTOPT_LEN];
 				if (!bpf_skb_load_bytes(skb, l3 + off, o, sizeof(o)) && o[2] == UW_IP6OPT_TYPE) {
 					if (o[3] == UW_IP6OPT_LEN && o[4] == UW_STAMP_VER) {
-						p->has_stamp = 1;
-						p->ver = o[4];
-						p->meta = o[5];
-						__u32 u, g;
-						__builtin_memcpy(&u, &o[6], 4);
-						__builtin_memcpy(&g, &o[10], 4);
-						p->uid = bpf_ntohl(u);
-						p->gid = bpf_ntohl(g);
-						__builtin_memcpy(&p->tag, &o[14], 8);
+						read_stamp(p, &o[4]);
 					} else {
 						p->old_stamp = 1;
 					}
