@@ -140,8 +140,9 @@ func agentUp(ctx context.Context, args AgentArgs, logf func(string, ...any)) (*t
 // delete the shared users, homes and ssh keys there: a guest that reused a
 // host home lost its authorized_keys when the host instance went down. So
 // the account files are copied up into the guest's tmpfs layer (a stable
-// snapshot) and the testbeds' base directory is replaced by an empty tmpfs,
-// where the guest testbed makes its own homes and keys.
+// snapshot) and the testbeds' base directory and the netns overlay
+// directories are replaced by empty tmpfs mounts, where the guest testbed
+// makes its own homes, keys and overlays.
 func detachFromHostTestbeds() error {
 	for _, f := range []string{"/etc/passwd", "/etc/group", "/etc/shadow", "/etc/gshadow"} {
 		b, err := os.ReadFile(f)
@@ -162,6 +163,18 @@ func detachFromHostTestbeds() error {
 	}
 	if err := syscall.Mount("paltb", testbed.BaseDir, "tmpfs", 0, "mode=755"); err != nil {
 		return fmt.Errorf("tmpfs on %s: %w", testbed.BaseDir, err)
+	}
+	// The netns overlay directories too: a host testbed creates /etc/netns
+	// when it starts and removes it when it ends, and a guest that saw it at
+	// boot (through the 9p lower layer) then failed to create its links in
+	// it ("symlink ... /etc/netns/<ns>: no such file or directory").
+	for _, d := range []string{"/etc/netns", "/etc/palisade"} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return err
+		}
+		if err := syscall.Mount("paltb", d, "tmpfs", 0, "mode=755"); err != nil {
+			return fmt.Errorf("tmpfs on %s: %w", d, err)
+		}
 	}
 	return nil
 }
