@@ -37,7 +37,7 @@ func Cases() []*Case {
 	add(deviceBound("tcp", "lo", true), deviceBound("udp", "lo", true), deviceBound("udp", "eth0", false),
 		deviceBound("tcp", "eth0", false),
 		linkLocal("tcp", true), linkLocal("udp", true), linkLocal("tcp", false), linkLocal("udp", false),
-		newAddress(true), newAddress(false))
+		newAddress(true), newAddress(false), newAddressAgentStopped())
 	add(otherProto("udplite", 4, true), otherProto("udplite", 4, false), otherProto("udplite", 6, false),
 		otherProto("mptcp", 4, true), otherProto("mptcp", 4, false), otherProto("sctp", 4, false),
 		otherProto("dccp", 4, false))
@@ -320,6 +320,57 @@ func newAddress(local bool) *Case {
 			r.Attack(e, u, node, Attacker, "udp → "+uspec.Dst, uspec)
 			r.Control(e, t, node, Victim, "tcp → "+tspec.Dst, tspec)
 			r.Control(e, u, node, Victim, "udp → "+uspec.Dst, uspec)
+			return nil
+		}}
+}
+
+// newAddressAgentStopped takes the agent's address list out of the question:
+// with A's agent stopped it cannot learn of the new addresses, so a source the
+// kernel chose (and checked) must be admitted on the kernel's word, while a
+// source it did not check (IPv6 with IP_FREEBIND) stays refused.
+func newAddressAgentStopped() *Case {
+	return &Case{Name: "new-address-agent-stopped", Class: "device-bound",
+		Why: "A's agent is stopped (SIGSTOP) while an administrator adds addresses (v4, v6 nodad); alice connects to them from A (the kernel picks them as source) — admitted although the agent never listed them; alice sending from an address A does not have (IPv6, IP_FREEBIND) stays refused",
+		Run: func(e *Env, r *Run) error {
+			k := 150 + (e.Port/10)%50
+			a4 := netip.AddrFrom4([4]byte{198, 18, 0, byte(k)})
+			a6 := netip.MustParseAddr(fmt.Sprintf("2001:2::%d", k))
+			forged := ap(netip.MustParseAddr(fmt.Sprintf("2001:2::%d", k+50)), e.Port+1)
+			t, err := e.Sink(r, e.A.Name, Victim, SinkSpec{Sock: Sock{Proto: "tcp", Family: 4, Bind: ap(wild(4), e.Port)}})
+			if err != nil {
+				return err
+			}
+			u, err := e.Sink(r, e.A.Name, Victim, SinkSpec{Sock: Sock{Proto: "udp", Family: 6, Bind: ap(wild(6), e.Port)}})
+			if err != nil {
+				return err
+			}
+			pid := userwall.ReadPid(uwlab.AgentPidFile(e.TB, e.A.Name))
+			if pid == 0 {
+				return fmt.Errorf("no agent runs on %s", e.A.Name)
+			}
+			if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+				return err
+			}
+			r.Defer(func() { syscall.Kill(pid, syscall.SIGCONT) })
+			for _, a := range [][]string{{a4.String() + "/24"}, {a6.String() + "/64", "nodad"}} {
+				args := append([]string{"ip", "addr", "add", a[0], "dev", "eth0"}, a[1:]...)
+				if _, err := e.Root(e.A.Name, args...); err != nil {
+					return err
+				}
+				r.Defer(func() { e.Root(e.A.Name, "ip", "addr", "del", a[0], "dev", "eth0") })
+			}
+			tspec := ActSpec{Sock: sock("tcp", 4), Dst: ap(a4, e.Port)}
+			uspec := ActSpec{Sock: sock("udp", 6), Dst: ap(a6, e.Port), Count: 3, Connect: true}
+			// The controls bind the new addresses: their source is one the
+			// agent has not listed.
+			tctl, uctl := tspec, uspec
+			tctl.Sock.Bind, uctl.Sock.Bind = ap(a4, 0), ap(a6, 0)
+			fspec := ActSpec{Sock: Sock{Proto: "udp", Family: 6, Bind: forged, FreeBind: true}, Dst: ap(a6, e.Port), Count: 3}
+			r.Attack(e, t, e.A.Name, Attacker, "tcp → "+tspec.Dst, tspec)
+			r.Attack(e, u, e.A.Name, Attacker, "udp → "+uspec.Dst, uspec)
+			r.Attack(e, u, e.A.Name, Victim, "udp "+forged+" (IP_FREEBIND, not A's) → "+fspec.Dst, fspec)
+			r.Control(e, t, e.A.Name, Victim, "tcp "+tctl.Sock.Bind+" → "+tspec.Dst, tctl)
+			r.Control(e, u, e.A.Name, Victim, "udp "+uctl.Sock.Bind+" → "+uspec.Dst, uctl)
 			return nil
 		}}
 }
