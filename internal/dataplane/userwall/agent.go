@@ -626,7 +626,7 @@ func (a *agent) startIdent(ctx context.Context) (stop func()) {
 	srv, err := ident.NewServer(ident.ServerConfig{
 		UDPPort: uint16(c.IdentPort), DisableUDP: c.IdentPort == 0,
 		SocketPath: c.IdentSocket, DisableUnix: c.IdentSocket == "", SocketGroup: c.IdentSocketGroup,
-		Policy: a.cfg.Policy, Logger: a.log,
+		Policy: a.cfg.Policy, Logger: a.log, Report: a.report,
 	})
 	if err != nil {
 		a.log.Warn("ident service not started", "err", err)

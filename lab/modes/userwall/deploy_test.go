@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -569,4 +570,119 @@ func must[T any](v T, err error) T {
 		panic(err)
 	}
 	return v
+}
+
+// clusterStatus runs `palisade status --all --json` on node1: the view and
+// the exit status.
+func clusterStatus(t *testing.T) (views map[string]uw.NodeView, shared string, code int) {
+	t.Helper()
+	cmd := nodeCommand(context.Background(), tb, tb.Nodes[0], "status", "--all", "--json", "--timeout", "1s")
+	out, err := cmd.Output()
+	if err != nil {
+		if _, ok := err.(*exec.ExitError); !ok {
+			t.Fatalf("status --all: %v", err)
+		}
+		code = cmd.ProcessState.ExitCode()
+	}
+	var v struct {
+		SharedSHA string        `json:"shared_sha256"`
+		Nodes     []uw.NodeView `json:"nodes"`
+	}
+	if err := json.Unmarshal(out, &v); err != nil {
+		t.Fatalf("status --all (exit %d): %v: %s", code, err, out)
+	}
+	views = map[string]uw.NodeView{}
+	for _, n := range v.Nodes {
+		views[n.Name] = n
+	}
+	if len(views) != len(tb.Nodes) {
+		t.Errorf("status --all reports %d nodes, the testbed has %d", len(views), len(tb.Nodes))
+	}
+	return views, v.SharedSHA, code
+}
+
+// TestStatusAll: `palisade status --all` asks every node's agent over the
+// ident service. All up and alike: every node enforcing with its running
+// file's hash and generation. A node whose cluster-wide configuration
+// differs (applied by reload) is "drift"; a node whose agent is stopped is
+// "down" within the per-node timeout; either makes the exit status 2.
+func TestStatusAll(t *testing.T) {
+	needTestbed(t)
+	views, shared, code := clusterStatus(t)
+	for _, n := range tb.Nodes {
+		v := views[n.Name]
+		r := v.Report
+		if v.State != uw.NodeOK && v.State != uw.NodeWarnings || r == nil {
+			t.Fatalf("%s: %+v", n.Name, v)
+		}
+		st, err := uw.ReadState(AgentPidFile(tb, n.Name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Mode != "userwall" || !r.Enforcing || r.Version != st.Version || r.ConfigSHA != fileSHA(t, tb.ConfigPath(n.Name)) ||
+			r.SharedSHA != shared || r.Generation != st.Generation || v.Addr != n.Eth0V4 {
+			t.Errorf("%s: report %+v (state %+v, shared %s)", n.Name, r, st, shared)
+		}
+	}
+	if code != 0 && code != 1 {
+		t.Errorf("status --all with every node up and alike exits %d", code)
+	}
+
+	// Drift: node2 runs another [policy] (one more exempt listener).
+	p := tb.ConfigPath("node2")
+	orig := must(os.ReadFile(p))
+	t.Cleanup(func() {
+		os.WriteFile(p, orig, 0o644)
+		reload(t, "node2")
+	})
+	conf := regexp.MustCompile(`(?m)^exempt_listeners = \[`).ReplaceAllString(string(orig), `exempt_listeners = ["daemon", `)
+	if conf == string(orig) {
+		t.Fatal("exempt_listeners not found in node2's configuration")
+	}
+	os.WriteFile(p, []byte(conf), 0o644)
+	gen := reload(t, "node2").Generation
+	views, _, code = clusterStatus(t)
+	if v := views["node2"]; v.State != uw.NodeDrift || v.Report == nil || v.Report.Generation != gen || !strings.Contains(v.Error, "expected") {
+		t.Errorf("node2 with another policy: %+v", v)
+	}
+	if v := views["node1"]; v.State == uw.NodeDrift || v.State == uw.NodeDown {
+		t.Errorf("node1: %+v", v)
+	}
+	if code != 2 {
+		t.Errorf("status --all with a drifting node exits %d, want 2", code)
+	}
+	os.WriteFile(p, orig, 0o644)
+	reload(t, "node2")
+
+	// Down: node2's agent stopped (its programs still enforce).
+	n2 := tb.Nodes[1]
+	pidFile := AgentPidFile(tb, n2.Name)
+	pid := uw.ReadPid(pidFile)
+	if pid == 0 {
+		t.Fatal("node2's agent not running")
+	}
+	t.Cleanup(func() {
+		if err := StartAgent(context.Background(), tb, n2); err != nil {
+			t.Error(err)
+		}
+	})
+	syscall.Kill(pid, syscall.SIGTERM)
+	for i := 0; i < 250 && uw.ReadPid(pidFile) != 0; i++ {
+		time.Sleep(20 * time.Millisecond) // the pid file goes when it stopped
+	}
+	start := time.Now()
+	views, _, code = clusterStatus(t)
+	took := time.Since(start)
+	if v := views["node2"]; v.State != uw.NodeDown || v.Report != nil || !strings.Contains(v.Error, "no answer") {
+		t.Errorf("node2 with its agent stopped: %+v", v)
+	}
+	if v := views["node1"]; v.State != uw.NodeOK && v.State != uw.NodeWarnings {
+		t.Errorf("node1: %+v", v)
+	}
+	if code != 2 {
+		t.Errorf("status --all with a node down exits %d, want 2", code)
+	}
+	if took > 10*time.Second {
+		t.Errorf("status --all with a node down took %v (timeout 1 s per node)", took)
+	}
 }
