@@ -2,7 +2,6 @@ package uvn
 
 import (
 	"net/netip"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -187,26 +186,4 @@ func TestHolders(t *testing.T) {
 	if len(st.Holders) != 0 {
 		t.Fatal("dead holder kept")
 	}
-}
-
-// TestUnderlayProgramsLoad loads the underlay-port programs into the
-// running kernel (verifier included); needs root (CAP_BPF).
-func TestUnderlayProgramsLoad(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root")
-	}
-	for _, sendmsg := range []bool{false, true} {
-		p, err := underlayProgram(sendmsg, []policy.PortRange{{First: 1, Last: 1023}, {First: 6817, Last: 6819}},
-			[]netip.Prefix{netip.MustParsePrefix("198.18.0.0/24"), netip.MustParsePrefix("198.19.0.0/24")},
-			[]netip.Addr{netip.MustParseAddr("198.18.0.1")}, netip.MustParseAddr("100.64.7.210"))
-		if err != nil {
-			t.Fatalf("sendmsg=%v: %v", sendmsg, err)
-		}
-		p.Close()
-	}
-	p, err := vrfProgram(1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p.Close()
 }
