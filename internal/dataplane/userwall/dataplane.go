@@ -281,6 +281,9 @@ func (d *Dataplane) AttachCgroup(cgroupRoot string) error {
 		if err != nil {
 			return err
 		}
+		if err := d.Fault("cgroup:" + h.link); err != nil {
+			return err
+		}
 	}
 	if d.LSMErr() == nil {
 		for _, h := range lsmHooks {

@@ -54,6 +54,19 @@ import (
 // tests.
 var layoutVariant func(*ebpf.CollectionSpec)
 
+// migrationFault, when set (test builds: layout_next.go), may fail a
+// migration at a named stage ("cgroup:<link>" after that link switched,
+// "commit" after every link switched): the rollback test.
+var migrationFault func(stage string) error
+
+// Fault fails a migration at stage when a test build asks for it.
+func (d *Dataplane) Fault(stage string) error {
+	if d.mig == nil || migrationFault == nil {
+		return nil
+	}
+	return migrationFault(stage)
+}
+
 // stagingDir is where a migration pins its new maps and links until commit.
 func stagingDir(pinDir string) string { return filepath.Join(pinDir, "next") }
 
