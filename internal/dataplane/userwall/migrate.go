@@ -318,11 +318,11 @@ func removePinTree(dir string) error {
 	for _, n := range pinnedNames(linkDir) {
 		p := filepath.Join(linkDir, n)
 		if l, err := link.LoadPinnedLink(p, nil); err == nil {
-			if err := l.Unpin(); err != nil {
+			if err := l.Unpin(); err != nil && !errors.Is(err, os.ErrNotExist) {
 				errs = append(errs, err)
 			}
 			l.Close()
-		} else if err := os.Remove(p); err != nil {
+		} else if err := os.Remove(p); err != nil && !os.IsNotExist(err) {
 			errs = append(errs, err)
 		}
 	}
@@ -333,7 +333,7 @@ func removePinTree(dir string) error {
 			errs = append(errs, removePinTree(p))
 			continue
 		}
-		if err := os.Remove(p); err != nil {
+		if err := os.Remove(p); err != nil && !os.IsNotExist(err) {
 			errs = append(errs, err)
 		}
 	}
