@@ -33,7 +33,7 @@ func srunTestColl(t *testing.T, r policy.PortRange) *ebpf.Collection {
 		t.Fatalf("load tc program: %v", err)
 	}
 	t.Cleanup(coll.Close)
-	us := []policy.UVNUnderlay{{Nets: []netip.Prefix{netip.MustParsePrefix("198.18.0.0/24"), netip.MustParsePrefix("2001:2::/64")}}}
+	us := []Underlay{{Nets: []netip.Prefix{netip.MustParsePrefix("198.18.0.0/24"), netip.MustParsePrefix("2001:2::/64")}}}
 	if err := fillSrunSources(coll, us); err != nil {
 		t.Fatal(err)
 	}

@@ -1,4 +1,4 @@
-package policy
+package config
 
 import (
 	"errors"
@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/palisade-hpc/palisade/internal/identity"
+	"github.com/palisade-hpc/palisade/internal/policy"
 )
 
 // users is the testbed's account set as a fixture resolver.
@@ -58,7 +59,7 @@ func TestParseGood(t *testing.T) {
 	if len(p.ClusterSubnets) != 4 || p.ClusterSubnets[3] != netip.MustParsePrefix("2001:2:0:1::/64") {
 		t.Errorf("subnets = %v", p.ClusterSubnets)
 	}
-	if !slices.Equal(p.OffClusterPorts, []PortRange{{8443, 8443}, {9000, 9100}, {10000, 10000}}) {
+	if !slices.Equal(p.OffClusterPorts, []policy.PortRange{{First: 8443, Last: 8443}, {First: 9000, Last: 9100}, {First: 10000, Last: 10000}}) {
 		t.Errorf("ports = %v", p.OffClusterPorts)
 	}
 	if len(c.Nodes) != 2 || c.Nodes[1] != (Node{"node2", netip.MustParseAddr("198.18.0.2")}) {
@@ -74,7 +75,7 @@ func TestParseGood(t *testing.T) {
 	}
 }
 
-func equalPolicy(a, b *Policy) bool {
+func equalPolicy(a, b *policy.Policy) bool {
 	return a.SystemPortMax == b.SystemPortMax && slices.Equal(a.ExemptConnectors, b.ExemptConnectors) &&
 		slices.Equal(a.ExemptListeners, b.ExemptListeners) && slices.Equal(a.ClusterSubnets, b.ClusterSubnets) &&
 		slices.Equal(a.OffClusterPorts, b.OffClusterPorts)
@@ -86,8 +87,8 @@ func TestParseDefaults(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if !equalPolicy(c.Policy, Default()) {
-			t.Errorf("%q: policy %+v, want Default() %+v", data, c.Policy, Default())
+		if !equalPolicy(c.Policy, policy.Default()) {
+			t.Errorf("%q: policy %+v, want policy.Default() %+v", data, c.Policy, policy.Default())
 		}
 	}
 	// An explicit empty list removes the default root exemption.
@@ -219,7 +220,7 @@ func TestLoad(t *testing.T) {
 		t.Errorf("missing file: %v", err)
 	}
 	c, err := LoadOrDefault(path)
-	if err != nil || !c.Default || !equalPolicy(c.Policy, Default()) || c.Path != path {
+	if err != nil || !c.Default || !equalPolicy(c.Policy, policy.Default()) || c.Path != path {
 		t.Errorf("LoadOrDefault(missing) = %+v, %v", c, err)
 	}
 	if err := os.WriteFile(path, []byte("[policy]\nsystem_port_max = 2047\nexempt_connectors = [0]\n"), 0o644); err != nil {
@@ -261,19 +262,6 @@ func TestKeyErrorLines(t *testing.T) {
 	e := &ConfigError{File: "f", Line: 3, Key: "agent.x", Msg: "bad"}
 	if e.Error() != "f:3: agent.x: bad" || (&ConfigError{File: "f", Msg: "m"}).Error() != "f: m" {
 		t.Error(e.Error())
-	}
-}
-
-func TestParsePortRange(t *testing.T) {
-	for s, want := range map[string]PortRange{"1": {1, 1}, "65535": {65535, 65535}, " 80 - 90 ": {80, 90}, "5-5": {5, 5}} {
-		if got, err := ParsePortRange(s); err != nil || got != want {
-			t.Errorf("ParsePortRange(%q) = %v, %v", s, got, err)
-		}
-	}
-	for _, s := range []string{"", "-", "1-", "-5", "0", "65536", "5-4", "1-2-3", "a", "1.5"} {
-		if r, err := ParsePortRange(s); err == nil {
-			t.Errorf("ParsePortRange(%q) = %v, want error", s, r)
-		}
 	}
 }
 
