@@ -5,6 +5,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -265,11 +266,43 @@ func TestKeyErrorLines(t *testing.T) {
 	}
 }
 
+// The effective configuration that `config check` prints is valid input and
+// means the same, nested tables ([[uvn.underlay]]) included.
+func TestDescribeRoundTrip(t *testing.T) {
+	const file = `[uvn]
+enable = true
+underlay_ports = ["22", "6817-6819"]
+[[uvn.underlay]]
+prefixes = ["198.18.0.0/24", "2001:2::/64"]
+port = 4789
+group = "239.192.0.0/16"
+[[uvn.underlay]]
+prefixes = ["198.19.0.0/24"]
+port = 4790
+peers = ["198.19.0.1"]
+[egress]
+deny = ["198.18.0.0/15"]
+`
+	c, err := Parse("uvn.toml", []byte(file), users)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := c.Describe(users)
+	c2, err := Parse("described", []byte(d), users)
+	if err != nil {
+		t.Fatalf("Describe output does not parse: %v\n%s", err, d)
+	}
+	if !reflect.DeepEqual(c.UVN, c2.UVN) || !reflect.DeepEqual(c.Egress, c2.Egress) || !reflect.DeepEqual(c.Agent, c2.Agent) {
+		t.Errorf("round trip changed the sections:\n%+v\n%+v\n%s", c.UVN, c2.UVN, d)
+	}
+}
+
 func FuzzParse(f *testing.F) {
 	f.Add([]byte(goodConfig))
 	f.Add([]byte("[policy]\nexempt_connectors = [\"mallory\", 1, -1]\n"))
 	f.Add([]byte("[offcluster]\nallow_ports = [\"9-1\", 0, \"65535\"]\n[x.y]\nz=1"))
 	f.Add([]byte("[cluster]\nnodes = [\"a=::ffff:1.2.3.4\"]\nsubnets = [\"::/0\"]"))
+	f.Add([]byte("[[uvn.underlay]]\nprefixes = [\"198.18.0.0/24\"]\nport = 4789"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		c, err := Parse("fuzz.toml", data, users)
 		if (c == nil) == (err == nil) {

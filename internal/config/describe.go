@@ -66,12 +66,16 @@ func (c *Config) Describe(res identity.Resolver) string {
 	fmt.Fprintf(&b, "\n[offcluster]\nallow_ports = %s\n", quoted(ports))
 	// The data planes' tables, defaults filled in, as their owners typed them.
 	for _, s := range c.sections()[3:] {
+		// Encoded under its name, so that nested tables read
+		// [[uvn.underlay]], as the file has them.
 		var t strings.Builder
-		if err := toml.NewEncoder(&t).Encode(s.v); err != nil {
+		enc := toml.NewEncoder(&t)
+		enc.Indent = ""
+		if err := enc.Encode(map[string]any{s.name: s.v}); err != nil {
 			fmt.Fprintf(&b, "\n# [%s]: cannot render: %v\n", s.name, err)
 			continue
 		}
-		fmt.Fprintf(&b, "\n[%s]\n%s", s.name, t.String())
+		fmt.Fprintf(&b, "\n%s", t.String())
 	}
 	return b.String()
 }
