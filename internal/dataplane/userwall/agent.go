@@ -273,11 +273,28 @@ func (a *agent) enforce() error {
 		return err
 	}
 	a.dp.TC = a.useTC
+	if changed := a.dp.Migrating(); changed != nil {
+		a.log.Info("pinned maps have another layout: migrating (new maps staged, links switched in place)", "maps", changed)
+	}
 	a.exempt.changed = make(chan struct{}, 1)
 	a.exempt.setGroups(a.cfg.Policy)
 	a.members = a.newMembers()
 	a.log.Info("tc programs attach with "+attachName(a.useTC), "why", a.tcWhy, "kernel", a.probe.Kernel)
-	if err := a.install(cg); err != nil {
+	err = a.install(cg)
+	if err == nil && a.dp.Migrating() != nil {
+		err = a.dp.Commit()
+		if err == nil {
+			a.log.Info("migration committed: the new maps replaced the old pins")
+		}
+	}
+	if err != nil {
+		if a.dp.Migrating() != nil {
+			if rerr := a.dp.Rollback(); rerr != nil {
+				a.log.Error("rolling back the migration", "err", rerr)
+			} else {
+				a.log.Warn("migration rolled back: the previous programs and maps keep enforcing", "err", err)
+			}
+		}
 		a.dp.Close()
 		if !adopting {
 			// tc filters are not pinned: remove them by name.
@@ -449,6 +466,9 @@ func (a *agent) install(cgroupRoot string) error {
 	if err := InstallNft(); err != nil {
 		return err
 	}
+	if err := a.dp.PrepareMigration(cgroupRoot); err != nil {
+		return err
+	}
 	// Stamping first: the check at delivery refuses identity-less user
 	// traffic, so the stamps must flow before it is attached.
 	if err := a.syncInterfaces(); err != nil {
@@ -606,7 +626,7 @@ func (a *agent) startIdent(ctx context.Context) (stop func()) {
 	srv, err := ident.NewServer(ident.ServerConfig{
 		UDPPort: uint16(c.IdentPort), DisableUDP: c.IdentPort == 0,
 		SocketPath: c.IdentSocket, DisableUnix: c.IdentSocket == "", SocketGroup: c.IdentSocketGroup,
-		Policy: a.cfg.Policy, Logger: a.log,
+		Policy: a.cfg.Policy, Logger: a.log, Report: a.report,
 	})
 	if err != nil {
 		a.log.Warn("ident service not started", "err", err)

@@ -28,6 +28,9 @@ type AgentState struct {
 	Started   time.Time `json:"started"`
 	Config    string    `json:"config"`
 	ConfigSHA string    `json:"config_sha256"`
+	// SharedSHA is the hash of the cluster-wide tables of the running
+	// configuration (config.Config.SharedSHA256): equal on every node.
+	SharedSHA string `json:"shared_sha256"`
 	// Generation counts configurations applied since the agent started
 	// (1 = the one it started with); Reloads counts SIGHUPs handled,
 	// applied or refused.
@@ -99,7 +102,7 @@ func (a *agent) initState() {
 	cfg := a.cfg
 	a.setState(func(s *AgentState) {
 		*s = AgentState{PID: os.Getpid(), Version: v.Version, Commit: v.Commit, Started: time.Now().UTC(),
-			Config: cfg.Path, ConfigSHA: cfg.SHA256, Generation: 1, Audit: cfg.Agent.Audit,
+			Config: cfg.Path, ConfigSHA: cfg.SHA256, SharedSHA: cfg.SharedSHA256(), Generation: 1, Audit: cfg.Agent.Audit,
 			UnenforcedNodes: cfg.Cluster.UnenforcedNodes, UnixLSM: a.dp.LSMErr() == nil, PinDir: a.pinDir, Findings: findings(cfg),
 			Notes: a.notes}
 	})
@@ -153,7 +156,7 @@ func (a *agent) reload() {
 			return
 		}
 		s.Generation++
-		s.Config, s.ConfigSHA, s.Audit = a.cfg.Path, a.cfg.SHA256, a.cfg.Agent.Audit
+		s.Config, s.ConfigSHA, s.SharedSHA, s.Audit = a.cfg.Path, a.cfg.SHA256, a.cfg.SharedSHA256(), a.cfg.Agent.Audit
 		s.UnenforcedNodes, s.Findings, s.Notes = a.cfg.Cluster.UnenforcedNodes, fs, a.notes
 	})
 }
