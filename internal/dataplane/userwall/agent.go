@@ -19,9 +19,9 @@ import (
 
 	"github.com/cilium/ebpf/ringbuf"
 	"github.com/coreos/go-systemd/v22/daemon"
+	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/membership"
-	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/internal/sys/cgroup2"
 	"github.com/palisade-hpc/palisade/internal/sys/nldump"
 	"github.com/palisade-hpc/palisade/internal/sys/procfs"
@@ -41,8 +41,8 @@ type AgentOptions struct {
 }
 
 // LoadConfig loads the configuration and applies the command-line overrides.
-func (o *AgentOptions) LoadConfig() (*policy.Config, error) {
-	cfg, err := policy.LoadOrDefault(o.ConfigPath)
+func (o *AgentOptions) LoadConfig() (*config.Config, error) {
+	cfg, err := config.LoadOrDefault(o.ConfigPath)
 	if err != nil {
 		return nil, err
 	}
@@ -72,7 +72,7 @@ func (o *AgentOptions) LoadConfig() (*policy.Config, error) {
 // notes, metrics, ident and stopIdent belong to the main loop.
 type agent struct {
 	opts     AgentOptions
-	cfg      *policy.Config
+	cfg      *config.Config
 	log      *slog.Logger
 	dp       *Dataplane
 	attached map[string]int // interface → ifindex
@@ -485,7 +485,7 @@ func (a *agent) keyFile() string {
 	if f := a.cfg.Cluster.KeyFile; f != "" {
 		return f
 	}
-	return policy.DefaultKeyFile
+	return config.DefaultKeyFile
 }
 
 // loadKeys loads the cluster keys into the data plane. Without a readable

@@ -9,8 +9,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/ident"
-	"github.com/palisade-hpc/palisade/internal/policy"
 )
 
 // NodeReport is a node's answer to a status query over the ident service
@@ -24,7 +24,7 @@ type NodeReport struct {
 	Version   string `json:"version"`
 	Commit    string `json:"commit,omitempty"`
 	// ConfigSHA is the running file's hash, SharedSHA the hash of its
-	// cluster-wide tables (policy.Config.SharedSHA256).
+	// cluster-wide tables (config.Config.SharedSHA256).
 	ConfigSHA       string    `json:"config_sha256"`
 	SharedSHA       string    `json:"shared_sha256"`
 	Generation      uint64    `json:"generation"`
@@ -75,7 +75,7 @@ type NodeView struct {
 // ClusterView asks every node's agent for its report, timeout per node
 // (in parallel, at most 64 at once), and judges each against want, the
 // cluster-wide configuration hash every node should run.
-func ClusterView(ctx context.Context, nodes []policy.Node, port uint16, timeout time.Duration, want string) []NodeView {
+func ClusterView(ctx context.Context, nodes []config.Node, port uint16, timeout time.Duration, want string) []NodeView {
 	out := make([]NodeView, len(nodes))
 	sem := make(chan struct{}, 64)
 	var wg sync.WaitGroup

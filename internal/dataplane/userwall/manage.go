@@ -11,7 +11,7 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
-	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/config"
 )
 
 // Uninstall stops the namespace's running agent (if any) and removes every
@@ -105,7 +105,7 @@ func getStatus(o AgentOptions, probe bool) (*Status, error) {
 	cfg, cfgErr := o.LoadConfig()
 	if cfgErr != nil {
 		// Still report what is in force, from the default locations.
-		cfg = &policy.Config{}
+		cfg = &config.Config{}
 		cfg.Agent.SetDefaults()
 		if o.PidFile != "" {
 			cfg.Agent.PidFile = o.PidFile
@@ -193,7 +193,7 @@ func getStatus(o AgentOptions, probe bool) (*Status, error) {
 	}
 	keyFile := cfg.Cluster.KeyFile
 	if keyFile == "" {
-		keyFile = policy.DefaultKeyFile
+		keyFile = config.DefaultKeyFile
 	}
 	if _, err := LoadKeys(keyFile); err != nil {
 		s.KeyError = err.Error()

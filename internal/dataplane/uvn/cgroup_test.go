@@ -21,11 +21,20 @@ import (
 	"github.com/palisade-hpc/palisade/internal/sys/netns"
 )
 
-// scratchCgroup makes an empty cgroup for the test; on cleanup the test
-// process returns to home and the cgroup (with its programs) goes.
-func scratchCgroup(t *testing.T, cg *cgroup2, home, name string) string {
+// scratchCgroup makes an empty cgroup named for the test; on cleanup the
+// test process returns to home (its own cgroup) and the cgroup, with its
+// programs, goes.
+func scratchCgroup(t *testing.T, name string) (cg *cgroup2, home, path string) {
 	t.Helper()
-	path := fmt.Sprintf("/pal-uvntest-%d-%s", os.Getpid(), name)
+	cg, err := openCgroup2()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(cg.Close)
+	if home, err = procCgroup(os.Getpid()); err != nil {
+		t.Fatal(err)
+	}
+	path = fmt.Sprintf("/pal-uvntest-%d-%s", os.Getpid(), name)
 	if err := unix.Mkdirat(cg.root, rel(path), 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -33,7 +42,7 @@ func scratchCgroup(t *testing.T, cg *cgroup2, home, name string) string {
 		cg.writeFile(home, "cgroup.procs", strconv.Itoa(os.Getpid()))
 		unix.Unlinkat(cg.root, rel(path), unix.AT_REMOVEDIR)
 	})
-	return path
+	return cg, home, path
 }
 
 // enterCgroup moves the test process into path (the programs attached there
@@ -121,16 +130,7 @@ func TestVRFProgram(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root")
 	}
-	cg, err := openCgroup2()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cg.Close()
-	home, err := procCgroup(os.Getpid())
-	if err != nil {
-		t.Fatal(err)
-	}
-	path := scratchCgroup(t, cg, home, "vrf")
+	cg, home, path := scratchCgroup(t, "vrf")
 	inScratchNetns(t, nil, func(dev int) error {
 		if _, err := cg.attach(path, dev); err != nil {
 			return err
@@ -187,16 +187,7 @@ func TestUnderlayPrograms(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root")
 	}
-	cg, err := openCgroup2()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cg.Close()
-	home, err := procCgroup(os.Getpid())
-	if err != nil {
-		t.Fatal(err)
-	}
-	path := scratchCgroup(t, cg, home, "ul")
+	cg, home, path := scratchCgroup(t, "ul")
 	const (
 		node  = "198.18.0.3" // an address inside the underlay prefix
 		other = "198.19.0.3" // outside it

@@ -5,8 +5,6 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-
-	"github.com/palisade-hpc/palisade/internal/policy"
 )
 
 var extremeUIDs = []uint32{256, 1000, 2001, 65535, 65536, 1<<22 - 1, 1 << 22, 1<<24 - 1, 1 << 24, 1<<31 + 7, 1<<32 - 2}
@@ -57,7 +55,7 @@ func TestNamesFitIFNAMSIZ(t *testing.T) {
 	seen := map[string]bool{}
 	for _, u := range extremeUIDs {
 		names := []string{VRFName(u)}
-		for i := 0; i < policy.UVNMaxUnderlays; i++ {
+		for i := 0; i < MaxUnderlays; i++ {
 			names = append(names, VXLANName(i, u))
 		}
 		for _, n := range names {
@@ -126,7 +124,7 @@ func TestJournalRollbackOrderAndIdempotentUndo(t *testing.T) {
 	dir := t.TempDir()
 	s := store{dir}
 	st := &UserState{UID: 2001}
-	m := &Manager{st: s, cfg: &policy.UVNConfig{StateDir: dir}}
+	m := &Manager{st: s, cfg: &Config{StateDir: dir}}
 	for _, n := range []string{"palv2001", "pal0x2001", "pal1x2001"} {
 		if err := m.record(st, Undo{Kind: "link", Name: n}); err != nil {
 			t.Fatal(err)
@@ -167,7 +165,7 @@ func TestInjectedFailureStep(t *testing.T) {
 }
 
 func TestCheckUID(t *testing.T) {
-	cfg := &policy.UVNConfig{}
+	cfg := &Config{}
 	cfg.SetDefaults()
 	m := &Manager{cfg: cfg}
 	for _, c := range []struct {

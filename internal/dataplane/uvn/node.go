@@ -742,14 +742,7 @@ func (c *cgroup2) detachAll(a Attachment) error {
 // attachUnderlay attaches the underlay-port programs (see underlayPrograms)
 // for the IPv4 underlay prefixes.
 func (m *Manager) attachUnderlay(cg *cgroup2, a *Attachment, st *UserState) error {
-	var nets []netip.Prefix
-	for _, u := range m.cfg.Underlays {
-		for _, n := range u.Nets {
-			if n.Addr().Is4() {
-				nets = append(nets, n)
-			}
-		}
-	}
+	nets := m.cfg.nets4()
 	if len(nets) == 0 || len(m.cfg.UnderlayRanges) == 0 {
 		return nil
 	}
