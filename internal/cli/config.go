@@ -8,9 +8,9 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 	"github.com/palisade-hpc/palisade/internal/identity"
-	"github.com/palisade-hpc/palisade/internal/policy"
 )
 
 func configCommand() *cobra.Command {
@@ -38,7 +38,7 @@ Exits 1 for an invalid file (file:line: key: message for each problem) or an
 ERROR, 0 otherwise (also with warnings, unless --strict). Nothing is applied.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			cfg, err := policy.Load(configPath)
+			cfg, err := config.Load(configPath)
 			if err != nil {
 				return &ExitError{1, "invalid configuration:\n" + err.Error()}
 			}
@@ -46,13 +46,13 @@ ERROR, 0 otherwise (also with warnings, unless --strict). Nothing is applied.`,
 			fmt.Fprint(out, cfg.Describe(identity.System()))
 			fmt.Fprintf(out, "# config sha256 %s\n", cfg.SHA256)
 			var problems, warnings int
-			fs := cfg.Findings(policy.CheckOptions{SlurmConf: slurmConf})
+			fs := cfg.Findings(config.CheckOptions{SlurmConf: slurmConf})
 			if f, ok := keyFinding(cfg); ok {
 				fs = append(fs, f)
 			}
 			for _, f := range fs {
 				fmt.Fprintf(out, "# %s: %s\n", f.Level, f.String(configPath))
-				if f.Severity == policy.Problem {
+				if f.Severity == config.Problem {
 					problems++
 				} else {
 					warnings++
@@ -71,7 +71,7 @@ ERROR, 0 otherwise (also with warnings, unless --strict). Nothing is applied.`,
 			return nil
 		},
 	}
-	check.Flags().StringVar(&slurmConf, "slurm-conf", policy.SlurmConfPath(), `Slurm's configuration, for its accounts ("" = do not check; a missing file = no Slurm)`)
+	check.Flags().StringVar(&slurmConf, "slurm-conf", config.SlurmConfPath(), `Slurm's configuration, for its accounts ("" = do not check; a missing file = no Slurm)`)
 	check.Flags().BoolVar(&strict, "strict", false, "exit 1 on warnings too")
 	configCmd.AddCommand(check)
 	return configCmd
@@ -80,16 +80,16 @@ ERROR, 0 otherwise (also with warnings, unless --strict). Nothing is applied.`,
 // keyFinding checks the cluster key as the agent will load it: without a
 // usable key no identity from another node is trusted, so every user's
 // cross-node traffic is refused. (Skipped when the caller may not read it.)
-func keyFinding(cfg *policy.Config) (policy.Finding, bool) {
+func keyFinding(cfg *config.Config) (config.Finding, bool) {
 	if len(cfg.Policy.ClusterSubnets) == 0 {
-		return policy.Finding{}, false
+		return config.Finding{}, false
 	}
-	path := cmp.Or(cfg.Cluster.KeyFile, policy.DefaultKeyFile)
+	path := cmp.Or(cfg.Cluster.KeyFile, config.DefaultKeyFile)
 	_, err := userwall.LoadKeys(path)
 	if err == nil || errors.Is(err, fs.ErrPermission) {
-		return policy.Finding{}, false
+		return config.Finding{}, false
 	}
-	return policy.Finding{Severity: policy.Problem, Level: policy.Problem.String(), Key: "cluster.key_file", Line: cfg.KeyLine("cluster.key_file"),
+	return config.Finding{Severity: config.Problem, Level: config.Problem.String(), Key: "cluster.key_file", Line: cfg.KeyLine("cluster.key_file"),
 		Msg: fmt.Sprintf("%v: identity from other nodes is not trusted, users' cross-node traffic is refused "+
 			"(make one: (umask 077; openssl rand -hex 16 > %s), the same on every node)", err, path)}, true
 }

@@ -15,22 +15,23 @@ import (
 	"github.com/coreos/go-systemd/v22/daemon"
 	"github.com/spf13/cobra"
 
+	"github.com/palisade-hpc/palisade/internal/config"
+	"github.com/palisade-hpc/palisade/internal/dataplane/egress"
 	"github.com/palisade-hpc/palisade/internal/dataplane/egress/client"
 	"github.com/palisade-hpc/palisade/internal/dataplane/egress/gateway"
 	"github.com/palisade-hpc/palisade/internal/dataplane/egress/join"
-	"github.com/palisade-hpc/palisade/internal/policy"
 )
 
 // egressConfig reads the [egress] table (defaults when the file is missing).
-func egressConfig() (policy.EgressConfig, error) {
-	cfg, err := policy.LoadOrDefault(configPath)
+func egressConfig() (egress.Config, error) {
+	cfg, err := config.LoadOrDefault(configPath)
 	if err != nil {
-		return policy.EgressConfig{}, err
+		return egress.Config{}, err
 	}
 	return cfg.Egress, nil
 }
 
-func gatewayConfig(e policy.EgressConfig) (gateway.Config, error) {
+func gatewayConfig(e egress.Config) (gateway.Config, error) {
 	pool, err := netip.ParsePrefix(e.Pool)
 	if err != nil {
 		return gateway.Config{}, fmt.Errorf("egress.pool: %v", err)
@@ -53,7 +54,7 @@ func gatewayConfig(e policy.EgressConfig) (gateway.Config, error) {
 }
 
 func egressCommands() []*cobra.Command {
-	var e policy.EgressConfig
+	var e egress.Config
 	var flagsSet func(cmd *cobra.Command) error
 	gw := &cobra.Command{
 		Use:   "gateway",
@@ -87,7 +88,7 @@ func egressCommands() []*cobra.Command {
 	}
 	// Flags override the config file; they are bound to a scratch copy and
 	// applied after the file is loaded.
-	var fl policy.EgressConfig
+	var fl egress.Config
 	fl.SetDefaults()
 	pf := gw.PersistentFlags()
 	pf.StringVar(&fl.StateDir, "state", fl.StateDir, "state directory (key, leases, revocations)")

@@ -13,6 +13,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
@@ -186,7 +187,7 @@ func connectorIdentity(res identity.Resolver, name, group string) (policy.Identi
 // connectorSource returns the connection's source address as the
 // listener's node sees it: zero for a local connection, else the
 // connector node's address (the one routing towards target picks).
-func connectorSource(cfg *policy.Config, node string, target netip.AddrPort) (netip.Addr, string, error) {
+func connectorSource(cfg *config.Config, node string, target netip.AddrPort) (netip.Addr, string, error) {
 	if node == "" {
 		if ident.IsLocalAddr(target.Addr()) {
 			return netip.Addr{}, "this node (a local connection)", nil

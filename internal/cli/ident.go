@@ -14,6 +14,7 @@ import (
 	"github.com/coreos/go-systemd/v22/daemon"
 	"github.com/spf13/cobra"
 
+	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/policy"
 )
@@ -95,7 +96,7 @@ may be overridden by flags. --port 0 turns UDP off, --socket "" the Unix API.`,
 // identServerConfig maps the [agent] ident keys of cfg onto the ident
 // service's configuration (policy included); the agent and `ident serve`
 // share it.
-func identServerConfig(cfg *policy.Config) ident.ServerConfig {
+func identServerConfig(cfg *config.Config) ident.ServerConfig {
 	a := cfg.Agent
 	return ident.ServerConfig{
 		UDPPort:     uint16(a.IdentPort),
@@ -110,11 +111,11 @@ func identServerConfig(cfg *policy.Config) ident.ServerConfig {
 // loadConfig reads --config: a missing file is an error only when --config
 // was given explicitly (the operator commands work on an unconfigured node
 // with the built-in defaults).
-func loadConfig(cmd *cobra.Command) (*policy.Config, error) {
+func loadConfig(cmd *cobra.Command) (*config.Config, error) {
 	if cmd.Flags().Changed("config") {
-		return policy.Load(configPath)
+		return config.Load(configPath)
 	}
-	return policy.LoadOrDefault(configPath)
+	return config.LoadOrDefault(configPath)
 }
 
 // withSubnets returns p with its cluster subnets replaced by subnets (if
@@ -143,7 +144,7 @@ type identAccess struct {
 	timeout time.Duration
 }
 
-func newIdentAccess(cfg *policy.Config, sockFlag string, sockChanged bool, timeout time.Duration) identAccess {
+func newIdentAccess(cfg *config.Config, sockFlag string, sockChanged bool, timeout time.Duration) identAccess {
 	a := identAccess{socket: cfg.Agent.IdentSocket, port: uint16(cfg.Agent.IdentPort), timeout: timeout}
 	if sockChanged || a.socket == "" {
 		a.socket = sockFlag

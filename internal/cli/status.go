@@ -21,8 +21,9 @@ const (
 
 func statusCommand() *cobra.Command {
 	var (
-		asJSON, check bool
-		pidFile       string
+		asJSON, check, all bool
+		pidFile            string
+		timeout            time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "status",
@@ -34,9 +35,21 @@ running, audit mode, a refused or pending reload, and config check's findings
 for the running configuration.
 
 Exit status: 0 enforcing without warnings, 1 with warnings, 2 not enforcing
-(or unknown). --check prints nothing, for scripts and monitoring.`,
+(or unknown). --check prints nothing, for scripts and monitoring.
+
+--all asks every node of [cluster] nodes over the ident service (UDP
+ident_port, from a privileged port: root) for its status, each within
+--timeout: agent up, mode, enforcing or audit, version, configuration
+hashes, generation, last reload, warnings. A node that does not answer is
+"down"; one whose cluster-wide configuration ([policy], [cluster],
+[offcluster]) differs from this node's file is "drift". Exit status: 0 all
+enforcing without warnings, 1 warnings or audit somewhere, 2 a node down,
+drifting or not enforcing.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
+			if all {
+				return clusterStatus(cmd, pidFile, timeout, asJSON, check)
+			}
 			s, err := userwall.GetStatus(userwall.AgentOptions{ConfigPath: configPath, PidFile: pidFile})
 			if err != nil {
 				return err
@@ -69,7 +82,95 @@ Exit status: 0 enforcing without warnings, 1 with warnings, 2 not enforcing
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	cmd.Flags().BoolVar(&check, "check", false, "print nothing; only the exit status (0 enforcing, 1 warnings, 2 not enforcing)")
 	cmd.Flags().StringVar(&pidFile, "pid-file", "", "agent pid file (default: [agent] pid_file)")
+	cmd.Flags().BoolVar(&all, "all", false, "every node of [cluster] nodes, over the ident service (root)")
+	cmd.Flags().DurationVar(&timeout, "timeout", 2*time.Second, "with --all: how long to wait for each node")
 	return cmd
+}
+
+// clusterStatus is `palisade status --all`.
+func clusterStatus(cmd *cobra.Command, pidFile string, timeout time.Duration, asJSON, check bool) error {
+	cfg, err := (&userwall.AgentOptions{ConfigPath: configPath, PidFile: pidFile}).LoadConfig()
+	if err != nil {
+		return err
+	}
+	if len(cfg.Nodes) == 0 {
+		return fmt.Errorf("%s lists no [cluster] nodes: the cluster view asks each of them (or use the Prometheus queries of docs/deploy.md)", cfg.Path)
+	}
+	if cfg.Agent.IdentPort == 0 {
+		return fmt.Errorf("%s: ident_port = 0 (the UDP ident service is off): no cluster view", cfg.Path)
+	}
+	want := cfg.SharedSHA256()
+	views := userwall.ClusterView(cmd.Context(), cfg.Nodes, uint16(cfg.Agent.IdentPort), timeout, want)
+	code := statusOK
+	for _, v := range views {
+		switch v.State {
+		case userwall.NodeOK:
+		case userwall.NodeWarnings, userwall.NodeAudit:
+			code = max(code, statusWarnings)
+		default:
+			code = statusNotEnforced
+		}
+	}
+	out := cmd.OutOrStdout()
+	switch {
+	case check:
+	case asJSON:
+		e := json.NewEncoder(out)
+		e.SetIndent("", "  ")
+		if err := e.Encode(struct {
+			SharedSHA string              `json:"shared_sha256"`
+			Nodes     []userwall.NodeView `json:"nodes"`
+		}{want, views}); err != nil {
+			return err
+		}
+	default:
+		printCluster(out, want, views)
+	}
+	if code != statusOK {
+		return &ExitError{code, ""}
+	}
+	return nil
+}
+
+func printCluster(out io.Writer, want string, views []userwall.NodeView) {
+	fmt.Fprintf(out, "expected cluster-wide configuration: %.12s (this node's file)\n\n", want)
+	tw := tabwriter.NewWriter(out, 2, 8, 2, ' ', 0)
+	fmt.Fprintln(tw, "NODE\tADDRESS\tSTATE\tMODE\tVERSION\tCONFIG\tSHARED\tGEN\tLAST RELOAD\tWARNINGS")
+	var notes []string
+	for _, v := range views {
+		r := v.Report
+		if r == nil {
+			fmt.Fprintf(tw, "%s\t%s\t%s\t-\t-\t-\t-\t-\t-\t-\n", v.Name, v.Addr, v.State)
+			notes = append(notes, fmt.Sprintf("%s: %s", v.Name, v.Error))
+			continue
+		}
+		mode := r.Mode
+		if r.Audit {
+			mode += " (audit)"
+		}
+		last := "-"
+		if !r.LastReload.IsZero() {
+			last = r.LastReload.Local().Format(time.RFC3339)
+			if r.LastReloadError != "" {
+				last += " REFUSED"
+			}
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%.12s\t%.12s\t%d\t%s\t%d\n", v.Name, v.Addr, v.State, mode, r.Version,
+			r.ConfigSHA, r.SharedSHA, r.Generation, last, len(r.Warnings))
+		if v.Error != "" {
+			notes = append(notes, fmt.Sprintf("%s: %s", v.Name, v.Error))
+		}
+		for _, w := range r.Warnings {
+			notes = append(notes, fmt.Sprintf("%s: WARNING: %s", v.Name, w))
+		}
+	}
+	tw.Flush()
+	if len(notes) > 0 {
+		fmt.Fprintln(out)
+		for _, n := range notes {
+			fmt.Fprintln(out, n)
+		}
+	}
 }
 
 func printStatus(out io.Writer, s *userwall.Status) {

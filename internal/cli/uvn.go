@@ -17,6 +17,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/dataplane/uvn"
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
@@ -37,8 +38,8 @@ per-user NAT address. See docs/uvn.md.`,
 }
 
 // uvnManager loads the configuration and builds a manager.
-func uvnManager(cmd *cobra.Command, needEnabled bool) (*uvn.Manager, *policy.Config, error) {
-	cfg, err := policy.Load(configPath)
+func uvnManager(cmd *cobra.Command, needEnabled bool) (*uvn.Manager, *config.Config, error) {
+	cfg, err := config.Load(configPath)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -65,7 +66,7 @@ func uvnManager(cmd *cobra.Command, needEnabled bool) (*uvn.Manager, *policy.Con
 	m.Srun = cfg.UVN.SrunRange
 	if m.Srun == (policy.PortRange{}) && sc != nil && sc.SrunPortRange != "" {
 		m.Srun = policy.PortRange{First: sc.SrunFirst, Last: sc.SrunLast}
-		if err := policy.CheckSrunRange(m.Srun, cfg.UVN.UnderlayRanges); err != nil {
+		if err := uvn.CheckSrunRange(m.Srun, cfg.UVN.UnderlayRanges); err != nil {
 			return nil, nil, fmt.Errorf("%s: SrunPortRange: %w", cfg.UVN.SlurmConf, err)
 		}
 	}

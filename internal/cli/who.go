@@ -11,9 +11,9 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/identity"
-	"github.com/palisade-hpc/palisade/internal/policy"
 )
 
 func whoCommand() *cobra.Command {
@@ -123,7 +123,7 @@ func groupList(gids []uint32) string {
 // resolveNode accepts an address, a name from [cluster] nodes, or a host
 // name (sites and the testbed list nodes in /etc/hosts); a name resolving to
 // several addresses takes the first IPv4 one.
-func resolveNode(cfg *policy.Config, s string) (netip.Addr, error) {
+func resolveNode(cfg *config.Config, s string) (netip.Addr, error) {
 	if a, err := netip.ParseAddr(s); err == nil {
 		return a.Unmap(), nil
 	}

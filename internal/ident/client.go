@@ -77,6 +77,36 @@ func bindPrivileged(family netip.Addr) (*net.UDPConn, error) {
 // Query asks node who owns the socket target (with remote end peer, if
 // given) on node.
 func (c Client) Query(ctx context.Context, node netip.Addr, target, peer netip.AddrPort, proto policy.Proto) (Owner, error) {
+	id := rand.Uint32()
+	a, err := c.exchange(ctx, node, id, encodeQuery(parsedQuery{ID: id, Proto: proto, Addr: target, Peer: peer}))
+	if err != nil {
+		return Owner{}, err
+	}
+	return a.result()
+}
+
+// Status asks node's agent for its status report (what `palisade status`
+// knows there), over the ident service. Root only, like Query.
+func (c Client) Status(ctx context.Context, node netip.Addr) (json.RawMessage, error) {
+	id := rand.Uint32()
+	q, _ := json.Marshal(Query{V: Version, ID: id, Kind: KindStatus})
+	a, err := c.exchange(ctx, node, id, q)
+	if err != nil {
+		return nil, err
+	}
+	if a.Status == StatusBadQuery {
+		return nil, fmt.Errorf("ident: %s does not understand status queries (an older version?): %s", node, a.Error)
+	}
+	if a.Status != StatusOK || len(a.Report) == 0 {
+		return nil, fmt.Errorf("ident: %s: %s", a.Status, a.Error)
+	}
+	return a.Report, nil
+}
+
+// exchange sends query q (with id) to node's service from a privileged
+// port and returns its answer: one retransmission halfway through the
+// timeout, answers from any other address or to another id ignored.
+func (c Client) exchange(ctx context.Context, node netip.Addr, id uint32, q []byte) (*Answer, error) {
 	node = node.Unmap()
 	port := c.Port
 	if port == 0 {
@@ -92,12 +122,10 @@ func (c Client) Query(ctx context.Context, node netip.Addr, target, peer netip.A
 		if conn != nil {
 			conn.Close()
 		}
-		return Owner{}, err
+		return nil, err
 	}
 	defer conn.Close()
 	server := netip.AddrPortFrom(node, port)
-	id := rand.Uint32()
-	q := encodeQuery(parsedQuery{ID: id, Proto: proto, Addr: target, Peer: peer})
 
 	deadline := time.Now().Add(timeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
@@ -105,7 +133,7 @@ func (c Client) Query(ctx context.Context, node netip.Addr, target, peer netip.A
 	}
 	resend := time.Now().Add(time.Until(deadline) / 2)
 	if _, err := conn.WriteToUDPAddrPort(q, server); err != nil {
-		return Owner{}, fmt.Errorf("ident: send to %v: %w", server, err)
+		return nil, fmt.Errorf("ident: send to %v: %w", server, err)
 	}
 	stop := context.AfterFunc(ctx, func() { conn.SetReadDeadline(time.Now()) })
 	defer stop()
@@ -120,7 +148,7 @@ func (c Client) Query(ctx context.Context, node netip.Addr, target, peer netip.A
 		n, from, err := conn.ReadFromUDPAddrPort(buf)
 		if err != nil {
 			if ctx.Err() != nil {
-				return Owner{}, ctx.Err()
+				return nil, ctx.Err()
 			}
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() {
@@ -129,21 +157,24 @@ func (c Client) Query(ctx context.Context, node netip.Addr, target, peer netip.A
 					conn.WriteToUDPAddrPort(q, server)
 					continue
 				}
-				return Owner{}, fmt.Errorf("%w from %v within %v", ErrTimeout, server, timeout)
+				return nil, fmt.Errorf("%w from %v within %v", ErrTimeout, server, timeout)
 			}
 			// ICMP port unreachable surfaces as ECONNREFUSED on Linux
 			// for unconnected sockets only via IP_RECVERR; treat others
 			// as fatal.
-			return Owner{}, fmt.Errorf("ident: receive from %v: %w", server, err)
+			return nil, fmt.Errorf("ident: receive from %v: %w", server, err)
 		}
 		if netip.AddrPortFrom(from.Addr().Unmap(), from.Port()) != server {
 			continue // not our server: ignore, keep waiting
 		}
-		o, err := decodeAnswer(buf[:n], id)
-		if errors.Is(err, errStaleAnswer) {
-			continue
+		var a Answer
+		if err := json.Unmarshal(buf[:n], &a); err != nil {
+			return nil, fmt.Errorf("ident: malformed answer: %w", err)
 		}
-		return o, err
+		if a.ID != id {
+			continue // an answer to an earlier query
+		}
+		return &a, nil
 	}
 }
 

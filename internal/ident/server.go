@@ -3,6 +3,7 @@ package ident
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -55,6 +56,10 @@ type ServerConfig struct {
 	Logger *slog.Logger
 	// Names resolves uids/gids to names in answers (nil = identity.System()).
 	Names identity.Resolver
+	// Report answers status queries from other nodes' root (the same
+	// privileged-port and cluster-source rules as lookups); nil: such
+	// queries get an error answer.
+	Report func() (json.RawMessage, error)
 }
 
 // Stats counts what the UDP service did with queries, for the agent's
@@ -64,6 +69,7 @@ type Stats struct {
 	DroppedUnprivileged            uint64 // source port >= 1024
 	DroppedOffCluster, RateLimited uint64
 	UnixQueries, ForwardedToRemote uint64
+	StatusReports                  uint64
 }
 
 // Server is the ident service of one node: UDP for peers, a Unix socket
@@ -84,7 +90,7 @@ type Server struct {
 	sockFile  os.FileInfo // the Unix socket as created, to remove only ours
 	closeOnce sync.Once
 
-	answered, noSocket, badQuery, unpriv, offCluster, rateLimited, unixQ, forwarded atomic.Uint64
+	answered, noSocket, badQuery, unpriv, offCluster, rateLimited, unixQ, forwarded, reports atomic.Uint64
 }
 
 // NewServer validates cfg and opens the service's sockets; nothing is
@@ -248,6 +254,7 @@ func (s *Server) Stats() Stats {
 		Answered: s.answered.Load(), NoSocket: s.noSocket.Load(), BadQuery: s.badQuery.Load(),
 		DroppedUnprivileged: s.unpriv.Load(), DroppedOffCluster: s.offCluster.Load(),
 		RateLimited: s.rateLimited.Load(), UnixQueries: s.unixQ.Load(), ForwardedToRemote: s.forwarded.Load(),
+		StatusReports: s.reports.Load(),
 	}
 }
 
@@ -330,9 +337,24 @@ func (s *Server) answerUDP(b []byte) *Answer {
 		s.badQuery.Add(1)
 		return bad
 	}
+	if q.Kind == KindStatus {
+		return s.report(q.ID)
+	}
 	// Peers are never relayed onwards: Node is a Unix-API feature.
 	o, err := s.res.LookupConn(q.Addr, q.Peer, q.Proto)
 	return s.count(answerFor(q.ID, o, err))
+}
+
+func (s *Server) report(id uint32) *Answer {
+	if s.cfg.Report == nil {
+		return &Answer{V: Version, ID: id, Status: StatusError, Error: "this ident service has no status report"}
+	}
+	r, err := s.cfg.Report()
+	if err != nil {
+		return &Answer{V: Version, ID: id, Status: StatusError, Error: err.Error()}
+	}
+	s.reports.Add(1)
+	return &Answer{V: Version, ID: id, Status: StatusOK, Report: r}
 }
 
 func (s *Server) count(a *Answer) *Answer {
@@ -408,6 +430,9 @@ func (s *Server) answerUnix(ctx context.Context, b []byte) *Answer {
 	q, bad := decodeQuery(b)
 	if bad != nil {
 		return bad
+	}
+	if q.Kind != "" {
+		return &Answer{V: Version, ID: q.ID, Status: StatusBadQuery, Error: "kind " + q.Kind + " is served over UDP only"}
 	}
 	node := q.Node
 	if !node.IsValid() && !s.isLocal(q.Addr.Addr()) {

@@ -52,7 +52,14 @@ type Query struct {
 	Addr  string `json:"addr"`
 	Peer  string `json:"peer,omitempty"`
 	Node  string `json:"node,omitempty"`
+	// Kind is empty for an owner lookup, KindStatus for the node's status
+	// report (UDP only: `palisade status --all`). A server that predates
+	// kinds answers a status query with bad-query (no addr).
+	Kind string `json:"kind,omitempty"`
 }
+
+// KindStatus asks a node for its status report.
+const KindStatus = "status"
 
 // Answer is the reply to one Query.
 type Answer struct {
@@ -64,11 +71,15 @@ type Answer struct {
 	Truncated bool   `json:"groups_truncated,omitempty"`
 	// Node is the address of the node that answered (Unix API).
 	Node string `json:"node,omitempty"`
+	// Report is the answer to a status query: the agent's report, opaque
+	// to this package.
+	Report json.RawMessage `json:"report,omitempty"`
 }
 
 // parsedQuery is a validated Query.
 type parsedQuery struct {
 	ID    uint32
+	Kind  string
 	Proto policy.Proto
 	Addr  netip.AddrPort
 	Peer  netip.AddrPort
@@ -118,6 +129,13 @@ func decodeQuery(b []byte) (parsedQuery, *Answer) {
 	if q.V != Version {
 		return parsedQuery{}, &Answer{V: Version, ID: q.ID, Status: StatusBadVersion,
 			Error: fmt.Sprintf("protocol version %d not supported (this node speaks %d)", q.V, Version)}
+	}
+	switch q.Kind {
+	case "":
+	case KindStatus:
+		return parsedQuery{ID: q.ID, Kind: q.Kind}, nil
+	default:
+		return bad("unknown kind %q", q.Kind)
 	}
 	pq := parsedQuery{ID: q.ID}
 	var err error

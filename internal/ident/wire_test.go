@@ -1,6 +1,7 @@
 package ident
 
 import (
+	"encoding/json"
 	"errors"
 	"net/netip"
 	"slices"
@@ -157,5 +158,35 @@ func TestScore(t *testing.T) {
 	}
 	if score(other, q, netip.AddrPort{}, policy.TCP) >= 0 || score(timewait, q, netip.AddrPort{}, policy.TCP) >= 0 {
 		t.Error("other addresses and owner-less sockets must not match")
+	}
+}
+
+// TestStatusQuery: a status query is recognised by its kind, answered with
+// the configured report (or an error without one); an unknown kind is a
+// bad query, and a lookup is not taken for a status query.
+func TestStatusQuery(t *testing.T) {
+	q, _ := json.Marshal(Query{V: Version, ID: 7, Kind: KindStatus})
+	s := &Server{cfg: ServerConfig{Report: func() (json.RawMessage, error) { return json.RawMessage(`{"mode":"userwall"}`), nil }}}
+	a := s.answerUDP(q)
+	if a.Status != StatusOK || a.ID != 7 || string(a.Report) != `{"mode":"userwall"}` || a.Owner != nil {
+		t.Errorf("status query: %+v", a)
+	}
+	if s.Stats().StatusReports != 1 {
+		t.Errorf("stats: %+v", s.Stats())
+	}
+	s.cfg.Report = func() (json.RawMessage, error) { return nil, errors.New("no pins") }
+	if a := s.answerUDP(q); a.Status != StatusError || !strings.Contains(a.Error, "no pins") || a.Report != nil {
+		t.Errorf("failing report: %+v", a)
+	}
+	s.cfg.Report = nil
+	if a := s.answerUDP(q); a.Status != StatusError || a.Report != nil {
+		t.Errorf("no report configured: %+v", a)
+	}
+	bad, _ := json.Marshal(Query{V: Version, ID: 8, Kind: "reboot"})
+	if a := s.answerUDP(bad); a.Status != StatusBadQuery || !strings.Contains(a.Error, "reboot") {
+		t.Errorf("unknown kind: %+v", a)
+	}
+	if pq, a := decodeQuery(encodeQuery(parsedQuery{ID: 9, Addr: netip.MustParseAddrPort("198.18.0.1:5000")})); a != nil || pq.Kind != "" {
+		t.Errorf("lookup decoded as %+v, %+v", pq, a)
 	}
 }

@@ -5,8 +5,8 @@ import (
 	"net/netip"
 	"time"
 
+	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/dataplane/uvn"
-	"github.com/palisade-hpc/palisade/internal/policy"
 )
 
 // UVNScaleResult is what `palisade-lab bench uvnsetup` reports from a node.
@@ -27,7 +27,7 @@ type UVNScaleResult struct {
 // its flags, so process start-up (slow under the VM's emulation) is not
 // counted. Users already set up before are torn down first.
 func UVNScale(configPath string, first uint32, n int) (*UVNScaleResult, error) {
-	cfg, err := policy.Load(configPath)
+	cfg, err := config.Load(configPath)
 	if err != nil {
 		return nil, err
 	}

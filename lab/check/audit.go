@@ -7,8 +7,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/palisade-hpc/palisade/internal/config"
 	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
-	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
 
@@ -54,7 +54,7 @@ func unverified(c *Case) bool {
 func checkAuditEvents(tb *testbed.Testbed, since time.Time, cases []*Case) {
 	logs := map[string]string{}
 	for _, n := range tb.Nodes {
-		if cfg, err := policy.Load(tb.ConfigPath(n.Name)); err == nil {
+		if cfg, err := config.Load(tb.ConfigPath(n.Name)); err == nil {
 			logs[n.Name] = cfg.Agent.EventLog
 		}
 	}

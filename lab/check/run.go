@@ -18,6 +18,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/internal/sys/procfs"
@@ -103,9 +104,9 @@ func Run(ctx context.Context, tb *testbed.Testbed, opts Options) (*Report, error
 	pols := map[string]*policy.Policy{}
 	for _, n := range tb.Nodes {
 		data, err := os.ReadFile(tb.ConfigPath(n.Name))
-		var cfg *policy.Config
+		var cfg *config.Config
 		if err == nil {
-			cfg, err = policy.Parse(tb.ConfigPath(n.Name), data, sys)
+			cfg, err = config.Parse(tb.ConfigPath(n.Name), data, sys)
 		}
 		if err != nil {
 			if opts.Mode != "none" {

@@ -19,9 +19,9 @@ import (
 
 	"github.com/cilium/ebpf/ringbuf"
 	"github.com/coreos/go-systemd/v22/daemon"
+	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/membership"
-	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/internal/sys/cgroup2"
 	"github.com/palisade-hpc/palisade/internal/sys/nldump"
 	"github.com/palisade-hpc/palisade/internal/sys/procfs"
@@ -41,8 +41,8 @@ type AgentOptions struct {
 }
 
 // LoadConfig loads the configuration and applies the command-line overrides.
-func (o *AgentOptions) LoadConfig() (*policy.Config, error) {
-	cfg, err := policy.LoadOrDefault(o.ConfigPath)
+func (o *AgentOptions) LoadConfig() (*config.Config, error) {
+	cfg, err := config.LoadOrDefault(o.ConfigPath)
 	if err != nil {
 		return nil, err
 	}
@@ -72,7 +72,7 @@ func (o *AgentOptions) LoadConfig() (*policy.Config, error) {
 // notes, metrics, ident and stopIdent belong to the main loop.
 type agent struct {
 	opts     AgentOptions
-	cfg      *policy.Config
+	cfg      *config.Config
 	log      *slog.Logger
 	dp       *Dataplane
 	attached map[string]int // interface → ifindex
@@ -273,11 +273,31 @@ func (a *agent) enforce() error {
 		return err
 	}
 	a.dp.TC = a.useTC
+	if changed := a.dp.Migrating(); changed != nil {
+		a.log.Info("pinned maps have another layout: migrating (new maps staged, links switched in place)", "maps", changed)
+	}
 	a.exempt.changed = make(chan struct{}, 1)
 	a.exempt.setGroups(a.cfg.Policy)
 	a.members = a.newMembers()
 	a.log.Info("tc programs attach with "+attachName(a.useTC), "why", a.tcWhy, "kernel", a.probe.Kernel)
-	if err := a.install(cg); err != nil {
+	err = a.install(cg)
+	if err == nil && a.dp.Migrating() != nil {
+		err = a.dp.Fault("commit")
+	}
+	if err == nil && a.dp.Migrating() != nil {
+		err = a.dp.Commit()
+		if err == nil {
+			a.log.Info("migration committed: the new maps replaced the old pins")
+		}
+	}
+	if err != nil {
+		if a.dp.Migrating() != nil {
+			if rerr := a.dp.Rollback(); rerr != nil {
+				a.log.Error("rolling back the migration", "err", rerr)
+			} else {
+				a.log.Warn("migration rolled back: the previous programs and maps keep enforcing", "err", err)
+			}
+		}
 		a.dp.Close()
 		if !adopting {
 			// tc filters are not pinned: remove them by name.
@@ -449,6 +469,9 @@ func (a *agent) install(cgroupRoot string) error {
 	if err := InstallNft(); err != nil {
 		return err
 	}
+	if err := a.dp.PrepareMigration(cgroupRoot); err != nil {
+		return err
+	}
 	// Stamping first: the check at delivery refuses identity-less user
 	// traffic, so the stamps must flow before it is attached.
 	if err := a.syncInterfaces(); err != nil {
@@ -462,7 +485,7 @@ func (a *agent) keyFile() string {
 	if f := a.cfg.Cluster.KeyFile; f != "" {
 		return f
 	}
-	return policy.DefaultKeyFile
+	return config.DefaultKeyFile
 }
 
 // loadKeys loads the cluster keys into the data plane. Without a readable
@@ -606,7 +629,7 @@ func (a *agent) startIdent(ctx context.Context) (stop func()) {
 	srv, err := ident.NewServer(ident.ServerConfig{
 		UDPPort: uint16(c.IdentPort), DisableUDP: c.IdentPort == 0,
 		SocketPath: c.IdentSocket, DisableUnix: c.IdentSocket == "", SocketGroup: c.IdentSocketGroup,
-		Policy: a.cfg.Policy, Logger: a.log,
+		Policy: a.cfg.Policy, Logger: a.log, Report: a.report,
 	})
 	if err != nil {
 		a.log.Warn("ident service not started", "err", err)

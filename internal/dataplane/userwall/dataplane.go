@@ -71,6 +71,9 @@ type Dataplane struct {
 	// TC attaches the tc programs as clsact cls_bpf filters (tc.go)
 	// instead of tcx links: kernels before 6.6, or tc_attach = "tc".
 	TC bool
+	// mig is a changed-layout upgrade in progress (migrate.go): set by
+	// Load, ended by Commit or Rollback, driver goroutine only.
+	mig *migration
 
 	mu    sync.Mutex
 	links map[string]link.Link // by pin name
@@ -126,6 +129,9 @@ func Load(pinDir string, cookie uint64, noLSM error) (*Dataplane, error) {
 	if err := spec.Variables["netns_cookie"].Set(cookie); err != nil {
 		return nil, err
 	}
+	if layoutVariant != nil {
+		layoutVariant(spec)
+	}
 	for name, m := range spec.Maps {
 		if !strings.HasPrefix(name, ".") {
 			m.Pinning = ebpf.PinByName
@@ -134,7 +140,14 @@ func Load(pinDir string, cookie uint64, noLSM error) (*Dataplane, error) {
 	if err := os.MkdirAll(filepath.Join(pinDir, "links"), 0o700); err != nil {
 		return nil, err
 	}
+	if err := removeStaging(pinDir); err != nil {
+		return nil, fmt.Errorf("remove an interrupted upgrade's pins: %w", err)
+	}
 	d := &Dataplane{PinDir: pinDir, Cookie: cookie, links: map[string]link.Link{}}
+	mig, err := planMigration(spec, pinDir)
+	if err != nil {
+		return nil, err
+	}
 	if noLSM != nil {
 		d.lsmErr = noLSM
 	} else if ok, how := LSMActive(); !ok && !strings.HasPrefix(how, "unknown") {
@@ -146,6 +159,16 @@ func Load(pinDir string, cookie uint64, noLSM error) (*Dataplane, error) {
 		}
 	}
 	opts := ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: pinDir}}
+	if mig != nil {
+		// Changed maps are created and pinned under next/, the others
+		// are the pinned ones (migrate.go).
+		if err := os.MkdirAll(filepath.Join(mig.next, "links"), 0o700); err != nil {
+			mig.close()
+			return nil, err
+		}
+		opts.Maps.PinPath = mig.next
+		opts.MapReplacements = mig.reused
+	}
 	coll, err := ebpf.NewCollectionWithOptions(spec, opts)
 	if err != nil && d.lsmErr == nil {
 		// A kernel without CONFIG_BPF_LSM refuses LSM programs: enforce
@@ -166,12 +189,21 @@ func Load(pinDir string, cookie uint64, noLSM error) (*Dataplane, error) {
 		}
 	}
 	if err != nil {
-		if errors.Is(err, ebpf.ErrMapIncompatible) {
-			return nil, fmt.Errorf("maps pinned in %s are from an incompatible version (run `palisade agent --uninstall` first): %w", pinDir, err)
+		if mig != nil {
+			mig.close()
+			_ = removeStaging(pinDir)
 		}
 		return nil, fmt.Errorf("load eBPF programs: %w", err)
 	}
 	d.coll = coll
+	if mig != nil {
+		d.mig = mig
+		if err := mig.carry(coll); err != nil {
+			d.Rollback()
+			coll.Close()
+			return nil, err
+		}
+	}
 	return d, nil
 }
 
@@ -183,10 +215,15 @@ func (d *Dataplane) attach(name string, prog *ebpf.Program, attach func() (link.
 	path := filepath.Join(d.linkDir(), name)
 	old, err := link.LoadPinnedLink(path, nil)
 	if err == nil {
+		if err := d.rememberLink(name, old); err != nil {
+			old.Close()
+			return err
+		}
 		if err := old.Update(prog); err == nil {
 			d.setLink(name, old)
 			return nil
 		}
+		d.forgetLast()
 	}
 	nl, err := attach()
 	if err != nil {
@@ -194,6 +231,22 @@ func (d *Dataplane) attach(name string, prog *ebpf.Program, attach func() (link.
 			d.setLink(name, old) // keep the old program enforcing
 		}
 		return fmt.Errorf("attach %s: %w", name, err)
+	}
+	if d.mig != nil {
+		// Both run until commit, which moves the new pin over the old
+		// (a rollback removes the new one).
+		if old != nil {
+			if err := nl.Pin(filepath.Join(d.mig.next, "links", name)); err != nil {
+				nl.Close()
+				d.setLink(name, old)
+				return fmt.Errorf("pin %s: %w", name, err)
+			}
+			d.mig.replaced[name] = old
+			d.setLink(name, nl)
+			return nil
+		}
+		d.mig.undo = append(d.mig.undo, undoStep{
+			restore: func() error { d.detach(name); return nil }, release: func() {}})
 	}
 	if old != nil {
 		_ = old.Unpin()
@@ -226,6 +279,9 @@ func (d *Dataplane) AttachCgroup(cgroupRoot string) error {
 			return link.AttachCgroup(link.CgroupOptions{Path: cgroupRoot, Attach: attachType, Program: p})
 		})
 		if err != nil {
+			return err
+		}
+		if err := d.Fault("cgroup:" + h.link); err != nil {
 			return err
 		}
 	}
@@ -291,9 +347,15 @@ func (d *Dataplane) AttachInterface(ifname string, ifindex int) error {
 			return err
 		}
 	}
-	// Filters of an earlier tc-mode agent (before a kernel upgrade).
+	// Filters of an earlier tc-mode agent (before a kernel upgrade), and
+	// its record of lo's filter: NamespaceGone would read the freed
+	// program as a deleted namespace once the tcx pin on lo is gone
+	// (during an uninstall).
 	_ = detachTC(ifindex, tcIngress)
 	_ = detachTC(ifindex, tcEgress)
+	if ifname == "lo" {
+		_ = os.Remove(filepath.Join(d.PinDir, tcLoMap))
+	}
 	return nil
 }
 
@@ -305,6 +367,9 @@ func (d *Dataplane) attachInterfaceTC(ifname string, ifindex int) error {
 	dirs := []dir{{tcEgress, progEgress}, {tcIngress, progIngress}}
 	for _, x := range dirs {
 		p := d.coll.Programs[x.prog]
+		if err := d.rememberTC(ifindex, x.tc, x.prog); err != nil {
+			return err
+		}
 		// lo's egress program marks the namespace alive (NamespaceGone):
 		// record the new one before the filter switches to it, so that
 		// the recorded program exists at every moment.
@@ -318,14 +383,20 @@ func (d *Dataplane) attachInterfaceTC(ifname string, ifindex int) error {
 			id, _ := info.ID()
 			prevLo = readTCLo(d.PinDir)
 			if err := recordTCLo(d.PinDir, uint32(id)); err != nil {
+				d.forgetLast()
 				return fmt.Errorf("record lo's filter: %w", err)
 			}
 		}
 		if err := attachTC(ifindex, x.tc, p, x.prog); err != nil {
+			d.forgetLast()
 			if loEgress && prevLo != 0 {
 				_ = recordTCLo(d.PinDir, prevLo)
 			}
 			return err
+		}
+		if loEgress && prevLo != 0 && d.mig != nil {
+			d.mig.undo = append(d.mig.undo, undoStep{
+				restore: func() error { return recordTCLo(d.PinDir, prevLo) }, release: func() {}})
 		}
 		d.detach(tcxLinkName(x.tc.name, ifname))
 	}
@@ -429,17 +500,18 @@ func RemovePins(pinDir string) error {
 	for _, n := range pinnedNames(linkDir) {
 		p := filepath.Join(linkDir, n)
 		if l, err := link.LoadPinnedLink(p, nil); err == nil {
-			if err := l.Unpin(); err != nil {
+			if err := l.Unpin(); err != nil && !errors.Is(err, os.ErrNotExist) {
 				errs = append(errs, err)
 			}
 			l.Close()
-		} else if err := os.Remove(p); err != nil {
+		} else if err := os.Remove(p); err != nil && !os.IsNotExist(err) {
 			errs = append(errs, err)
 		}
 	}
 	_ = os.Remove(linkDir)
+	errs = append(errs, removeStaging(pinDir))
 	for _, n := range pinnedNames(pinDir) {
-		if err := os.Remove(filepath.Join(pinDir, n)); err != nil {
+		if err := os.Remove(filepath.Join(pinDir, n)); err != nil && !os.IsNotExist(err) {
 			errs = append(errs, err)
 		}
 	}

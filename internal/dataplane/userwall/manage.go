@@ -11,7 +11,7 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
-	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/config"
 )
 
 // Uninstall stops the namespace's running agent (if any) and removes every
@@ -97,11 +97,15 @@ type Status struct {
 }
 
 // GetStatus inspects the pins of the caller's namespace.
-func GetStatus(o AgentOptions) (*Status, error) {
+func GetStatus(o AgentOptions) (*Status, error) { return getStatus(o, true) }
+
+// getStatus is GetStatus; probe runs the kernel feature probe (root only;
+// it loads programs, so the agent's status report leaves it out).
+func getStatus(o AgentOptions, probe bool) (*Status, error) {
 	cfg, cfgErr := o.LoadConfig()
 	if cfgErr != nil {
 		// Still report what is in force, from the default locations.
-		cfg = &policy.Config{}
+		cfg = &config.Config{}
 		cfg.Agent.SetDefaults()
 		if o.PidFile != "" {
 			cfg.Agent.PidFile = o.PidFile
@@ -163,7 +167,7 @@ func GetStatus(o AgentOptions) (*Status, error) {
 	}
 	// The probe loads programs: only root can run it (as a user every
 	// answer would be EPERM).
-	if os.Geteuid() == 0 {
+	if probe && os.Geteuid() == 0 {
 		if p, err := ProbeKernel(); err == nil {
 			s.Kernel = p
 		} else {
@@ -189,7 +193,7 @@ func GetStatus(o AgentOptions) (*Status, error) {
 	}
 	keyFile := cfg.Cluster.KeyFile
 	if keyFile == "" {
-		keyFile = policy.DefaultKeyFile
+		keyFile = config.DefaultKeyFile
 	}
 	if _, err := LoadKeys(keyFile); err != nil {
 		s.KeyError = err.Error()

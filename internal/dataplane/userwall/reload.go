@@ -12,7 +12,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/config"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/agentconfig"
 	"github.com/palisade-hpc/palisade/internal/version"
 )
 
@@ -27,6 +28,9 @@ type AgentState struct {
 	Started   time.Time `json:"started"`
 	Config    string    `json:"config"`
 	ConfigSHA string    `json:"config_sha256"`
+	// SharedSHA is the hash of the cluster-wide tables of the running
+	// configuration (config.Config.SharedSHA256): equal on every node.
+	SharedSHA string `json:"shared_sha256"`
 	// Generation counts configurations applied since the agent started
 	// (1 = the one it started with); Reloads counts SIGHUPs handled,
 	// applied or refused.
@@ -42,7 +46,7 @@ type AgentState struct {
 	PinDir string `json:"pin_dir"`
 	// Findings are config check's warnings and errors for the running
 	// configuration (Slurm's accounts, risky settings).
-	Findings []policy.Finding `json:"findings,omitempty"`
+	Findings []config.Finding `json:"findings,omitempty"`
 	// Notes are problems of the running agent (a metrics address not bound).
 	Notes []string `json:"notes,omitempty"`
 }
@@ -89,8 +93,8 @@ func (a *agent) stateSnapshot() AgentState {
 	return a.state
 }
 
-func findings(cfg *policy.Config) []policy.Finding {
-	return cfg.Findings(policy.CheckOptions{SlurmConf: policy.SlurmConfPath()})
+func findings(cfg *config.Config) []config.Finding {
+	return cfg.Findings(config.CheckOptions{SlurmConf: config.SlurmConfPath()})
 }
 
 func (a *agent) initState() {
@@ -98,7 +102,7 @@ func (a *agent) initState() {
 	cfg := a.cfg
 	a.setState(func(s *AgentState) {
 		*s = AgentState{PID: os.Getpid(), Version: v.Version, Commit: v.Commit, Started: time.Now().UTC(),
-			Config: cfg.Path, ConfigSHA: cfg.SHA256, Generation: 1, Audit: cfg.Agent.Audit,
+			Config: cfg.Path, ConfigSHA: cfg.SHA256, SharedSHA: cfg.SharedSHA256(), Generation: 1, Audit: cfg.Agent.Audit,
 			UnenforcedNodes: cfg.Cluster.UnenforcedNodes, UnixLSM: a.dp.LSMErr() == nil, PinDir: a.pinDir, Findings: findings(cfg),
 			Notes: a.notes}
 	})
@@ -109,7 +113,7 @@ func (a *agent) initState() {
 
 // needsRestart names the settings a reload cannot apply: where the
 // programs are pinned and which are loaded are fixed for an agent's life.
-func needsRestart(old, cfg *policy.AgentConfig) []string {
+func needsRestart(old, cfg *agentconfig.Config) []string {
 	var keys []string
 	if old.BPFFS != cfg.BPFFS {
 		keys = append(keys, fmt.Sprintf("agent.bpffs (%q → %q)", old.BPFFS, cfg.BPFFS))
@@ -130,7 +134,7 @@ func needsRestart(old, cfg *policy.AgentConfig) []string {
 // in every case (logrotate sends SIGHUP after moving it).
 func (a *agent) reload() {
 	err := a.applyReload()
-	var fs []policy.Finding
+	var fs []config.Finding
 	if err != nil {
 		a.log.Error("configuration refused; the running configuration stays", "err", err)
 	} else {
@@ -152,7 +156,7 @@ func (a *agent) reload() {
 			return
 		}
 		s.Generation++
-		s.Config, s.ConfigSHA, s.Audit = a.cfg.Path, a.cfg.SHA256, a.cfg.Agent.Audit
+		s.Config, s.ConfigSHA, s.SharedSHA, s.Audit = a.cfg.Path, a.cfg.SHA256, a.cfg.SharedSHA256(), a.cfg.Agent.Audit
 		s.UnenforcedNodes, s.Findings, s.Notes = a.cfg.Cluster.UnenforcedNodes, fs, a.notes
 	})
 }
@@ -207,12 +211,12 @@ func (a *agent) applyReload() error {
 	return nil
 }
 
-func identChanged(old, cfg *policy.AgentConfig) bool {
+func identChanged(old, cfg *agentconfig.Config) bool {
 	return old.IdentPort != cfg.IdentPort || old.IdentSocket != cfg.IdentSocket || old.IdentSocketGroup != cfg.IdentSocketGroup
 }
 
 // reopenEvents reopens the event log (and syslog, the rate) as cfg says.
-func (a *agent) reopenEvents(cfg *policy.Config) {
+func (a *agent) reopenEvents(cfg *config.Config) {
 	if a.sink == nil {
 		return
 	}
@@ -376,7 +380,7 @@ func liveState(pidFile string, pid int) *AgentState {
 // user who may not read the pinned objects (bpffs is root's), the agent's
 // state file is the only source: without it the mode is "unknown", never
 // "none" (which would tell a user on an enforcing node that it is open).
-func (s *Status) addAgentState(cfg *policy.Config, cfgOK bool) {
+func (s *Status) addAgentState(cfg *config.Config, cfgOK bool) {
 	st, err := ReadState(cfg.Agent.PidFile)
 	live := err == nil && s.AgentPID != 0 && st.PID == s.AgentPID
 	// A user may not read the pinned objects; root in another mount

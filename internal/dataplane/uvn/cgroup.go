@@ -3,7 +3,6 @@ package uvn
 import (
 	"bufio"
 	"bytes"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -14,7 +13,6 @@ import (
 	"strings"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
 
@@ -200,125 +198,79 @@ func (c *cgroup2) removeCgroup(cg string) error {
 	return err
 }
 
-// ipprotoMPTCP is IPPROTO_MPTCP.
-const ipprotoMPTCP = 262
-
-// vrfProgram builds the cgroup sock_create program that binds every new
-// AF_INET/AF_INET6 socket to the VRF (what `ip vrf exec` does):
-// ctx->bound_dev_if = ifindex; return 1. A user cannot undo the binding:
-// changing SO_BINDTODEVICE on a bound socket needs CAP_NET_RAW.
-//
-// MPTCP sockets are refused (EPERM): their TCP subflows are kernel sockets
-// that do not inherit the binding, so an MPTCP listener would sit in the
-// default VRF, reachable by everyone (Go >= 1.24 listens with MPTCP by
-// default). Programs fall back to TCP.
+// vrfProgram loads pal_uvn_vrf (bpf/vrf.c) for the VRF device ifindex: it
+// binds every new inet socket of the cgroup to the VRF and refuses MPTCP.
 func vrfProgram(ifindex int) (*ebpf.Program, error) {
-	return ebpf.NewProgram(&ebpf.ProgramSpec{
-		Name:       "pal_uvn_vrf",
-		Type:       ebpf.CGroupSock,
-		AttachType: ebpf.AttachCGroupInetSockCreate,
-		License:    "GPL",
-		Instructions: asm.Instructions{
-			// struct bpf_sock { __u32 bound_dev_if, family, type, protocol; ... }
-			asm.LoadMem(asm.R2, asm.R1, 12, asm.Word),
-			asm.JEq.Imm(asm.R2, ipprotoMPTCP, "deny"),
-			asm.Mov.Imm(asm.R2, int32(ifindex)),
-			asm.StoreMem(asm.R1, 0, asm.R2, asm.Word),
-			asm.Mov.Imm(asm.R0, 1),
-			asm.Return(),
-			asm.Mov.Imm(asm.R0, 0).WithSymbol("deny"),
-			asm.Return(),
-		},
-	})
+	spec, err := loadVrfbpf()
+	if err != nil {
+		return nil, err
+	}
+	if err := spec.Variables[vrfbpfVarVrfIfindex].Set(uint32(ifindex)); err != nil {
+		return nil, err
+	}
+	var objs struct {
+		Prog *ebpf.Program `ebpf:"pal_uvn_vrf"`
+	}
+	if err := spec.LoadAndAssign(&objs, nil); err != nil {
+		return nil, err
+	}
+	return objs.Prog, nil
 }
 
-const bpfFAllowMulti = 1 << 1 // BPF_F_ALLOW_MULTI
-
-// Offsets in struct bpf_sock_addr.
-const (
-	offUserIP4   = 4
-	offUserPort  = 24
-	offMsgSrcIP4 = 40
-)
-
-// underlayProgram builds the cgroup connect4 (sendmsg=false) or sendmsg4
-// program that sends a user's traffic to system/Slurm ports of cluster
-// nodes over the underlay: if the destination port is in one of ranges and
-// the address in one of nets, the socket gets the user's NAT address as its
-// source (bpf_bind for connect, msg_src_ip4 for unconnected UDP). A node
-// rule then routes that source through the main table and the node's SNAT
-// makes it the node's own address; replies come back into the VRF like
-// off-subnet replies. Everything else is left alone (overlay).
-func underlayProgram(sendmsg bool, ranges []policy.PortRange, nets []netip.Prefix, self []netip.Addr, nat netip.Addr) (*ebpf.Program, error) {
-	le := func(a netip.Addr) int32 {
-		b := a.As4()
-		return int32(binary.LittleEndian.Uint32(b[:]))
+// underlayPrograms loads pal_uvn_conn4 and pal_uvn_send4 (bpf/vrf.c): a
+// user's connection or datagram to one of ranges on an address in nets (the
+// IPv4 underlay prefixes) leaves from nat, the user's NAT address, over
+// the underlay; everything else stays on the overlay. The two programs share
+// one map of nets; it lives as long as they do.
+func underlayPrograms(ranges []policy.PortRange, nets []netip.Prefix, nat netip.Addr) (conn, send *ebpf.Program, err error) {
+	if len(ranges) > int(vrfbpfUvnLimitUVN_MAX_PORT_RANGES) {
+		return nil, nil, fmt.Errorf("%d underlay port ranges; at most %d", len(ranges), vrfbpfUvnLimitUVN_MAX_PORT_RANGES)
 	}
-	insns := asm.Instructions{
-		asm.Mov.Reg(asm.R6, asm.R1),
-		asm.LoadMem(asm.R2, asm.R6, offUserPort, asm.Word),
-		asm.HostTo(asm.BE, asm.R2, asm.Half),
+	if len(nets) > int(vrfbpfUvnLimitUVN_MAX_NETS4) {
+		return nil, nil, fmt.Errorf("%d IPv4 underlay prefixes; at most %d", len(nets), vrfbpfUvnLimitUVN_MAX_NETS4)
 	}
+	if !nat.Is4() {
+		return nil, nil, fmt.Errorf("NAT address %s is not IPv4", nat)
+	}
+	spec, err := loadVrfbpf()
+	if err != nil {
+		return nil, nil, err
+	}
+	var pr [vrfbpfUvnLimitUVN_MAX_PORT_RANGES]vrfbpfUvnPortRange
 	for i, r := range ranges {
-		next := fmt.Sprintf("range%d", i+1)
-		insns = append(insns,
-			asm.JLT.Imm32(asm.R2, int32(r.First), next).WithSymbol(fmt.Sprintf("range%d", i)),
-			asm.JLE.Imm32(asm.R2, int32(r.Last), "addr"),
-		)
+		pr[i] = vrfbpfUvnPortRange{First: r.First, Last: r.Last}
 	}
-	insns = append(insns, asm.Ja.Label("out").WithSymbol(fmt.Sprintf("range%d", len(ranges))),
-		asm.LoadMem(asm.R3, asm.R6, offUserIP4, asm.Word).WithSymbol("addr"))
-	for _, a := range self {
-		insns = append(insns, asm.JEq.Imm32(asm.R3, le(a), "out"))
+	for name, v := range map[string]any{
+		vrfbpfVarUnderlayPorts:   pr,
+		vrfbpfVarN_underlayPorts: uint32(len(ranges)),
+		vrfbpfVarNatAddr:         nativeAddr4(nat),
+	} {
+		if err := spec.Variables[name].Set(v); err != nil {
+			return nil, nil, fmt.Errorf("underlay programs: set %s: %w", name, err)
+		}
 	}
+	var objs struct {
+		Conn *ebpf.Program `ebpf:"pal_uvn_conn4"`
+		Send *ebpf.Program `ebpf:"pal_uvn_send4"`
+		Nets *ebpf.Map     `ebpf:"pal_uvn_nets4"`
+	}
+	if err := spec.LoadAndAssign(&objs, nil); err != nil {
+		return nil, nil, err
+	}
+	defer objs.Nets.Close() // the programs hold it
 	for _, n := range nets {
-		mb := lastAddrMask(n.Bits())
-		insns = append(insns,
-			asm.Mov.Reg(asm.R4, asm.R3),
-			asm.And.Imm32(asm.R4, le(mb)),
-			asm.JEq.Imm32(asm.R4, le(n.Masked().Addr()), "act"),
-		)
+		if !n.Addr().Is4() {
+			err = fmt.Errorf("underlay prefix %s is not IPv4", n)
+		} else {
+			err = objs.Nets.Put(vrfbpfUvnLpm4{Prefixlen: uint32(n.Bits()), Addr: nativeAddr4(n.Masked().Addr())}, uint8(1))
+		}
+		if err != nil {
+			objs.Conn.Close()
+			objs.Send.Close()
+			return nil, nil, fmt.Errorf("underlay prefix %s: %w", n, err)
+		}
 	}
-	insns = append(insns, asm.Ja.Label("out"))
-	if sendmsg {
-		insns = append(insns,
-			asm.Mov.Imm32(asm.R7, le(nat)).WithSymbol("act"),
-			asm.StoreMem(asm.R6, offMsgSrcIP4, asm.R7, asm.Word))
-	} else {
-		insns = append(insns,
-			// struct sockaddr_in {AF_INET, port 0, NAT} at fp-16
-			asm.Mov.Imm(asm.R7, 0).WithSymbol("act"),
-			asm.StoreMem(asm.RFP, -16, asm.R7, asm.DWord),
-			asm.StoreMem(asm.RFP, -8, asm.R7, asm.DWord),
-			asm.Mov.Imm(asm.R7, unix.AF_INET),
-			asm.StoreMem(asm.RFP, -16, asm.R7, asm.Half),
-			asm.Mov.Imm32(asm.R7, le(nat)),
-			asm.StoreMem(asm.RFP, -12, asm.R7, asm.Word),
-			asm.Mov.Reg(asm.R1, asm.R6),
-			asm.Mov.Reg(asm.R2, asm.RFP),
-			asm.Add.Imm(asm.R2, -16),
-			asm.Mov.Imm(asm.R3, 16),
-			asm.FnBind.Call(),
-		)
-	}
-	insns = append(insns,
-		asm.Mov.Imm(asm.R0, 1).WithSymbol("out"),
-		asm.Return())
-	spec := &ebpf.ProgramSpec{Name: "pal_uvn_conn4", Type: ebpf.CGroupSockAddr, AttachType: ebpf.AttachCGroupInet4Connect,
-		License: "GPL", Instructions: insns}
-	if sendmsg {
-		spec.Name, spec.AttachType = "pal_uvn_send4", ebpf.AttachCGroupUDP4Sendmsg
-	}
-	return ebpf.NewProgram(spec)
-}
-
-// lastAddrMask is the IPv4 netmask of a prefix length.
-func lastAddrMask(bits int) netip.Addr {
-	var b [4]byte
-	for i := 0; i < bits; i++ {
-		b[i/8] |= 0x80 >> (i % 8)
-	}
-	return netip.AddrFrom4(b)
+	return objs.Conn, objs.Send, nil
 }
 
 // attachProg attaches prog to cg with ALLOW_MULTI and returns its id.
@@ -329,7 +281,7 @@ func (c *cgroup2) attachProg(cg string, prog *ebpf.Program, at ebpf.AttachType) 
 	}
 	defer unix.Close(fd)
 	if err := link.RawAttachProgram(link.RawAttachProgramOptions{
-		Target: fd, Program: prog, Attach: at, Flags: bpfFAllowMulti,
+		Target: fd, Program: prog, Attach: at, Flags: unix.BPF_F_ALLOW_MULTI,
 	}); err != nil {
 		return 0, fmt.Errorf("attach %s to cgroup %s: %w", at, cg, err)
 	}
@@ -341,7 +293,7 @@ func (c *cgroup2) attachProg(cg string, prog *ebpf.Program, at ebpf.AttachType) 
 	return uint32(id), nil
 }
 
-// attach loads the program for ifindex and attaches it to cg (it stays
+// attach loads the VRF program for ifindex and attaches it to cg (it stays
 // attached after the fd closes, for as long as the cgroup exists).
 func (c *cgroup2) attach(cg string, ifindex int) (uint32, error) {
 	prog, err := vrfProgram(ifindex)
@@ -349,22 +301,7 @@ func (c *cgroup2) attach(cg string, ifindex int) (uint32, error) {
 		return 0, fmt.Errorf("load VRF socket program: %w", err)
 	}
 	defer prog.Close()
-	fd, err := c.openDir(cg)
-	if err != nil {
-		return 0, fmt.Errorf("open cgroup %s: %w", cg, err)
-	}
-	defer unix.Close(fd)
-	if err := link.RawAttachProgram(link.RawAttachProgramOptions{
-		Target: fd, Program: prog, Attach: ebpf.AttachCGroupInetSockCreate, Flags: bpfFAllowMulti,
-	}); err != nil {
-		return 0, fmt.Errorf("attach VRF socket program to cgroup %s: %w", cg, err)
-	}
-	info, err := prog.Info()
-	if err != nil {
-		return 0, err
-	}
-	id, _ := info.ID()
-	return uint32(id), nil
+	return c.attachProg(cg, prog, ebpf.AttachCGroupInetSockCreate)
 }
 
 // detach removes program id from cg; a missing program or cgroup is fine.

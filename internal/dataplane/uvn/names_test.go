@@ -2,12 +2,9 @@ package uvn
 
 import (
 	"net/netip"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
-
-	"github.com/palisade-hpc/palisade/internal/policy"
 )
 
 var extremeUIDs = []uint32{256, 1000, 2001, 65535, 65536, 1<<22 - 1, 1 << 22, 1<<24 - 1, 1 << 24, 1<<31 + 7, 1<<32 - 2}
@@ -58,7 +55,7 @@ func TestNamesFitIFNAMSIZ(t *testing.T) {
 	seen := map[string]bool{}
 	for _, u := range extremeUIDs {
 		names := []string{VRFName(u)}
-		for i := 0; i < policy.UVNMaxUnderlays; i++ {
+		for i := 0; i < MaxUnderlays; i++ {
 			names = append(names, VXLANName(i, u))
 		}
 		for _, n := range names {
@@ -127,7 +124,7 @@ func TestJournalRollbackOrderAndIdempotentUndo(t *testing.T) {
 	dir := t.TempDir()
 	s := store{dir}
 	st := &UserState{UID: 2001}
-	m := &Manager{st: s, cfg: &policy.UVNConfig{StateDir: dir}}
+	m := &Manager{st: s, cfg: &Config{StateDir: dir}}
 	for _, n := range []string{"palv2001", "pal0x2001", "pal1x2001"} {
 		if err := m.record(st, Undo{Kind: "link", Name: n}); err != nil {
 			t.Fatal(err)
@@ -168,7 +165,7 @@ func TestInjectedFailureStep(t *testing.T) {
 }
 
 func TestCheckUID(t *testing.T) {
-	cfg := &policy.UVNConfig{}
+	cfg := &Config{}
 	cfg.SetDefaults()
 	m := &Manager{cfg: cfg}
 	for _, c := range []struct {
@@ -187,26 +184,4 @@ func TestHolders(t *testing.T) {
 	if len(st.Holders) != 0 {
 		t.Fatal("dead holder kept")
 	}
-}
-
-// TestUnderlayProgramsLoad loads the underlay-port programs into the
-// running kernel (verifier included); needs root (CAP_BPF).
-func TestUnderlayProgramsLoad(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root")
-	}
-	for _, sendmsg := range []bool{false, true} {
-		p, err := underlayProgram(sendmsg, []policy.PortRange{{First: 1, Last: 1023}, {First: 6817, Last: 6819}},
-			[]netip.Prefix{netip.MustParsePrefix("198.18.0.0/24"), netip.MustParsePrefix("198.19.0.0/24")},
-			[]netip.Addr{netip.MustParseAddr("198.18.0.1")}, netip.MustParseAddr("100.64.7.210"))
-		if err != nil {
-			t.Fatalf("sendmsg=%v: %v", sendmsg, err)
-		}
-		p.Close()
-	}
-	p, err := vrfProgram(1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p.Close()
 }

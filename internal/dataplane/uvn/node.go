@@ -739,17 +739,10 @@ func (c *cgroup2) detachAll(a Attachment) error {
 		c.detach(a.Cgroup, a.ProgID))
 }
 
-// attachUnderlay attaches the underlay-port programs (see underlayProgram)
+// attachUnderlay attaches the underlay-port programs (see underlayPrograms)
 // for the IPv4 underlay prefixes.
 func (m *Manager) attachUnderlay(cg *cgroup2, a *Attachment, st *UserState) error {
-	var nets []netip.Prefix
-	for _, u := range m.cfg.Underlays {
-		for _, n := range u.Nets {
-			if n.Addr().Is4() {
-				nets = append(nets, n)
-			}
-		}
-	}
+	nets := m.cfg.nets4()
 	if len(nets) == 0 || len(m.cfg.UnderlayRanges) == 0 {
 		return nil
 	}
@@ -760,27 +753,17 @@ func (m *Manager) attachUnderlay(cg *cgroup2, a *Attachment, st *UserState) erro
 	// The node's own addresses are included: a UDP service in the default
 	// VRF answers from the default VRF, which reaches the VRF socket only
 	// through the NAT address (rule 998 delivers locally).
-	for _, sendmsg := range []bool{false, true} {
-		prog, err := underlayProgram(sendmsg, m.cfg.UnderlayRanges, nets, nil, nat)
-		if err != nil {
-			return fmt.Errorf("load underlay-port program: %w", err)
-		}
-		at := ebpf.AttachCGroupInet4Connect
-		if sendmsg {
-			at = ebpf.AttachCGroupUDP4Sendmsg
-		}
-		id, err := cg.attachProg(a.Cgroup, prog, at)
-		prog.Close()
-		if err != nil {
-			return err
-		}
-		if sendmsg {
-			a.SendmsgID = id
-		} else {
-			a.ConnectID = id
-		}
+	conn, send, err := underlayPrograms(m.cfg.UnderlayRanges, nets, nat)
+	if err != nil {
+		return fmt.Errorf("load underlay-port programs: %w", err)
 	}
-	return nil
+	defer conn.Close()
+	defer send.Close()
+	if a.ConnectID, err = cg.attachProg(a.Cgroup, conn, ebpf.AttachCGroupInet4Connect); err != nil {
+		return err
+	}
+	a.SendmsgID, err = cg.attachProg(a.Cgroup, send, ebpf.AttachCGroupUDP4Sendmsg)
+	return err
 }
 
 // Node rules for the underlay ports: a socket whose source is a NAT

@@ -53,7 +53,7 @@ func srunSpec(r policy.PortRange) (*ebpf.CollectionSpec, error) {
 // traffic leaves their VRF from the node's address.
 func (m *Manager) checkSrunRange() error {
 	r := m.Srun
-	if err := policy.CheckSrunRange(r, m.cfg.UnderlayRanges); err != nil {
+	if err := CheckSrunRange(r, m.cfg.UnderlayRanges); err != nil {
 		return err
 	}
 	if v, err := readSysctl("net/ipv4/ip_local_port_range"); err == nil {
@@ -210,7 +210,7 @@ func (m *Manager) ensureSrunTC(ns *NodeState) error {
 
 // fillSrunSources puts the underlay prefixes (where Slurm's daemons live)
 // into the source tries.
-func fillSrunSources(coll *ebpf.Collection, us []policy.UVNUnderlay) error {
+func fillSrunSources(coll *ebpf.Collection, us []Underlay) error {
 	for _, u := range us {
 		for _, n := range u.Nets {
 			var err error

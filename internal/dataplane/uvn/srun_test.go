@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
-	"fmt"
 	"net"
 	"net/netip"
 	"os"
@@ -33,7 +32,7 @@ func srunTestColl(t *testing.T, r policy.PortRange) *ebpf.Collection {
 		t.Fatalf("load tc program: %v", err)
 	}
 	t.Cleanup(coll.Close)
-	us := []policy.UVNUnderlay{{Nets: []netip.Prefix{netip.MustParsePrefix("198.18.0.0/24"), netip.MustParsePrefix("2001:2::/64")}}}
+	us := []Underlay{{Nets: []netip.Prefix{netip.MustParsePrefix("198.18.0.0/24"), netip.MustParsePrefix("2001:2::/64")}}}
 	if err := fillSrunSources(coll, us); err != nil {
 		t.Fatal(err)
 	}
@@ -114,24 +113,11 @@ func TestSrunClaims(t *testing.T) {
 	r := policy.PortRange{First: 61000, Last: 62999}
 	coll := srunTestColl(t, r)
 	ports := coll.Maps["pal_srun_ports"]
-	cg, err := openCgroup2()
-	if err != nil {
-		t.Skip("no cgroup2:", err)
-	}
-	defer cg.Close()
-	home, err := procCgroup(os.Getpid())
-	if err != nil {
-		t.Fatal(err)
-	}
+	var cg *cgroup2
+	var home string
 	mk := func(name string, ifindex int) string {
-		path := fmt.Sprintf("/pal-uvntest-%d-%s", os.Getpid(), name)
-		if err := unix.Mkdirat(cg.root, rel(path), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			cg.writeFile(home, "cgroup.procs", strconv.Itoa(os.Getpid()))
-			unix.Unlinkat(cg.root, rel(path), unix.AT_REMOVEDIR)
-		})
+		var path string
+		cg, home, path = scratchCgroup(t, name)
 		spec, err := srunSpec(r)
 		if err != nil {
 			t.Fatal(err)
@@ -156,11 +142,7 @@ func TestSrunClaims(t *testing.T) {
 		return path
 	}
 	a, b := mk("a", 101), mk("b", 102)
-	enter := func(path string) {
-		if err := cg.writeFile(path, "cgroup.procs", strconv.Itoa(os.Getpid())); err != nil {
-			t.Fatal(err)
-		}
-	}
+	enter := func(path string) { enterCgroup(t, cg, path) }
 	owner := func(port int) uint32 {
 		var o srunbpfSrunOwner
 		if err := ports.Lookup(uint64(port), &o); err != nil {

@@ -21,7 +21,7 @@ import (
 // namespace it runs in). It is safe to run several managers (processes) at
 // once: state and locks live in the state directory.
 type Manager struct {
-	cfg   *policy.UVNConfig
+	cfg   *Config
 	nodes []netip.Addr
 	st    store
 	// FailAt makes the named step fail (tests: rollback on injected
@@ -36,7 +36,7 @@ type Manager struct {
 
 // New returns a manager for a validated [uvn] section; nodes are the
 // cluster's node addresses ([cluster] nodes), the default unicast peers.
-func New(cfg *policy.UVNConfig, nodes []netip.Addr) *Manager {
+func New(cfg *Config, nodes []netip.Addr) *Manager {
 	return &Manager{cfg: cfg, nodes: nodes, st: store{cfg.StateDir}, FailAt: os.Getenv("PALISADE_UVN_FAIL_AT")}
 }
 
@@ -433,7 +433,7 @@ func isUVNDev(name string) bool {
 // localUnderlay finds this node's NIC and addresses on underlay u: the NIC
 // holding an address in u's first prefix (the tunnel endpoint), and all of
 // that NIC's addresses inside any of u's prefixes (mirrored on the VXLAN).
-func localUnderlay(u policy.UVNUnderlay) (netlink.Link, netip.Addr, []netip.Prefix, error) {
+func localUnderlay(u Underlay) (netlink.Link, netip.Addr, []netip.Prefix, error) {
 	addrs, err := nldump.Retry(func() ([]netlink.Addr, error) { return netlink.AddrList(nil, netlink.FAMILY_ALL) })
 	if err != nil {
 		return nil, netip.Addr{}, nil, err
@@ -465,7 +465,7 @@ func localUnderlay(u policy.UVNUnderlay) (netlink.Link, netip.Addr, []netip.Pref
 	return nil, netip.Addr{}, nil, nil
 }
 
-func (m *Manager) peers(u policy.UVNUnderlay) []netip.Addr {
+func (m *Manager) peers(u Underlay) []netip.Addr {
 	if len(u.PeerAddrs) > 0 {
 		return u.PeerAddrs
 	}

@@ -4,6 +4,8 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
 	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 )
 
@@ -294,77 +297,14 @@ func TestExplainAgreesWithKernel(t *testing.T) {
 // TestUpgradeWithoutGap replaces node1's agent by a newer build, as the
 // package's postinst does (stop, new binary, start): the new version adopts
 // the pinned programs and maps, and during the whole replacement no refused
-// connection gets through and no allowed one fails. (A newer build with
-// another map layout is not covered yet: docs/deploy.md, Known limits.)
+// connection gets through and no allowed one fails.
 func TestUpgradeWithoutGap(t *testing.T) {
 	needTestbed(t)
 	const next = "9.9.9~upgrade"
-	bin := filepath.Join(t.TempDir(), "palisade")
-	build := exec.Command("go", "build", "-ldflags", "-X github.com/palisade-hpc/palisade/internal/version.version="+next,
-		"-o", bin, "github.com/palisade-hpc/palisade/cmd/palisade")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("building N+1: %v\n%s", err, out)
-	}
-	old, err := os.ReadFile(tb.Binary)
-	if err != nil {
-		t.Fatal(err)
-	}
-	n1 := tb.Nodes[0]
-	ctx := context.Background()
-	replace := func(b []byte) {
-		t.Helper()
-		if err := os.WriteFile(tb.Binary+".new", b, 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Rename(tb.Binary+".new", tb.Binary); err != nil {
-			t.Fatal(err)
-		}
-	}
-	restart := func() {
-		t.Helper()
-		pidFile := AgentPidFile(tb, "node1")
-		if pid := uw.ReadPid(pidFile); pid != 0 {
-			syscall.Kill(pid, syscall.SIGTERM)
-			for i := 0; i < 250 && uw.ReadPid(pidFile) != 0; i++ {
-				time.Sleep(20 * time.Millisecond)
-			}
-		}
-		if err := StartAgent(ctx, tb, n1); err != nil {
-			t.Fatal(err)
-		}
-	}
-	t.Cleanup(func() { replace(old); restart() })
-
-	listen(t, "node1", "alice", "tcp", "::", 5197)
+	u := newUpgrader(t)
+	listenBoth(t, 5197)
 	before := status(t, "node1")
-	d := 5 * time.Second
-	probes := []struct {
-		cmd  *exec.Cmd
-		want string
-	}{
-		{loop(ctx, "node1", "bob", "tcp", "127.0.0.1", 5197, d), "ERR ECONNREFUSED="},
-		{loop(ctx, "node2", "bob", "tcp", n1.Eth0V4.String(), 5197, d), "ERR ECONNREFUSED="},
-		{loop(ctx, "node1", "alice", "tcp", "127.0.0.1", 5197, d), "OK echo="},
-		{loop(ctx, "node2", "alice", "tcp", n1.IBV4.String(), 5197, d), "OK echo="},
-	}
-	outs := make([]strings.Builder, len(probes))
-	for i, p := range probes {
-		p.cmd.Stdout = &outs[i]
-		if err := p.cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	time.Sleep(500 * time.Millisecond)
-	replace(must(os.ReadFile(bin)))
-	restart()
-	for i, p := range probes {
-		p.cmd.Wait()
-		got := strings.TrimSpace(outs[i].String())
-		if !regexp.MustCompile(`^` + regexp.QuoteMeta(p.want) + `\d+$`).MatchString(got) {
-			t.Errorf("probe %v: outcomes %q, want only %s…", p.cmd.Args[len(p.cmd.Args)-6:], got, p.want)
-		}
-	}
+	u.replaceUnderTraffic(t, buildAgent(t, next), 5197)
 	after := status(t, "node1")
 	if after.Agent == nil || after.Agent.Version != next || after.Agent.Version == before.Agent.Version {
 		t.Errorf("after the upgrade the agent reports %+v (before: %s)", after.Agent, before.Agent.Version)
@@ -378,9 +318,479 @@ func TestUpgradeWithoutGap(t *testing.T) {
 	}
 }
 
+// TestUpgradeChangedLayout: N → N+1 whose maps have another layout (build
+// tag palisade_layout_next: sk_owners gets another flag, counters and
+// exempt_conn another max_entries) → N again, each under continuous local
+// and cross-node TCP and UDP traffic: no refused attempt gets through, no
+// allowed one fails. The changed maps are replaced (new IDs, old ones
+// freed), the unchanged ones kept (same IDs), the counters carried over,
+// every link keeps its pin and runs the new program (the old programs are
+// freed), and nothing is left under next/. Both with tcx links and with tc
+// filters (tc_attach = "tc", kernels before 6.6).
+func TestUpgradeChangedLayout(t *testing.T) {
+	needTestbed(t)
+	const next = "9.9.9~layout"
+	u := newUpgrader(t)
+	regular := u.old
+	variant := buildAgent(t, next, "palisade_layout_next")
+	changed := map[string]bool{"sk_owners": true, "counters": true, "exempt_conn": true}
+	listenBoth(t, 5198)
+	for _, attach := range []string{"tcx", "tc"} {
+		t.Run(attach, func(t *testing.T) {
+			if attach == "tc" {
+				useTCAttach(t, u)
+			}
+			for _, step := range []struct {
+				name string
+				bin  []byte
+			}{{"N → N+1 (changed layout)", variant}, {"N+1 → N (downgrade, changed layout)", regular}} {
+				before := status(t, "node1")
+				ids := pinnedMapIDs(t, before.PinDir)
+				var total uint64
+				for _, c := range before.Counters {
+					total += c.Count
+				}
+				u.replaceUnderTraffic(t, step.bin, 5198)
+				after := status(t, "node1")
+				if after.Agent == nil || after.Agent.PID == before.Agent.PID || after.PinDir != before.PinDir {
+					t.Fatalf("%s: agent after: %+v", step.name, after.Agent)
+				}
+				log, _ := os.ReadFile(filepath.Join(tb.LogDir(), "node1-agent.log"))
+				if !strings.Contains(string(log[u.logAt:]), "migration committed") {
+					t.Errorf("%s: the agent log does not say it migrated:\n%s", step.name, log[u.logAt:])
+				}
+				now := pinnedMapIDs(t, after.PinDir)
+				for name, id := range ids {
+					switch {
+					case now[name] == 0:
+						t.Errorf("%s: map %s no longer pinned", step.name, name)
+					case changed[name] && now[name] == id:
+						t.Errorf("%s: map %s (changed layout) still the old one (id %d)", step.name, name, id)
+					case changed[name] && !gone(func() bool { return !mapExists(id) }):
+						t.Errorf("%s: old map %s (id %d) still exists", step.name, name, id)
+					case !changed[name] && now[name] != id:
+						t.Errorf("%s: map %s (same layout) replaced: id %d → %d", step.name, name, id, now[name])
+					}
+				}
+				if len(now) != len(ids) {
+					t.Errorf("%s: pinned maps %v → %v", step.name, ids, now)
+				}
+				if _, err := os.Stat(filepath.Join(after.PinDir, "next")); !os.IsNotExist(err) {
+					t.Errorf("%s: staging directory left behind: %v", step.name, err)
+				}
+				var total2 uint64
+				for _, c := range after.Counters {
+					total2 += c.Count
+				}
+				if total2 < total {
+					t.Errorf("%s: counters not carried over: total %d → %d", step.name, total, total2)
+				}
+				checkLinksReplaced(t, step.name, before, after)
+			}
+		})
+	}
+}
+
+// TestUpgradeRollback: a changed-layout upgrade that fails half-way (a
+// test build fails on purpose after the cgroup link connect6 switched, or
+// after every link switched, just before commit) rolls back: the agent
+// exits with the reason, every link runs its old program again, the pinned
+// maps are the old ones, next/ is gone, and traffic was decided right
+// throughout; the old version then starts on what it left. With tcx links
+// and with tc filters.
+func TestUpgradeRollback(t *testing.T) {
+	needTestbed(t)
+	u := newUpgrader(t)
+	variant := buildAgent(t, "9.9.9~fault", "palisade_layout_next")
+	listenBoth(t, 5199)
+	for _, attach := range []string{"tcx", "tc"} {
+		t.Run(attach, func(t *testing.T) {
+			if attach == "tc" {
+				useTCAttach(t, u)
+			}
+			before := status(t, "node1")
+			mapIDs := pinnedMapIDs(t, before.PinDir)
+			progs := map[string]uint32{}
+			for _, l := range before.Links {
+				progs[l.Name] = l.ProgID
+			}
+			pidFile := AgentPidFile(tb, "node1")
+			underTraffic(t, 5199, func() {
+				u.replace(t, variant)
+				if pid := uw.ReadPid(pidFile); pid != 0 {
+					syscall.Kill(pid, syscall.SIGTERM)
+					for i := 0; i < 250 && uw.ReadPid(pidFile) != 0; i++ {
+						time.Sleep(20 * time.Millisecond) // the pid file goes when it stopped
+					}
+				}
+				for _, stage := range []string{"cgroup:connect6", "commit"} {
+					cmd := nodeCommand(context.Background(), tb, tb.Nodes[0], "agent")
+					cmd.Env = append(cmd.Env, "PALISADE_MIGRATION_FAULT="+stage)
+					out, err := cmd.CombinedOutput()
+					if err == nil || !strings.Contains(string(out), "migration rolled back") || !strings.Contains(string(out), "injected fault at "+stage) {
+						t.Errorf("%s: agent: %v\n%s", stage, err, out)
+					}
+					if !strings.Contains(string(out), "pinned maps have another layout: migrating") {
+						t.Errorf("%s: the agent did not migrate:\n%s", stage, out)
+					}
+					after := status(t, "node1")
+					for _, l := range after.Links {
+						if progs[l.Name] != l.ProgID {
+							t.Errorf("%s: link %s runs program %d, before %d", stage, l.Name, l.ProgID, progs[l.Name])
+						}
+					}
+					if len(after.Links) != len(before.Links) {
+						t.Errorf("%s: links %d → %d", stage, len(before.Links), len(after.Links))
+					}
+					if now := pinnedMapIDs(t, before.PinDir); !maps.Equal(now, mapIDs) {
+						t.Errorf("%s: pinned maps %v, before %v", stage, now, mapIDs)
+					}
+					if _, err := os.Stat(filepath.Join(before.PinDir, "next")); !os.IsNotExist(err) {
+						t.Errorf("%s: staging directory left behind: %v", stage, err)
+					}
+				}
+				u.replace(t, u.old)
+				u.restart(t)
+			})
+			log, _ := os.ReadFile(filepath.Join(tb.LogDir(), "node1-agent.log"))
+			if strings.Contains(string(log[u.logAt:]), "migrating") {
+				t.Errorf("the old version migrated after the rollbacks (it should find its own layout):\n%s", log[u.logAt:])
+			}
+		})
+	}
+}
+
+// useTCAttach restarts node1's agent with tc_attach = "tc" (clsact
+// filters instead of tcx links) until the test ends.
+func useTCAttach(t *testing.T, u *upgrader) {
+	t.Helper()
+	p := tb.ConfigPath("node1")
+	orig := must(os.ReadFile(p))
+	conf := strings.Replace(string(orig), "[agent]\n", "[agent]\ntc_attach = \"tc\"\n", 1)
+	if conf == string(orig) {
+		t.Fatal("no [agent] table in node1's configuration")
+	}
+	os.WriteFile(p, []byte(conf), 0o644)
+	t.Cleanup(func() {
+		os.WriteFile(p, orig, 0o644)
+		u.restart(t)
+	})
+	u.restart(t)
+	if s := status(t, "node1"); s.Attach != "tc" {
+		t.Fatalf("node1 with tc_attach = \"tc\": attach %q", s.Attach)
+	}
+}
+
+// listenBoth starts alice's TCP and UDP listeners on node1 (all addresses).
+func listenBoth(t *testing.T, port int) {
+	listen(t, "node1", "alice", "tcp", "::", port)
+	listen(t, "node1", "alice", "udp", "::", port)
+}
+
+// gone polls cond for up to 5 s: the kernel frees a program and its maps
+// after an RCU grace period and a work item once the last reference goes,
+// and nothing acknowledges that.
+func gone(cond func() bool) bool {
+	for deadline := time.Now().Add(5 * time.Second); !cond(); {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return true
+}
+
+// pinnedMapIDs: the IDs of the maps pinned in dir, by name.
+func pinnedMapIDs(t *testing.T, dir string) map[string]ebpf.MapID {
+	t.Helper()
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]ebpf.MapID{}
+	for _, e := range ents {
+		if e.IsDir() {
+			continue
+		}
+		m, err := ebpf.LoadPinnedMap(filepath.Join(dir, e.Name()), &ebpf.LoadPinOptions{ReadOnly: true})
+		if err != nil {
+			t.Fatalf("pinned map %s: %v", e.Name(), err)
+		}
+		info, err := m.Info()
+		m.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		id, _ := info.ID()
+		out[e.Name()] = id
+	}
+	return out
+}
+
+func mapExists(id ebpf.MapID) bool {
+	m, err := ebpf.NewMapFromID(id)
+	if err != nil {
+		return false
+	}
+	m.Close()
+	return true
+}
+
+// checkLinksReplaced: the same link pins, each on a new program; the old
+// programs are gone from the kernel (bpftool does not find them).
+func checkLinksReplaced(t *testing.T, step string, before, after *uw.Status) {
+	t.Helper()
+	prog := map[string]uint32{}
+	for _, l := range after.Links {
+		prog[l.Name] = l.ProgID
+	}
+	for _, l := range before.Links {
+		id, ok := prog[l.Name]
+		switch {
+		case !ok:
+			t.Errorf("%s: link %s gone", step, l.Name)
+		case id == l.ProgID:
+			t.Errorf("%s: link %s still runs the old program %d", step, l.Name, id)
+		default:
+			show := func() error {
+				return exec.Command("bpftool", "prog", "show", "id", strconv.Itoa(int(l.ProgID))).Run()
+			}
+			if !gone(func() bool { return show() != nil }) {
+				out, _ := exec.Command("bpftool", "prog", "show", "id", strconv.Itoa(int(l.ProgID))).CombinedOutput()
+				t.Errorf("%s: old program %d of %s still loaded: %s", step, l.ProgID, l.Name, out)
+			}
+		}
+	}
+	if len(after.Links) != len(before.Links) {
+		t.Errorf("%s: links %d → %d", step, len(before.Links), len(after.Links))
+	}
+}
+
+// buildAgent builds the palisade binary with version v and build tags.
+func buildAgent(t *testing.T, v string, tags ...string) []byte {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "palisade")
+	args := []string{"build", "-ldflags", "-X github.com/palisade-hpc/palisade/internal/version.version=" + v, "-o", bin}
+	if len(tags) > 0 {
+		args = append(args, "-tags", strings.Join(tags, ","))
+	}
+	build := exec.Command("go", append(args, "github.com/palisade-hpc/palisade/cmd/palisade")...)
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("building %s: %v\n%s", v, err, out)
+	}
+	return must(os.ReadFile(bin))
+}
+
+// upgrader replaces node1's agent binary and restarts it as the package's
+// postinst does (stop, new binary, start); the test's end restores the
+// original binary and restarts that.
+type upgrader struct {
+	old   []byte
+	logAt int // length of node1's agent log at the last restart
+}
+
+func newUpgrader(t *testing.T) *upgrader {
+	u := &upgrader{old: must(os.ReadFile(tb.Binary))}
+	t.Cleanup(func() { u.replace(t, u.old); u.restart(t) })
+	return u
+}
+
+func (u *upgrader) replace(t *testing.T, b []byte) {
+	t.Helper()
+	if err := os.WriteFile(tb.Binary+".new", b, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tb.Binary+".new", tb.Binary); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (u *upgrader) restart(t *testing.T) {
+	t.Helper()
+	pidFile := AgentPidFile(tb, "node1")
+	if pid := uw.ReadPid(pidFile); pid != 0 {
+		syscall.Kill(pid, syscall.SIGTERM)
+		for i := 0; i < 250 && uw.ReadPid(pidFile) != 0; i++ {
+			time.Sleep(20 * time.Millisecond) // the pid file goes when it stopped
+		}
+	}
+	if fi, err := os.Stat(filepath.Join(tb.LogDir(), "node1-agent.log")); err == nil {
+		u.logAt = int(fi.Size())
+	}
+	if err := StartAgent(context.Background(), tb, tb.Nodes[0]); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// replaceUnderTraffic installs bin on node1 and restarts its agent under
+// traffic (underTraffic).
+func (u *upgrader) replaceUnderTraffic(t *testing.T, bin []byte, port int) {
+	t.Helper()
+	underTraffic(t, port, func() {
+		u.replace(t, bin)
+		u.restart(t)
+	})
+}
+
+// underTraffic runs action while alice's TCP and UDP listeners on node1's
+// port (see listenBoth) are hammered: bob's attempts (local and from node2)
+// must all be refused, alice's all succeed.
+func underTraffic(t *testing.T, port int, action func()) {
+	t.Helper()
+	n1 := tb.Nodes[0]
+	ctx := context.Background()
+	d := 5 * time.Second
+	const noneOK = `(ERR=\d+|TIMEOUT=\d+|ERR=\d+ TIMEOUT=\d+)`
+	probes := []struct {
+		cmd  *exec.Cmd
+		want string // regexp of the loop's outcome counts
+	}{
+		{loop(ctx, "node1", "bob", "tcp", "127.0.0.1", port, d), `ERR ECONNREFUSED=\d+`},
+		{loop(ctx, "node2", "bob", "tcp", n1.Eth0V4.String(), port, d), `ERR ECONNREFUSED=\d+`},
+		{loop(ctx, "node1", "bob", "udp", "127.0.0.1", port, d), noneOK},
+		{loop(ctx, "node2", "bob", "udp", n1.Eth0V4.String(), port, d), noneOK},
+		{loop(ctx, "node1", "alice", "tcp", "127.0.0.1", port, d), `OK echo=\d+`},
+		{loop(ctx, "node2", "alice", "tcp", n1.IBV4.String(), port, d), `OK echo=\d+`},
+		{loop(ctx, "node1", "alice", "udp", "::1", port, d), `OK=\d+`},
+		{loop(ctx, "node2", "alice", "udp", n1.Eth0V4.String(), port, d), `OK=\d+`},
+	}
+	outs := make([]strings.Builder, len(probes))
+	for i, p := range probes {
+		p.cmd.Stdout = &outs[i]
+		if err := p.cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(500 * time.Millisecond) // traffic before the replacement
+	action()
+	for i, p := range probes {
+		p.cmd.Wait()
+		got := strings.TrimSpace(outs[i].String())
+		if !regexp.MustCompile(`^` + p.want + `$`).MatchString(got) {
+			t.Errorf("probe %v: outcomes %q, want only %s", p.cmd.Args[len(p.cmd.Args)-6:], got, p.want)
+		}
+	}
+}
+
 func must[T any](v T, err error) T {
 	if err != nil {
 		panic(err)
 	}
 	return v
+}
+
+// clusterStatus runs `palisade status --all --json` on node1: the view and
+// the exit status.
+func clusterStatus(t *testing.T) (views map[string]uw.NodeView, shared string, code int) {
+	t.Helper()
+	cmd := nodeCommand(context.Background(), tb, tb.Nodes[0], "status", "--all", "--json", "--timeout", "1s")
+	out, err := cmd.Output()
+	if err != nil {
+		if _, ok := err.(*exec.ExitError); !ok {
+			t.Fatalf("status --all: %v", err)
+		}
+		code = cmd.ProcessState.ExitCode()
+	}
+	var v struct {
+		SharedSHA string        `json:"shared_sha256"`
+		Nodes     []uw.NodeView `json:"nodes"`
+	}
+	if err := json.Unmarshal(out, &v); err != nil {
+		t.Fatalf("status --all (exit %d): %v: %s", code, err, out)
+	}
+	views = map[string]uw.NodeView{}
+	for _, n := range v.Nodes {
+		views[n.Name] = n
+	}
+	if len(views) != len(tb.Nodes) {
+		t.Errorf("status --all reports %d nodes, the testbed has %d", len(views), len(tb.Nodes))
+	}
+	return views, v.SharedSHA, code
+}
+
+// TestStatusAll: `palisade status --all` asks every node's agent over the
+// ident service. All up and alike: every node enforcing with its running
+// file's hash and generation. A node whose cluster-wide configuration
+// differs (applied by reload) is "drift"; a node whose agent is stopped is
+// "down" within the per-node timeout; either makes the exit status 2.
+func TestStatusAll(t *testing.T) {
+	needTestbed(t)
+	views, shared, code := clusterStatus(t)
+	for _, n := range tb.Nodes {
+		v := views[n.Name]
+		r := v.Report
+		if v.State != uw.NodeOK && v.State != uw.NodeWarnings || r == nil {
+			t.Fatalf("%s: %+v", n.Name, v)
+		}
+		st, err := uw.ReadState(AgentPidFile(tb, n.Name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Mode != "userwall" || !r.Enforcing || r.Version != st.Version || r.ConfigSHA != fileSHA(t, tb.ConfigPath(n.Name)) ||
+			r.SharedSHA != shared || r.Generation != st.Generation || v.Addr != n.Eth0V4 {
+			t.Errorf("%s: report %+v (state %+v, shared %s)", n.Name, r, st, shared)
+		}
+	}
+	if code != 0 && code != 1 {
+		t.Errorf("status --all with every node up and alike exits %d", code)
+	}
+
+	// Drift: node2 runs another [policy] (one more exempt listener).
+	p := tb.ConfigPath("node2")
+	orig := must(os.ReadFile(p))
+	t.Cleanup(func() {
+		os.WriteFile(p, orig, 0o644)
+		reload(t, "node2")
+	})
+	conf := regexp.MustCompile(`(?m)^exempt_listeners = \[`).ReplaceAllString(string(orig), `exempt_listeners = ["daemon", `)
+	if conf == string(orig) {
+		t.Fatal("exempt_listeners not found in node2's configuration")
+	}
+	os.WriteFile(p, []byte(conf), 0o644)
+	gen := reload(t, "node2").Generation
+	views, _, code = clusterStatus(t)
+	if v := views["node2"]; v.State != uw.NodeDrift || v.Report == nil || v.Report.Generation != gen || !strings.Contains(v.Error, "expected") {
+		t.Errorf("node2 with another policy: %+v", v)
+	}
+	if v := views["node1"]; v.State == uw.NodeDrift || v.State == uw.NodeDown {
+		t.Errorf("node1: %+v", v)
+	}
+	if code != 2 {
+		t.Errorf("status --all with a drifting node exits %d, want 2", code)
+	}
+	os.WriteFile(p, orig, 0o644)
+	reload(t, "node2")
+
+	// Down: node2's agent stopped (its programs still enforce).
+	n2 := tb.Nodes[1]
+	pidFile := AgentPidFile(tb, n2.Name)
+	pid := uw.ReadPid(pidFile)
+	if pid == 0 {
+		t.Fatal("node2's agent not running")
+	}
+	t.Cleanup(func() {
+		if err := StartAgent(context.Background(), tb, n2); err != nil {
+			t.Error(err)
+		}
+	})
+	syscall.Kill(pid, syscall.SIGTERM)
+	for i := 0; i < 250 && uw.ReadPid(pidFile) != 0; i++ {
+		time.Sleep(20 * time.Millisecond) // the pid file goes when it stopped
+	}
+	start := time.Now()
+	views, _, code = clusterStatus(t)
+	took := time.Since(start)
+	if v := views["node2"]; v.State != uw.NodeDown || v.Report != nil || !strings.Contains(v.Error, "no answer") {
+		t.Errorf("node2 with its agent stopped: %+v", v)
+	}
+	if v := views["node1"]; v.State != uw.NodeOK && v.State != uw.NodeWarnings {
+		t.Errorf("node1: %+v", v)
+	}
+	if code != 2 {
+		t.Errorf("status --all with a node down exits %d, want 2", code)
+	}
+	if took > 10*time.Second {
+		t.Errorf("status --all with a node down took %v (timeout 1 s per node)", took)
+	}
 }

@@ -7,6 +7,7 @@ import (
 	"runtime"
 	"time"
 
+	"github.com/palisade-hpc/palisade/internal/config"
 	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/lab/check"
@@ -86,7 +87,7 @@ func WaitMembers(ctx context.Context, tb *testbed.Testbed, node string, pairs []
 		return err
 	}
 	fs := "/sys/fs/bpf"
-	if c, err := policy.Load(tb.ConfigPath(node)); err == nil {
+	if c, err := config.Load(tb.ConfigPath(node)); err == nil {
 		fs = c.Agent.BPFFS
 	}
 	pinDir := uw.PinDir(fs, cookie)
@@ -121,7 +122,7 @@ func NodePinDir(tb *testbed.Testbed, node string) (string, error) {
 		return "", err
 	}
 	fs := "/sys/fs/bpf"
-	if c, err := policy.Load(tb.ConfigPath(node)); err == nil {
+	if c, err := config.Load(tb.ConfigPath(node)); err == nil {
 		fs = c.Agent.BPFFS
 	}
 	return uw.PinDir(fs, cookie), nil

@@ -15,8 +15,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/palisade-hpc/palisade/internal/config"
 	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
-	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
 
@@ -52,7 +52,7 @@ func nodeCommand(ctx context.Context, tb *testbed.Testbed, n testbed.Node, args 
 
 // AgentPidFile is the node's agent pid file (from its configuration).
 func AgentPidFile(tb *testbed.Testbed, node string) string {
-	if c, err := policy.Load(tb.ConfigPath(node)); err == nil {
+	if c, err := config.Load(tb.ConfigPath(node)); err == nil {
 		return c.Agent.PidFile
 	}
 	return filepath.Join(tb.RunDir(), node, "agent.pid")

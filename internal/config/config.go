@@ -1,4 +1,10 @@
-package policy
+// Package config loads /etc/palisade/palisade.toml: the decoder, the
+// loader's errors with file and line, findings, and Config, which composes
+// the sections. The policy core's tables ([policy], [cluster], [offcluster])
+// are built into a policy.Policy here; every data plane owns its own table's
+// type next to its code ([agent]: dataplane/userwall/agentconfig, [uvn]:
+// dataplane/uvn, [egress]: dataplane/egress) and validates it.
+package config
 
 import (
 	"crypto/sha256"
@@ -15,7 +21,11 @@ import (
 
 	"github.com/BurntSushi/toml"
 
+	"github.com/palisade-hpc/palisade/internal/dataplane/egress"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/agentconfig"
+	"github.com/palisade-hpc/palisade/internal/dataplane/uvn"
 	"github.com/palisade-hpc/palisade/internal/identity"
+	"github.com/palisade-hpc/palisade/internal/policy"
 )
 
 // Config is the whole configuration file, decoded and validated. The [policy],
@@ -35,16 +45,16 @@ type Config struct {
 	data []byte
 
 	// Policy is the validated rule set built from Rules, Cluster and OffCluster.
-	Policy *Policy
+	Policy *policy.Policy
 	// Nodes is [cluster] nodes, parsed (may be empty).
 	Nodes []Node
 
-	Rules      PolicyConfig     `toml:"policy"`
-	Cluster    ClusterConfig    `toml:"cluster"`
-	OffCluster OffClusterConfig `toml:"offcluster"`
-	Agent      AgentConfig      `toml:"agent"`
-	UVN        UVNConfig        `toml:"uvn"`
-	Egress     EgressConfig     `toml:"egress"`
+	Rules      PolicyConfig       `toml:"policy"`
+	Cluster    ClusterConfig      `toml:"cluster"`
+	OffCluster OffClusterConfig   `toml:"offcluster"`
+	Agent      agentconfig.Config `toml:"agent"`
+	UVN        uvn.Config         `toml:"uvn"`
+	Egress     egress.Config      `toml:"egress"`
 }
 
 // PolicyConfig is the [policy] table as written.
@@ -54,8 +64,8 @@ type PolicyConfig struct {
 	SystemPortMax *int64 `toml:"system_port_max"`
 	// ExemptConnectors and ExemptListeners are user names or uids, or
 	// "@group" (the group's members).
-	ExemptConnectors []Principal `toml:"exempt_connectors"`
-	ExemptListeners  []Principal `toml:"exempt_listeners"`
+	ExemptConnectors []policy.Principal `toml:"exempt_connectors"`
+	ExemptListeners  []policy.Principal `toml:"exempt_listeners"`
 }
 
 // ClusterConfig is the [cluster] table as written.
@@ -81,84 +91,13 @@ const DefaultKeyFile = "/etc/palisade/cluster.key"
 type OffClusterConfig struct {
 	// AllowPorts are ports ("8443", 8443) or ranges ("9000-9100") above the
 	// system ports that off-cluster sources may reach. Default none.
-	AllowPorts []PortSpec `toml:"allow_ports"`
+	AllowPorts []policy.PortSpec `toml:"allow_ports"`
 }
 
 // Node is one entry of [cluster] nodes.
 type Node struct {
 	Name string
 	Addr netip.Addr
-}
-
-// Principal is a user given as a name or a decimal uid, or "@group" for the
-// members of a group (name or decimal gid); the config accepts a TOML
-// string or integer and keeps it as text.
-type Principal string
-
-// UnmarshalTOML implements toml.Unmarshaler.
-func (p *Principal) UnmarshalTOML(v any) error {
-	switch v := v.(type) {
-	case string:
-		*p = Principal(v)
-	case int64:
-		*p = Principal(strconv.FormatInt(v, 10))
-	default:
-		return fmt.Errorf("want a user name or uid, got %s", tomlType(v))
-	}
-	return nil
-}
-
-// PortSpec is a port or an inclusive range "first-last", from a TOML string or
-// integer, kept as text until validation.
-type PortSpec string
-
-// UnmarshalTOML implements toml.Unmarshaler.
-func (p *PortSpec) UnmarshalTOML(v any) error {
-	switch v := v.(type) {
-	case string:
-		*p = PortSpec(v)
-	case int64:
-		*p = PortSpec(strconv.FormatInt(v, 10))
-	default:
-		return fmt.Errorf("want a port or \"first-last\" range, got %s", tomlType(v))
-	}
-	return nil
-}
-
-func tomlType(v any) string {
-	switch v.(type) {
-	case string:
-		return "a string"
-	case int64:
-		return "an integer"
-	case float64:
-		return "a float"
-	case bool:
-		return "a boolean"
-	case []any:
-		return "an array"
-	case map[string]any, []map[string]any:
-		return "a table"
-	}
-	return "a date/time"
-}
-
-// KeyError is what a section's Validate returns to blame one key; the loader
-// turns it into a ConfigError with the file, the line and the full key.
-// Key is relative to the section ("metrics_addr"); Value, when set, is the
-// offending array element, used to find its line in a multi-line array.
-type KeyError struct {
-	Key   string
-	Value string
-	Err   error
-}
-
-func (e *KeyError) Error() string { return e.Key + ": " + e.Err.Error() }
-func (e *KeyError) Unwrap() error { return e.Err }
-
-// KeyErrorf builds a KeyError for key with a formatted message.
-func KeyErrorf(key, format string, args ...any) error {
-	return &KeyError{Key: key, Err: fmt.Errorf(format, args...)}
 }
 
 // ConfigError is one problem in a configuration file. Error() reads
@@ -186,7 +125,7 @@ func (e *ConfigError) Error() string {
 
 // section is what a data plane's table type implements: Validate runs after
 // decoding (also when the table is absent, to check defaults) and returns a
-// *KeyError, or several joined with errors.Join, to name the bad keys.
+// *policy.KeyError, or several joined with errors.Join, to name the bad keys.
 type section interface{ Validate() error }
 
 // clusterSection is a section whose validation needs the validated cluster
@@ -273,7 +212,7 @@ func Parse(name string, data []byte, res identity.Resolver) (cfg *Config, err er
 			}
 			return
 		}
-		var ke *KeyError
+		var ke *policy.KeyError
 		if errors.As(err, &ke) {
 			key := sec + "." + ke.Key
 			fail(loc.line(key, ke.Value), key, "%v", ke.Err)
@@ -327,9 +266,9 @@ func Parse(name string, data []byte, res identity.Resolver) (cfg *Config, err er
 	}
 	// Unknown keys do not stop validation: the report lists every problem.
 
-	c.Policy = &Policy{SystemPortMax: 1023}
+	c.Policy = &policy.Policy{SystemPortMax: 1023}
 	c.buildPolicy(res, func(key, value string, err error) {
-		blame(strings.Split(key, ".")[0], &KeyError{strings.SplitN(key, ".", 2)[1], value, err})
+		blame(strings.Split(key, ".")[0], &policy.KeyError{Key: strings.SplitN(key, ".", 2)[1], Value: value, Err: err})
 	})
 	for _, s := range c.sections()[3:] {
 		var err error
@@ -360,7 +299,7 @@ func (c *Config) buildPolicy(res identity.Resolver, bad func(key, value string, 
 			p.SystemPortMax = uint16(*v)
 		}
 	}
-	exempt := func(key string, list []Principal) (uids, gids []uint32) {
+	exempt := func(key string, list []policy.Principal) (uids, gids []uint32) {
 		seen := map[uint32]string{}
 		seenGroup := map[uint32]string{}
 		for _, pr := range list {
@@ -447,7 +386,7 @@ func (c *Config) buildPolicy(res identity.Resolver, bad func(key, value string, 
 	}
 
 	for _, s := range c.OffCluster.AllowPorts {
-		r, err := ParsePortRange(string(s))
+		r, err := policy.ParsePortRange(string(s))
 		if err != nil {
 			bad("offcluster.allow_ports", string(s), err)
 			continue
@@ -490,37 +429,6 @@ func parseNode(s string) (Node, error) {
 		return Node{}, fmt.Errorf("bad node %q: %q is not an IP address", s, addr)
 	}
 	return Node{Name: name, Addr: a.Unmap()}, nil
-}
-
-// ParsePortRange parses "8443" or "9000-9100" (ports 1-65535, first <= last).
-func ParsePortRange(s string) (PortRange, error) {
-	first, last, isRange := strings.Cut(strings.TrimSpace(s), "-")
-	a, err := parsePort(first)
-	if err != nil {
-		return PortRange{}, err
-	}
-	b := a
-	if isRange {
-		if b, err = parsePort(last); err != nil {
-			return PortRange{}, err
-		}
-		if b < a {
-			return PortRange{}, fmt.Errorf("inverted range %q: first port above last", s)
-		}
-	}
-	return PortRange{a, b}, nil
-}
-
-func parsePort(s string) (uint16, error) {
-	s = strings.TrimSpace(s)
-	n, err := strconv.ParseInt(s, 10, 64)
-	if err != nil {
-		return 0, fmt.Errorf("bad port %q: want a number or a first-last range", s)
-	}
-	if n < 1 || n > 65535 {
-		return 0, fmt.Errorf("port %d out of range (1-65535)", n)
-	}
-	return uint16(n), nil
 }
 
 // decodeErrLine matches the plain errors toml returns for type mismatches.

@@ -1,13 +1,17 @@
-package policy
+package uvn_test
 
 import (
+	"fmt"
 	"strings"
 	"testing"
+
+	"github.com/palisade-hpc/palisade/internal/config"
 )
 
-func parseUVN(t *testing.T, body string) (*Config, error) {
+// parseUVN runs the whole loader: [uvn] is one section of the file.
+func parseUVN(t *testing.T, body string) (*config.Config, error) {
 	t.Helper()
-	return Parse("test.toml", []byte(body), nil)
+	return config.Parse("test.toml", []byte(body), nil)
 }
 
 func TestUVNConfigValid(t *testing.T) {
@@ -59,14 +63,29 @@ func TestUVNConfigRejects(t *testing.T) {
 		// uid_max above 2^24: each underlay needs a block of ports.
 		{"[uvn]\nuid_max = 4294967294\n[[uvn.underlay]]\nprefixes = [\"198.18.0.0/24\"]\nport = 4789\n[[uvn.underlay]]\nprefixes = [\"198.19.0.0/24\"]\nport = 4790", "overlap"},
 		{"[uvn]\nbogus = 1", "unknown key"},
+		// More than the session programs (bpf/vrf.c) hold.
+		{"[uvn]\nunderlay_ports = [\"1\", \"2\", \"3\", \"4\", \"5\", \"6\", \"7\", \"8\", \"9\"]", "at most 8 ranges"},
+		{"[[uvn.underlay]]\nport = 4789\nprefixes = [" + prefixes(65) + "]", "65 IPv4 prefixes in all; at most 64"},
 	} {
 		_, err := parseUVN(t, c.body)
 		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%q: want error containing %q, got %v", c.body, c.want, err)
 		}
 	}
-	// Port blocks that do not overlap are fine.
+	// Port blocks that do not overlap are fine; so are the programs' limits.
+	if _, err := parseUVN(t, "[uvn]\nunderlay_ports = [\"1\", \"2\", \"3\", \"4\", \"5\", \"6\", \"7\", \"8\"]\n[[uvn.underlay]]\nport = 4789\nprefixes = ["+prefixes(64)+"]"); err != nil {
+		t.Fatal(err)
+	}
 	if _, err := parseUVN(t, "[uvn]\nuid_max = 4294967294\n[[uvn.underlay]]\nprefixes = [\"198.18.0.0/24\"]\nport = 4789\n[[uvn.underlay]]\nprefixes = [\"198.19.0.0/24\"]\nport = 5045"); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// prefixes is n distinct IPv4 /24s as TOML strings.
+func prefixes(n int) string {
+	var ps []string
+	for i := range n {
+		ps = append(ps, fmt.Sprintf("%q", fmt.Sprintf("198.18.%d.0/24", i)))
+	}
+	return strings.Join(ps, ", ")
 }

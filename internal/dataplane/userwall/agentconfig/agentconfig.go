@@ -1,4 +1,7 @@
-package policy
+// Package agentconfig is the [agent] table of the configuration: the
+// userwall agent's own settings (internal/config composes it). It is a
+// package of its own because the agent loads the whole configuration.
+package agentconfig
 
 import (
 	"errors"
@@ -6,11 +9,13 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/palisade-hpc/palisade/internal/policy"
 )
 
-// AgentConfig is the [agent] table: settings of `palisade agent` (the
+// Config is the [agent] table: settings of `palisade agent` (the
 // userwall data plane; the agent also runs the ident service).
-type AgentConfig struct {
+type Config struct {
 	// Interfaces get the tc programs (cross-node checks). Empty: every
 	// interface but lo (off-cluster traffic is checked wherever it arrives).
 	Interfaces []string `toml:"interfaces"`
@@ -59,8 +64,8 @@ const (
 )
 
 // SetDefaults fills in defaults before the file's values are decoded.
-func (a *AgentConfig) SetDefaults() {
-	*a = AgentConfig{
+func (a *Config) SetDefaults() {
+	*a = Config{
 		MetricsAddress: DefaultMetricsAddress,
 		EventLog:       DefaultEventLog,
 		Syslog:         true,
@@ -76,7 +81,7 @@ func (a *AgentConfig) SetDefaults() {
 }
 
 // GroupRefreshInterval is GroupRefresh parsed (valid after Validate).
-func (a *AgentConfig) GroupRefreshInterval() time.Duration {
+func (a *Config) GroupRefreshInterval() time.Duration {
 	d, err := time.ParseDuration(a.GroupRefresh)
 	if err != nil || d <= 0 {
 		return time.Minute
@@ -85,39 +90,39 @@ func (a *AgentConfig) GroupRefreshInterval() time.Duration {
 }
 
 // Validate checks the table after decoding.
-func (a *AgentConfig) Validate() error {
+func (a *Config) Validate() error {
 	var errs []error
 	for _, i := range a.Interfaces {
 		if i == "" || len(i) > 15 || strings.ContainsAny(i, "/ \t") {
-			errs = append(errs, &KeyError{Key: "interfaces", Value: i, Err: errors.New("not an interface name")})
+			errs = append(errs, &policy.KeyError{Key: "interfaces", Value: i, Err: errors.New("not an interface name")})
 		}
 	}
 	if a.MetricsAddress != "" {
 		if _, _, err := net.SplitHostPort(a.MetricsAddress); err != nil {
-			errs = append(errs, KeyErrorf("metrics_address", "%q: want host:port: %v", a.MetricsAddress, err))
+			errs = append(errs, policy.KeyErrorf("metrics_address", "%q: want host:port: %v", a.MetricsAddress, err))
 		}
 	}
 	for key, p := range map[string]string{"event_log": a.EventLog, "pid_file": a.PidFile, "ident_socket": a.IdentSocket} {
 		if p != "" && !filepath.IsAbs(p) {
-			errs = append(errs, KeyErrorf(key, "%q: want an absolute path", p))
+			errs = append(errs, policy.KeyErrorf(key, "%q: want an absolute path", p))
 		}
 	}
 	if !filepath.IsAbs(a.BPFFS) {
-		errs = append(errs, KeyErrorf("bpffs", "%q: want an absolute path", a.BPFFS))
+		errs = append(errs, policy.KeyErrorf("bpffs", "%q: want an absolute path", a.BPFFS))
 	}
 	if a.EventRate < 0 || a.EventRate > 100000 {
-		errs = append(errs, KeyErrorf("event_rate", "%d: want 0..100000", a.EventRate))
+		errs = append(errs, policy.KeyErrorf("event_rate", "%d: want 0..100000", a.EventRate))
 	}
 	if d, err := time.ParseDuration(a.GroupRefresh); err != nil || d < time.Second {
-		errs = append(errs, KeyErrorf("group_refresh", "%q: want a duration of at least 1s (e.g. \"60s\")", a.GroupRefresh))
+		errs = append(errs, policy.KeyErrorf("group_refresh", "%q: want a duration of at least 1s (e.g. \"60s\")", a.GroupRefresh))
 	}
 	switch a.TCAttach {
 	case "auto", "tcx", "tc":
 	default:
-		errs = append(errs, KeyErrorf("tc_attach", "%q: want auto, tcx or tc", a.TCAttach))
+		errs = append(errs, policy.KeyErrorf("tc_attach", "%q: want auto, tcx or tc", a.TCAttach))
 	}
 	if a.IdentPort < 0 || a.IdentPort > 1023 {
-		errs = append(errs, KeyErrorf("ident_port", "%d: want a privileged port 1..1023, or 0 for off", a.IdentPort))
+		errs = append(errs, policy.KeyErrorf("ident_port", "%d: want a privileged port 1..1023, or 0 for off", a.IdentPort))
 	}
 	return errors.Join(errs...)
 }

@@ -1,13 +1,15 @@
-package policy
+package uvn
 
 import (
 	"errors"
 	"fmt"
 	"net/netip"
 	"path/filepath"
+
+	"github.com/palisade-hpc/palisade/internal/policy"
 )
 
-// UVNConfig is the [uvn] table: the per-user VRF + VXLAN data plane
+// Config is the [uvn] table: the per-user VRF + VXLAN data plane
 // (reference 000). Keys:
 //
 //	enable        = false            # `palisade uvn pam` / SPANK are no-ops unless true
@@ -32,40 +34,40 @@ import (
 //	port     = 4789                  # VXLAN UDP port of this underlay (unique per underlay)
 //	group    = "239.192.0.0/16"      # multicast: one group per uid inside this prefix; omit for unicast
 //	peers    = ["198.18.0.2"]        # unicast peers (default: [cluster] nodes inside prefixes[0])
-type UVNConfig struct {
+type Config struct {
 	Enable bool `toml:"enable"`
 	// ExemptUsers stay in the default VRF (system accounts, service
 	// accounts); root and Slurm's daemon accounts are always exempt.
-	ExemptUsers []Principal `toml:"exempt_users"`
+	ExemptUsers []policy.Principal `toml:"exempt_users"`
 	// SlurmConf is read for SlurmUser, SlurmdUser and SrunPortRange.
 	SlurmConf string `toml:"slurm_conf"`
 	// SrunPorts overrides slurm.conf's SrunPortRange.
-	SrunPorts  PortSpec      `toml:"srun_ports"`
-	MinUID     int64         `toml:"min_uid"`
-	UIDMax     int64         `toml:"uid_max"`
-	NATPool    string        `toml:"nat_pool"`
-	StateDir   string        `toml:"state_dir"`
-	Uplinks    []string      `toml:"uplinks"`
-	VXLANTTL   int64         `toml:"vxlan_ttl"`
-	SrcPortMin int64         `toml:"src_port_min"`
-	SrcPortMax int64         `toml:"src_port_max"`
-	Underlays  []UVNUnderlay `toml:"underlay"`
+	SrunPorts  policy.PortSpec `toml:"srun_ports"`
+	MinUID     int64           `toml:"min_uid"`
+	UIDMax     int64           `toml:"uid_max"`
+	NATPool    string          `toml:"nat_pool"`
+	StateDir   string          `toml:"state_dir"`
+	Uplinks    []string        `toml:"uplinks"`
+	VXLANTTL   int64           `toml:"vxlan_ttl"`
+	SrcPortMin int64           `toml:"src_port_min"`
+	SrcPortMax int64           `toml:"src_port_max"`
+	Underlays  []Underlay      `toml:"underlay"`
 	// UnderlayPorts are TCP/UDP destination ports that a user's VRF reaches
 	// on cluster nodes through the underlay (SNAT to the node's address)
 	// instead of the overlay.
-	UnderlayPorts []PortSpec `toml:"underlay_ports"`
+	UnderlayPorts []policy.PortSpec `toml:"underlay_ports"`
 	// UnderlayRanges is UnderlayPorts parsed.
-	UnderlayRanges []PortRange `toml:"-"`
+	UnderlayRanges []policy.PortRange `toml:"-"`
 
 	// Parsed by Validate.
 	NATPrefix netip.Prefix `toml:"-"`
 	// SrunRange is SrunPorts parsed (zero: take slurm.conf's).
-	SrunRange PortRange `toml:"-"`
+	SrunRange policy.PortRange `toml:"-"`
 }
 
-// UVNUnderlay is one [[uvn.underlay]] entry: an underlay network that gets a
+// Underlay is one [[uvn.underlay]] entry: an underlay network that gets a
 // VXLAN per user.
-type UVNUnderlay struct {
+type Underlay struct {
 	Prefixes []string `toml:"prefixes"`
 	Port     int64    `toml:"port"`
 	Group    string   `toml:"group"`
@@ -79,35 +81,35 @@ type UVNUnderlay struct {
 
 // UVN limits that keep names and ports well-formed.
 const (
-	// UVNMaxUnderlays bounds the underlays: the VXLAN name carries the
+	// MaxUnderlays bounds the underlays: the VXLAN name carries the
 	// underlay index as one base-36 character ("pal<i>x<uid>" ≤ 15 bytes).
-	UVNMaxUnderlays = 36
-	// UVNVNIBits is the VXLAN VNI width.
-	UVNVNIBits = 24
+	MaxUnderlays = 36
+	// VNIBits is the VXLAN VNI width.
+	VNIBits = 24
 )
 
 // SetDefaults fills in defaults before the file's values are decoded.
-func (u *UVNConfig) SetDefaults() {
+func (u *Config) SetDefaults() {
 	u.MinUID = 1000
 	u.SlurmConf = "/etc/slurm/slurm.conf"
-	u.UIDMax = 1<<UVNVNIBits - 1
+	u.UIDMax = 1<<VNIBits - 1
 	u.NATPool = "100.64.0.0/10"
 	u.StateDir = "/run/palisade/uvn"
 	u.VXLANTTL = 5
 	u.SrcPortMin = 600
 	u.SrcPortMax = 999
-	u.UnderlayPorts = []PortSpec{"1-1023", "6817-6819"}
+	u.UnderlayPorts = []policy.PortSpec{"1-1023", "6817-6819"}
 }
 
 // PortSpan is how many consecutive UDP ports each underlay uses: one per
 // 2^24 uids (uid >> 24 selects the port inside the block).
-func (u *UVNConfig) PortSpan() int64 { return u.UIDMax>>UVNVNIBits + 1 }
+func (u *Config) PortSpan() int64 { return u.UIDMax>>VNIBits + 1 }
 
 // Validate checks the table after decoding and fills the parsed fields.
-func (u *UVNConfig) Validate() error {
+func (u *Config) Validate() error {
 	var errs []error
 	bad := func(key, value, format string, args ...any) {
-		errs = append(errs, &KeyError{Key: key, Value: value, Err: fmt.Errorf(format, args...)})
+		errs = append(errs, &policy.KeyError{Key: key, Value: value, Err: fmt.Errorf(format, args...)})
 	}
 	if u.MinUID < 256 || u.MinUID > 1<<32-2 {
 		// Table ids 253-255 are the kernel's default/main/local tables; the
@@ -141,16 +143,16 @@ func (u *UVNConfig) Validate() error {
 	}
 	u.UnderlayRanges = nil
 	for _, ps := range u.UnderlayPorts {
-		r, err := ParsePortRange(string(ps))
+		r, err := policy.ParsePortRange(string(ps))
 		if err != nil {
 			bad("underlay_ports", string(ps), "%v", err)
 			continue
 		}
 		u.UnderlayRanges = append(u.UnderlayRanges, r)
 	}
-	u.SrunRange = PortRange{}
+	u.SrunRange = policy.PortRange{}
 	if u.SrunPorts != "" {
-		r, err := ParsePortRange(string(u.SrunPorts))
+		r, err := policy.ParsePortRange(string(u.SrunPorts))
 		switch {
 		case err != nil:
 			bad("srun_ports", string(u.SrunPorts), "%v", err)
@@ -171,11 +173,12 @@ func (u *UVNConfig) Validate() error {
 			bad("exempt_users", "", "empty user name")
 		}
 	}
-	if len(u.UnderlayRanges) > 8 {
-		bad("underlay_ports", "", "at most 8 ranges")
+	// The session programs (bpf/vrf.c) hold this many ranges and prefixes.
+	if len(u.UnderlayRanges) > int(vrfbpfUvnLimitUVN_MAX_PORT_RANGES) {
+		bad("underlay_ports", "", "at most %d ranges", vrfbpfUvnLimitUVN_MAX_PORT_RANGES)
 	}
-	if len(u.Underlays) > UVNMaxUnderlays {
-		bad("underlay", "", "%d underlays; at most %d", len(u.Underlays), UVNMaxUnderlays)
+	if len(u.Underlays) > MaxUnderlays {
+		bad("underlay", "", "%d underlays; at most %d", len(u.Underlays), MaxUnderlays)
 	}
 	if u.Enable && len(u.Underlays) == 0 {
 		bad("underlay", "", "uvn is enabled but no [[uvn.underlay]] is configured")
@@ -256,14 +259,30 @@ func (u *UVNConfig) Validate() error {
 			ul.PeerAddrs = append(ul.PeerAddrs, a)
 		}
 	}
+	if n := len(u.nets4()); n > int(vrfbpfUvnLimitUVN_MAX_NETS4) {
+		bad("underlay", "", "%d IPv4 prefixes in all; at most %d", n, vrfbpfUvnLimitUVN_MAX_NETS4)
+	}
 	return errors.Join(errs...)
+}
+
+// nets4 lists the IPv4 prefixes of every underlay (parsed by Validate).
+func (u *Config) nets4() []netip.Prefix {
+	var nets []netip.Prefix
+	for _, ul := range u.Underlays {
+		for _, n := range ul.Nets {
+			if n.Addr().Is4() {
+				nets = append(nets, n)
+			}
+		}
+	}
+	return nets
 }
 
 // CheckSrunRange rejects an srun port range that overlaps underlay_ports:
 // another user's traffic to those ports leaves its VRF through the node's
 // address, so it would reach the range's listeners like Slurm's daemons do.
-func CheckSrunRange(srun PortRange, underlay []PortRange) error {
-	if srun == (PortRange{}) {
+func CheckSrunRange(srun policy.PortRange, underlay []policy.PortRange) error {
+	if srun == (policy.PortRange{}) {
 		return nil
 	}
 	for _, r := range underlay {

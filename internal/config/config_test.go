@@ -1,15 +1,17 @@
-package policy
+package config
 
 import (
 	"errors"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
 
 	"github.com/palisade-hpc/palisade/internal/identity"
+	"github.com/palisade-hpc/palisade/internal/policy"
 )
 
 // users is the testbed's account set as a fixture resolver.
@@ -58,7 +60,7 @@ func TestParseGood(t *testing.T) {
 	if len(p.ClusterSubnets) != 4 || p.ClusterSubnets[3] != netip.MustParsePrefix("2001:2:0:1::/64") {
 		t.Errorf("subnets = %v", p.ClusterSubnets)
 	}
-	if !slices.Equal(p.OffClusterPorts, []PortRange{{8443, 8443}, {9000, 9100}, {10000, 10000}}) {
+	if !slices.Equal(p.OffClusterPorts, []policy.PortRange{{First: 8443, Last: 8443}, {First: 9000, Last: 9100}, {First: 10000, Last: 10000}}) {
 		t.Errorf("ports = %v", p.OffClusterPorts)
 	}
 	if len(c.Nodes) != 2 || c.Nodes[1] != (Node{"node2", netip.MustParseAddr("198.18.0.2")}) {
@@ -74,7 +76,7 @@ func TestParseGood(t *testing.T) {
 	}
 }
 
-func equalPolicy(a, b *Policy) bool {
+func equalPolicy(a, b *policy.Policy) bool {
 	return a.SystemPortMax == b.SystemPortMax && slices.Equal(a.ExemptConnectors, b.ExemptConnectors) &&
 		slices.Equal(a.ExemptListeners, b.ExemptListeners) && slices.Equal(a.ClusterSubnets, b.ClusterSubnets) &&
 		slices.Equal(a.OffClusterPorts, b.OffClusterPorts)
@@ -86,8 +88,8 @@ func TestParseDefaults(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if !equalPolicy(c.Policy, Default()) {
-			t.Errorf("%q: policy %+v, want Default() %+v", data, c.Policy, Default())
+		if !equalPolicy(c.Policy, policy.Default()) {
+			t.Errorf("%q: policy %+v, want policy.Default() %+v", data, c.Policy, policy.Default())
 		}
 	}
 	// An explicit empty list removes the default root exemption.
@@ -219,7 +221,7 @@ func TestLoad(t *testing.T) {
 		t.Errorf("missing file: %v", err)
 	}
 	c, err := LoadOrDefault(path)
-	if err != nil || !c.Default || !equalPolicy(c.Policy, Default()) || c.Path != path {
+	if err != nil || !c.Default || !equalPolicy(c.Policy, policy.Default()) || c.Path != path {
 		t.Errorf("LoadOrDefault(missing) = %+v, %v", c, err)
 	}
 	if err := os.WriteFile(path, []byte("[policy]\nsystem_port_max = 2047\nexempt_connectors = [0]\n"), 0o644); err != nil {
@@ -264,16 +266,34 @@ func TestKeyErrorLines(t *testing.T) {
 	}
 }
 
-func TestParsePortRange(t *testing.T) {
-	for s, want := range map[string]PortRange{"1": {1, 1}, "65535": {65535, 65535}, " 80 - 90 ": {80, 90}, "5-5": {5, 5}} {
-		if got, err := ParsePortRange(s); err != nil || got != want {
-			t.Errorf("ParsePortRange(%q) = %v, %v", s, got, err)
-		}
+// The effective configuration that `config check` prints is valid input and
+// means the same, nested tables ([[uvn.underlay]]) included.
+func TestDescribeRoundTrip(t *testing.T) {
+	const file = `[uvn]
+enable = true
+underlay_ports = ["22", "6817-6819"]
+[[uvn.underlay]]
+prefixes = ["198.18.0.0/24", "2001:2::/64"]
+port = 4789
+group = "239.192.0.0/16"
+[[uvn.underlay]]
+prefixes = ["198.19.0.0/24"]
+port = 4790
+peers = ["198.19.0.1"]
+[egress]
+deny = ["198.18.0.0/15"]
+`
+	c, err := Parse("uvn.toml", []byte(file), users)
+	if err != nil {
+		t.Fatal(err)
 	}
-	for _, s := range []string{"", "-", "1-", "-5", "0", "65536", "5-4", "1-2-3", "a", "1.5"} {
-		if r, err := ParsePortRange(s); err == nil {
-			t.Errorf("ParsePortRange(%q) = %v, want error", s, r)
-		}
+	d := c.Describe(users)
+	c2, err := Parse("described", []byte(d), users)
+	if err != nil {
+		t.Fatalf("Describe output does not parse: %v\n%s", err, d)
+	}
+	if !reflect.DeepEqual(c.UVN, c2.UVN) || !reflect.DeepEqual(c.Egress, c2.Egress) || !reflect.DeepEqual(c.Agent, c2.Agent) {
+		t.Errorf("round trip changed the sections:\n%+v\n%+v\n%s", c.UVN, c2.UVN, d)
 	}
 }
 
@@ -282,6 +302,7 @@ func FuzzParse(f *testing.F) {
 	f.Add([]byte("[policy]\nexempt_connectors = [\"mallory\", 1, -1]\n"))
 	f.Add([]byte("[offcluster]\nallow_ports = [\"9-1\", 0, \"65535\"]\n[x.y]\nz=1"))
 	f.Add([]byte("[cluster]\nnodes = [\"a=::ffff:1.2.3.4\"]\nsubnets = [\"::/0\"]"))
+	f.Add([]byte("[[uvn.underlay]]\nprefixes = [\"198.18.0.0/24\"]\nport = 4789"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		c, err := Parse("fuzz.toml", data, users)
 		if (c == nil) == (err == nil) {

@@ -1,9 +1,11 @@
-package policy
+package config
 
 import (
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/palisade-hpc/palisade/internal/policy"
 )
 
 // "@group" in the exempt lists: the group's members are exempt.
@@ -22,17 +24,17 @@ func TestExemptGroups(t *testing.T) {
 	if err != nil || !slices.Equal(c2.Policy.ExemptConnectorGroups, []uint32{2100}) || !slices.Equal(c2.Policy.ExemptListenerGroups, []uint32{2001}) {
 		t.Fatalf("Describe round trip: %v\n%s", err, c.Describe(users))
 	}
-	carol := Identity{UID: 2003, GID: 2003}
-	bob := Identity{UID: 2002, GID: 2002, Groups: []uint32{2100}}
+	carol := policy.Identity{UID: 2003, GID: 2003}
+	bob := policy.Identity{UID: 2002, GID: 2002, Groups: []uint32{2100}}
 	for _, tc := range []struct {
-		conn, lis Identity
-		want      Rule
+		conn, lis policy.Identity
+		want      policy.Rule
 	}{
-		{bob, carol, RuleExemptConnector},                           // bob holds proj1
-		{carol, bob, RuleDenied},                                    // carol does not; bob's listener not exempt
-		{carol, Identity{UID: 2001, GID: 2001}, RuleExemptListener}, // listener runs as group 2001
+		{bob, carol, policy.RuleExemptConnector},                                  // bob holds proj1
+		{carol, bob, policy.RuleDenied},                                           // carol does not; bob's listener not exempt
+		{carol, policy.Identity{UID: 2001, GID: 2001}, policy.RuleExemptListener}, // listener runs as group 2001
 	} {
-		if v := p.Decide(Conn{Connector: tc.conn, Listener: tc.lis, Port: 5000}); v.Rule != tc.want {
+		if v := p.Decide(policy.Conn{Connector: tc.conn, Listener: tc.lis, Port: 5000}); v.Rule != tc.want {
 			t.Errorf("%+v → %+v: %s, want %s", tc.conn, tc.lis, v.Rule, tc.want)
 		}
 	}
