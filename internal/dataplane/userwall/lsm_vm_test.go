@@ -30,10 +30,10 @@ const lsmList = "lsm=lockdown,capability,landlock,yama,apparmor,bpf"
 // and unix_may_send) on a kernel where BPF LSM works: one bare qemu guest
 // (package vm, Debian's 6.1 kernel booted with bpf in its LSM list, no
 // testbed). This machine kind's own kernel refuses every LSM program, so this
-// is the only place the hooks run. The full agent cannot load on 6.1 (its tc
-// programs need kfuncs and tcx links of >= 6.6), so in the guest this test
-// binary (TestLSMGuest) loads the object's two LSM programs with the agent's
-// own loader and policy code, in a scratch network namespace, and
+// is the only place the hooks run. In the guest this test binary
+// (TestLSMGuest) loads the object's two LSM programs with the agent's own
+// loader and policy code, in a scratch network namespace (the full agent
+// then runs there too and is uninstalled), and
 // testdata/lsm_guest.py makes listeners and connectors as different users
 // there and in a second namespace without programs. Needs root, qemu and a
 // prepared kernel in the VM cache (`palisade-lab vm kernel`); ~1.5 min under TCG.

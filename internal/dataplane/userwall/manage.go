@@ -122,10 +122,19 @@ func getStatus(o AgentOptions, probe bool) (*Status, error) {
 	fs, _ := findBPFFS(cfg.Agent.BPFFS, s.AgentPID)
 	s.PinDir = PinDir(fs, cookie)
 	// The running agent's pins, whatever bpffs the file names now.
+	pins := s.PinDir
 	if st := liveState(cfg.Agent.PidFile, s.AgentPID); st != nil && st.PinDir != "" {
-		s.PinDir = st.PinDir
+		s.PinDir, pins = st.PinDir, st.PinDir
+		// The agent names its pins in its own mount namespace; `ip netns
+		// exec` mounts a fresh /sys without that bpffs. Read them through
+		// the agent's root then.
+		if _, err := os.Stat(pins); err != nil && s.AgentPID > 0 {
+			if p := filepath.Join(fmt.Sprintf("/proc/%d/root", s.AgentPID), pins); isBPFFS(p) {
+				pins = p
+			}
+		}
 	}
-	linkDir := filepath.Join(s.PinDir, "links")
+	linkDir := filepath.Join(pins, "links")
 	names := pinnedNames(linkDir)
 	sort.Strings(names)
 	for _, n := range names {
@@ -174,7 +183,7 @@ func getStatus(o AgentOptions, probe bool) (*Status, error) {
 			s.Warnings = append(s.Warnings, "kernel feature probe failed: "+err.Error())
 		}
 	}
-	if m, err := ebpf.LoadPinnedMap(filepath.Join(s.PinDir, "settings"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
+	if m, err := ebpf.LoadPinnedMap(filepath.Join(pins, "settings"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
 		var c uwbpfUwConfig
 		if m.Lookup(uint32(0), &c) == nil {
 			s.Enabled = c.Enabled != 0
@@ -182,7 +191,7 @@ func getStatus(o AgentOptions, probe bool) (*Status, error) {
 		}
 		m.Close()
 	}
-	if m, err := ebpf.LoadPinnedMap(filepath.Join(s.PinDir, "keys"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
+	if m, err := ebpf.LoadPinnedMap(filepath.Join(pins, "keys"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
 		for i := uint32(0); i < 2; i++ {
 			var k uwbpfUwKey
 			if m.Lookup(i, &k) == nil && k.Valid != 0 {
@@ -198,7 +207,7 @@ func getStatus(o AgentOptions, probe bool) (*Status, error) {
 	if _, err := LoadKeys(keyFile); err != nil {
 		s.KeyError = err.Error()
 	}
-	if m, err := ebpf.LoadPinnedMap(filepath.Join(s.PinDir, "counters"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
+	if m, err := ebpf.LoadPinnedMap(filepath.Join(pins, "counters"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
 		s.Counters, _ = readCounters(m)
 		m.Close()
 	}
