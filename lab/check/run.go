@@ -802,7 +802,8 @@ func wantUnix(ctx context.Context, tb *testbed.Testbed, opts Options) (bool, str
 		Unix     bool     `json:"unix_enforced"`
 		Warnings []string `json:"warnings"`
 	}
-	if err != nil || json.Unmarshal(out, &st) != nil {
+	// Exit status 1 is "enforcing, with warnings": the JSON is complete.
+	if ee, ok := err.(*exec.ExitError); (err != nil && !(ok && ee.ExitCode() == 1)) || json.Unmarshal(out, &st) != nil {
 		return false, fmt.Sprintf("no agent status on %s: %v", tb.Nodes[0].Name, err)
 	}
 	if !st.Unix {
