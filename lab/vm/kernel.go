@@ -14,6 +14,8 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
@@ -206,10 +208,17 @@ func PrepareKernel(ctx context.Context, series string) (*Kernel, error) {
 	}
 	kver := strings.TrimPrefix(pkg, "linux-image-")
 	dir := filepath.Join(cache, kver)
-	k := &Kernel{Version: kver, Image: filepath.Join(dir, "vmlinux"), Initrd: filepath.Join(dir, "initrd.img"),
+	// The initramfs is named for its scripts: a changed script builds a new
+	// one next to the prepared kernel instead of booting a stale cache.
+	k := &Kernel{Version: kver, Image: filepath.Join(dir, "vmlinux"), Initrd: filepath.Join(dir, "initrd-"+scriptsHash()+".img"),
 		Modules: filepath.Join(dir, "root", "lib", "modules")}
 	stamp := filepath.Join(dir, readyStamp)
-	if _, err := os.Stat(stamp); err == nil {
+	ready := func() bool {
+		_, err1 := os.Stat(stamp)
+		_, err2 := os.Stat(k.Initrd)
+		return err1 == nil && err2 == nil
+	}
+	if ready() {
 		return k, nil
 	}
 	// One preparer at a time (parallel test packages boot VMs).
@@ -221,8 +230,18 @@ func PrepareKernel(ctx context.Context, series string) (*Kernel, error) {
 	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
 		return nil, err
 	}
-	if _, err := os.Stat(stamp); err == nil {
+	if ready() {
 		return k, nil // prepared while we waited
+	}
+	if _, err := os.Stat(stamp); err == nil {
+		busybox, err := findBusybox()
+		if err != nil {
+			return nil, err
+		}
+		if err := buildInitrd(ctx, busybox, filepath.Join(dir, "root"), kver, k.Initrd); err != nil {
+			return nil, err
+		}
+		return k, nil
 	}
 	debs, _ := filepath.Glob(filepath.Join(cache, pkg+"_*.deb"))
 	if len(debs) == 0 {
@@ -470,6 +489,12 @@ func copyFile(src, dst string, mode os.FileMode) error {
 	return os.WriteFile(dst, b, mode)
 }
 
+// scriptsHash names the initramfs built from these scripts.
+func scriptsHash() string {
+	h := sha256.Sum256([]byte(initScript + "\x00" + inittab + "\x00" + agentScript))
+	return hex.EncodeToString(h[:4])
+}
+
 // initScript is the initramfs /init: mount the host root over 9p, load
 // modules from the package's tree through it, stack an overlayfs with a
 // tmpfs upper layer on top (so the guest may write anywhere without touching
@@ -520,7 +545,12 @@ arg() { for w in $(cat /proc/cmdline); do case "$w" in "$1="*) echo "${w#*=}";; 
 port=
 for n in /sys/class/virtio-ports/*/name; do [ "$(cat $n)" = pal.ctl ] && port=/dev/$(basename $(dirname $n)); done
 [ -n "$port" ] || echo "PALVM-FAIL no control port"
-chroot /host /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
+# The overlay becomes the root of the mount namespace, as switch_root makes
+# it, instead of a chroot under it: the kernel refuses unprivileged user
+# namespaces to a chrooted process (and the attack suite creates them). This
+# shell keeps the initramfs as its root, for poweroff.
+cd /host && mount --move /host / || echo "PALVM-FAIL move the overlay to /"
+chroot . /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 \
   $(arg pal.agent) vm agent --port "$port" $(cat /proc/cmdline)
 echo "PALVM-EXIT $?"
 sync
