@@ -282,6 +282,9 @@ func (a *agent) enforce() error {
 	a.log.Info("tc programs attach with "+attachName(a.useTC), "why", a.tcWhy, "kernel", a.probe.Kernel)
 	err = a.install(cg)
 	if err == nil && a.dp.Migrating() != nil {
+		err = a.dp.Fault("commit")
+	}
+	if err == nil && a.dp.Migrating() != nil {
 		err = a.dp.Commit()
 		if err == nil {
 			a.log.Info("migration committed: the new maps replaced the old pins")

@@ -281,6 +281,9 @@ func (d *Dataplane) AttachCgroup(cgroupRoot string) error {
 		if err != nil {
 			return err
 		}
+		if err := d.Fault("cgroup:" + h.link); err != nil {
+			return err
+		}
 	}
 	if d.LSMErr() == nil {
 		for _, h := range lsmHooks {
@@ -344,9 +347,15 @@ func (d *Dataplane) AttachInterface(ifname string, ifindex int) error {
 			return err
 		}
 	}
-	// Filters of an earlier tc-mode agent (before a kernel upgrade).
+	// Filters of an earlier tc-mode agent (before a kernel upgrade), and
+	// its record of lo's filter: NamespaceGone would read the freed
+	// program as a deleted namespace once the tcx pin on lo is gone
+	// (during an uninstall).
 	_ = detachTC(ifindex, tcIngress)
 	_ = detachTC(ifindex, tcEgress)
+	if ifname == "lo" {
+		_ = os.Remove(filepath.Join(d.PinDir, tcLoMap))
+	}
 	return nil
 }
 
@@ -491,18 +500,18 @@ func RemovePins(pinDir string) error {
 	for _, n := range pinnedNames(linkDir) {
 		p := filepath.Join(linkDir, n)
 		if l, err := link.LoadPinnedLink(p, nil); err == nil {
-			if err := l.Unpin(); err != nil {
+			if err := l.Unpin(); err != nil && !errors.Is(err, os.ErrNotExist) {
 				errs = append(errs, err)
 			}
 			l.Close()
-		} else if err := os.Remove(p); err != nil {
+		} else if err := os.Remove(p); err != nil && !os.IsNotExist(err) {
 			errs = append(errs, err)
 		}
 	}
 	_ = os.Remove(linkDir)
 	errs = append(errs, removeStaging(pinDir))
 	for _, n := range pinnedNames(pinDir) {
-		if err := os.Remove(filepath.Join(pinDir, n)); err != nil {
+		if err := os.Remove(filepath.Join(pinDir, n)); err != nil && !os.IsNotExist(err) {
 			errs = append(errs, err)
 		}
 	}

@@ -54,6 +54,19 @@ import (
 // tests.
 var layoutVariant func(*ebpf.CollectionSpec)
 
+// migrationFault, when set (test builds: layout_next.go), may fail a
+// migration at a named stage ("cgroup:<link>" after that link switched,
+// "commit" after every link switched): the rollback test.
+var migrationFault func(stage string) error
+
+// Fault fails a migration at stage when a test build asks for it.
+func (d *Dataplane) Fault(stage string) error {
+	if d.mig == nil || migrationFault == nil {
+		return nil
+	}
+	return migrationFault(stage)
+}
+
 // stagingDir is where a migration pins its new maps and links until commit.
 func stagingDir(pinDir string) string { return filepath.Join(pinDir, "next") }
 
@@ -305,11 +318,11 @@ func removePinTree(dir string) error {
 	for _, n := range pinnedNames(linkDir) {
 		p := filepath.Join(linkDir, n)
 		if l, err := link.LoadPinnedLink(p, nil); err == nil {
-			if err := l.Unpin(); err != nil {
+			if err := l.Unpin(); err != nil && !errors.Is(err, os.ErrNotExist) {
 				errs = append(errs, err)
 			}
 			l.Close()
-		} else if err := os.Remove(p); err != nil {
+		} else if err := os.Remove(p); err != nil && !os.IsNotExist(err) {
 			errs = append(errs, err)
 		}
 	}
@@ -320,7 +333,7 @@ func removePinTree(dir string) error {
 			errs = append(errs, removePinTree(p))
 			continue
 		}
-		if err := os.Remove(p); err != nil {
+		if err := os.Remove(p); err != nil && !os.IsNotExist(err) {
 			errs = append(errs, err)
 		}
 	}

@@ -289,18 +289,27 @@ func linkLocal(proto string, local bool) *Case {
 		}}
 }
 
+// newAddrs picks the addresses the new-address cases add to A's eth0.
+func (e *Env) newAddrs() (k int, a4, a6 netip.Addr) {
+	k = 150 + (e.Port/10)%50
+	return k, netip.AddrFrom4([4]byte{198, 18, 0, byte(k)}), netip.MustParseAddr(fmt.Sprintf("2001:2::%d", k))
+}
+
+// wildSinks are alice's wildcard TCP v4 and UDP v6 listeners on A.
+func (e *Env) wildSinks(r *Run) (t, u *Sink, err error) {
+	if t, err = e.Sink(r, e.A.Name, Victim, SinkSpec{Sock: Sock{Proto: "tcp", Family: 4, Bind: ap(wild(4), e.Port)}}); err != nil {
+		return nil, nil, err
+	}
+	u, err = e.Sink(r, e.A.Name, Victim, SinkSpec{Sock: Sock{Proto: "udp", Family: 6, Bind: ap(wild(6), e.Port)}})
+	return t, u, err
+}
+
 func newAddress(local bool) *Case {
 	return &Case{Name: "new-address-" + where(local), Class: "device-bound",
 		Why: "an administrator adds an address to A's eth0 while alice's wildcard listeners run; bob connects to the new address (tcp v4, udp v6) before the data plane may know it",
 		Run: func(e *Env, r *Run) error {
-			k := 150 + (e.Port/10)%50
-			a4 := netip.AddrFrom4([4]byte{198, 18, 0, byte(k)})
-			a6 := netip.MustParseAddr(fmt.Sprintf("2001:2::%d", k))
-			t, err := e.Sink(r, e.A.Name, Victim, SinkSpec{Sock: Sock{Proto: "tcp", Family: 4, Bind: ap(wild(4), e.Port)}})
-			if err != nil {
-				return err
-			}
-			u, err := e.Sink(r, e.A.Name, Victim, SinkSpec{Sock: Sock{Proto: "udp", Family: 6, Bind: ap(wild(6), e.Port)}})
+			_, a4, a6 := e.newAddrs()
+			t, u, err := e.wildSinks(r)
 			if err != nil {
 				return err
 			}
@@ -332,15 +341,9 @@ func newAddressAgentStopped() *Case {
 	return &Case{Name: "new-address-agent-stopped", Class: "device-bound",
 		Why: "A's agent is stopped (SIGSTOP) while an administrator adds addresses (v4, v6 nodad); alice connects to them from A (the kernel picks them as source) — admitted although the agent never listed them; alice sending from an address A does not have (IPv6, IP_FREEBIND) stays refused",
 		Run: func(e *Env, r *Run) error {
-			k := 150 + (e.Port/10)%50
-			a4 := netip.AddrFrom4([4]byte{198, 18, 0, byte(k)})
-			a6 := netip.MustParseAddr(fmt.Sprintf("2001:2::%d", k))
+			k, a4, a6 := e.newAddrs()
 			forged := ap(netip.MustParseAddr(fmt.Sprintf("2001:2::%d", k+50)), e.Port+1)
-			t, err := e.Sink(r, e.A.Name, Victim, SinkSpec{Sock: Sock{Proto: "tcp", Family: 4, Bind: ap(wild(4), e.Port)}})
-			if err != nil {
-				return err
-			}
-			u, err := e.Sink(r, e.A.Name, Victim, SinkSpec{Sock: Sock{Proto: "udp", Family: 6, Bind: ap(wild(6), e.Port)}})
+			t, u, err := e.wildSinks(r)
 			if err != nil {
 				return err
 			}

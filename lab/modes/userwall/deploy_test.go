@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -324,7 +325,8 @@ func TestUpgradeWithoutGap(t *testing.T) {
 // allowed one fails. The changed maps are replaced (new IDs, old ones
 // freed), the unchanged ones kept (same IDs), the counters carried over,
 // every link keeps its pin and runs the new program (the old programs are
-// freed), and nothing is left under next/.
+// freed), and nothing is left under next/. Both with tcx links and with tc
+// filters (tc_attach = "tc", kernels before 6.6).
 func TestUpgradeChangedLayout(t *testing.T) {
 	needTestbed(t)
 	const next = "9.9.9~layout"
@@ -333,52 +335,149 @@ func TestUpgradeChangedLayout(t *testing.T) {
 	variant := buildAgent(t, next, "palisade_layout_next")
 	changed := map[string]bool{"sk_owners": true, "counters": true, "exempt_conn": true}
 	listenBoth(t, 5198)
-	for _, step := range []struct {
-		name string
-		bin  []byte
-	}{{"N → N+1 (changed layout)", variant}, {"N+1 → N (downgrade, changed layout)", regular}} {
-		before := status(t, "node1")
-		maps := pinnedMapIDs(t, before.PinDir)
-		var total uint64
-		for _, c := range before.Counters {
-			total += c.Count
-		}
-		u.replaceUnderTraffic(t, step.bin, 5198)
-		after := status(t, "node1")
-		if after.Agent == nil || after.Agent.PID == before.Agent.PID || after.PinDir != before.PinDir {
-			t.Fatalf("%s: agent after: %+v", step.name, after.Agent)
-		}
-		log, _ := os.ReadFile(filepath.Join(tb.LogDir(), "node1-agent.log"))
-		if !strings.Contains(string(log[u.logAt:]), "migration committed") {
-			t.Errorf("%s: the agent log does not say it migrated:\n%s", step.name, log[u.logAt:])
-		}
-		now := pinnedMapIDs(t, after.PinDir)
-		for name, id := range maps {
-			switch {
-			case now[name] == 0:
-				t.Errorf("%s: map %s no longer pinned", step.name, name)
-			case changed[name] && now[name] == id:
-				t.Errorf("%s: map %s (changed layout) still the old one (id %d)", step.name, name, id)
-			case changed[name] && !gone(func() bool { return !mapExists(id) }):
-				t.Errorf("%s: old map %s (id %d) still exists", step.name, name, id)
-			case !changed[name] && now[name] != id:
-				t.Errorf("%s: map %s (same layout) replaced: id %d → %d", step.name, name, id, now[name])
+	for _, attach := range []string{"tcx", "tc"} {
+		t.Run(attach, func(t *testing.T) {
+			if attach == "tc" {
+				useTCAttach(t, u)
 			}
-		}
-		if len(now) != len(maps) {
-			t.Errorf("%s: pinned maps %v → %v", step.name, maps, now)
-		}
-		if _, err := os.Stat(filepath.Join(after.PinDir, "next")); !os.IsNotExist(err) {
-			t.Errorf("%s: staging directory left behind: %v", step.name, err)
-		}
-		var total2 uint64
-		for _, c := range after.Counters {
-			total2 += c.Count
-		}
-		if total2 < total {
-			t.Errorf("%s: counters not carried over: total %d → %d", step.name, total, total2)
-		}
-		checkLinksReplaced(t, step.name, before, after)
+			for _, step := range []struct {
+				name string
+				bin  []byte
+			}{{"N → N+1 (changed layout)", variant}, {"N+1 → N (downgrade, changed layout)", regular}} {
+				before := status(t, "node1")
+				ids := pinnedMapIDs(t, before.PinDir)
+				var total uint64
+				for _, c := range before.Counters {
+					total += c.Count
+				}
+				u.replaceUnderTraffic(t, step.bin, 5198)
+				after := status(t, "node1")
+				if after.Agent == nil || after.Agent.PID == before.Agent.PID || after.PinDir != before.PinDir {
+					t.Fatalf("%s: agent after: %+v", step.name, after.Agent)
+				}
+				log, _ := os.ReadFile(filepath.Join(tb.LogDir(), "node1-agent.log"))
+				if !strings.Contains(string(log[u.logAt:]), "migration committed") {
+					t.Errorf("%s: the agent log does not say it migrated:\n%s", step.name, log[u.logAt:])
+				}
+				now := pinnedMapIDs(t, after.PinDir)
+				for name, id := range ids {
+					switch {
+					case now[name] == 0:
+						t.Errorf("%s: map %s no longer pinned", step.name, name)
+					case changed[name] && now[name] == id:
+						t.Errorf("%s: map %s (changed layout) still the old one (id %d)", step.name, name, id)
+					case changed[name] && !gone(func() bool { return !mapExists(id) }):
+						t.Errorf("%s: old map %s (id %d) still exists", step.name, name, id)
+					case !changed[name] && now[name] != id:
+						t.Errorf("%s: map %s (same layout) replaced: id %d → %d", step.name, name, id, now[name])
+					}
+				}
+				if len(now) != len(ids) {
+					t.Errorf("%s: pinned maps %v → %v", step.name, ids, now)
+				}
+				if _, err := os.Stat(filepath.Join(after.PinDir, "next")); !os.IsNotExist(err) {
+					t.Errorf("%s: staging directory left behind: %v", step.name, err)
+				}
+				var total2 uint64
+				for _, c := range after.Counters {
+					total2 += c.Count
+				}
+				if total2 < total {
+					t.Errorf("%s: counters not carried over: total %d → %d", step.name, total, total2)
+				}
+				checkLinksReplaced(t, step.name, before, after)
+			}
+		})
+	}
+}
+
+// TestUpgradeRollback: a changed-layout upgrade that fails half-way (a
+// test build fails on purpose after the cgroup link connect6 switched, or
+// after every link switched, just before commit) rolls back: the agent
+// exits with the reason, every link runs its old program again, the pinned
+// maps are the old ones, next/ is gone, and traffic was decided right
+// throughout; the old version then starts on what it left. With tcx links
+// and with tc filters.
+func TestUpgradeRollback(t *testing.T) {
+	needTestbed(t)
+	u := newUpgrader(t)
+	variant := buildAgent(t, "9.9.9~fault", "palisade_layout_next")
+	listenBoth(t, 5199)
+	for _, attach := range []string{"tcx", "tc"} {
+		t.Run(attach, func(t *testing.T) {
+			if attach == "tc" {
+				useTCAttach(t, u)
+			}
+			before := status(t, "node1")
+			mapIDs := pinnedMapIDs(t, before.PinDir)
+			progs := map[string]uint32{}
+			for _, l := range before.Links {
+				progs[l.Name] = l.ProgID
+			}
+			pidFile := AgentPidFile(tb, "node1")
+			underTraffic(t, 5199, func() {
+				u.replace(t, variant)
+				if pid := uw.ReadPid(pidFile); pid != 0 {
+					syscall.Kill(pid, syscall.SIGTERM)
+					for i := 0; i < 250 && uw.ReadPid(pidFile) != 0; i++ {
+						time.Sleep(20 * time.Millisecond) // the pid file goes when it stopped
+					}
+				}
+				for _, stage := range []string{"cgroup:connect6", "commit"} {
+					cmd := nodeCommand(context.Background(), tb, tb.Nodes[0], "agent")
+					cmd.Env = append(cmd.Env, "PALISADE_MIGRATION_FAULT="+stage)
+					out, err := cmd.CombinedOutput()
+					if err == nil || !strings.Contains(string(out), "migration rolled back") || !strings.Contains(string(out), "injected fault at "+stage) {
+						t.Errorf("%s: agent: %v\n%s", stage, err, out)
+					}
+					if !strings.Contains(string(out), "pinned maps have another layout: migrating") {
+						t.Errorf("%s: the agent did not migrate:\n%s", stage, out)
+					}
+					after := status(t, "node1")
+					for _, l := range after.Links {
+						if progs[l.Name] != l.ProgID {
+							t.Errorf("%s: link %s runs program %d, before %d", stage, l.Name, l.ProgID, progs[l.Name])
+						}
+					}
+					if len(after.Links) != len(before.Links) {
+						t.Errorf("%s: links %d → %d", stage, len(before.Links), len(after.Links))
+					}
+					if now := pinnedMapIDs(t, before.PinDir); !maps.Equal(now, mapIDs) {
+						t.Errorf("%s: pinned maps %v, before %v", stage, now, mapIDs)
+					}
+					if _, err := os.Stat(filepath.Join(before.PinDir, "next")); !os.IsNotExist(err) {
+						t.Errorf("%s: staging directory left behind: %v", stage, err)
+					}
+				}
+				u.replace(t, u.old)
+				u.restart(t)
+			})
+			log, _ := os.ReadFile(filepath.Join(tb.LogDir(), "node1-agent.log"))
+			if strings.Contains(string(log[u.logAt:]), "migrating") {
+				t.Errorf("the old version migrated after the rollbacks (it should find its own layout):\n%s", log[u.logAt:])
+			}
+		})
+	}
+}
+
+// useTCAttach restarts node1's agent with tc_attach = "tc" (clsact
+// filters instead of tcx links) until the test ends.
+func useTCAttach(t *testing.T, u *upgrader) {
+	t.Helper()
+	p := tb.ConfigPath("node1")
+	orig := must(os.ReadFile(p))
+	conf := strings.Replace(string(orig), "[agent]\n", "[agent]\ntc_attach = \"tc\"\n", 1)
+	if conf == string(orig) {
+		t.Fatal("no [agent] table in node1's configuration")
+	}
+	os.WriteFile(p, []byte(conf), 0o644)
+	t.Cleanup(func() {
+		os.WriteFile(p, orig, 0o644)
+		u.restart(t)
+	})
+	u.restart(t)
+	if s := status(t, "node1"); s.Attach != "tc" {
+		t.Fatalf("node1 with tc_attach = \"tc\": attach %q", s.Attach)
 	}
 }
 
@@ -524,10 +623,20 @@ func (u *upgrader) restart(t *testing.T) {
 	}
 }
 
-// replaceUnderTraffic installs bin on node1 and restarts its agent while
-// alice's TCP and UDP listeners on port (see listenBoth) are hammered: bob's
-// attempts (local and from node2) must all be refused, alice's all succeed.
+// replaceUnderTraffic installs bin on node1 and restarts its agent under
+// traffic (underTraffic).
 func (u *upgrader) replaceUnderTraffic(t *testing.T, bin []byte, port int) {
+	t.Helper()
+	underTraffic(t, port, func() {
+		u.replace(t, bin)
+		u.restart(t)
+	})
+}
+
+// underTraffic runs action while alice's TCP and UDP listeners on node1's
+// port (see listenBoth) are hammered: bob's attempts (local and from node2)
+// must all be refused, alice's all succeed.
+func underTraffic(t *testing.T, port int, action func()) {
 	t.Helper()
 	n1 := tb.Nodes[0]
 	ctx := context.Background()
@@ -554,8 +663,7 @@ func (u *upgrader) replaceUnderTraffic(t *testing.T, bin []byte, port int) {
 		}
 	}
 	time.Sleep(500 * time.Millisecond) // traffic before the replacement
-	u.replace(t, bin)
-	u.restart(t)
+	action()
 	for i, p := range probes {
 		p.cmd.Wait()
 		got := strings.TrimSpace(outs[i].String())

@@ -71,6 +71,18 @@ func (e *vmEnv) queued(t *testing.T, user, node, script string) (string, time.Du
 	return p.String(), time.Since(t0)
 }
 
+// slurmDiag is what Slurm said about the job named in out (its allocation
+// line): slurmctld's and node's slurmd lines about it, and the node's state.
+func (e *vmEnv) slurmDiag(t *testing.T, out, node string) string {
+	t.Helper()
+	m := regexp.MustCompile(`job allocation (\d+)`).FindStringSubmatch(out)
+	if m == nil {
+		return "(no job id in the output)"
+	}
+	return e.run(t, "node1", "", fmt.Sprintf(`cd %s; echo "--- slurmctld"; grep -E 'JobId=%[2]s|job %[2]s\b|JobId %[2]s\b' slurmctld.log | tail -20
+echo "--- slurmd-%[3]s"; grep -E '%[2]s' slurmd-%[3]s.log | tail -20; echo "--- sinfo"; sinfo -N -l`, e.tb.LogDir(), m[1], node))
+}
+
 func hasLine(out, line string) bool {
 	for _, l := range strings.Split(out, "\n") {
 		if strings.TrimSpace(l) == line {
@@ -147,7 +159,7 @@ func slurmSuite(t *testing.T, e *vmEnv) {
 		slurmFull(t)
 		out, _ := e.queued(t, "alice", "node3", "salloc -N1 -w node3 srun hostname")
 		if !hasLine(out, "node3") || !strings.Contains(out, "exit=0") {
-			t.Errorf("queued salloc did not run:\n%s", out)
+			t.Errorf("queued salloc did not run:\n%s\n%s", out, e.slurmDiag(t, out, "node3"))
 		}
 	})
 
