@@ -296,16 +296,25 @@ func TestExplainAgreesWithKernel(t *testing.T) {
 
 // TestUpgradeWithoutGap replaces node1's agent by a newer build, as the
 // package's postinst does (stop, new binary, start): the new version adopts
-// the pinned programs and maps, and during the whole replacement no refused
-// connection gets through and no allowed one fails.
+// the pinned programs and maps (the same map objects: no migration), and
+// during the whole replacement no refused connection gets through and no
+// allowed one fails.
 func TestUpgradeWithoutGap(t *testing.T) {
 	needTestbed(t)
 	const next = "9.9.9~upgrade"
 	u := newUpgrader(t)
 	listenBoth(t, 5197)
 	before := status(t, "node1")
+	ids := pinnedMapIDs(t, before.PinDir)
 	u.replaceUnderTraffic(t, buildAgent(t, next), 5197)
 	after := status(t, "node1")
+	// Same layout: every map adopted as it is, no migration.
+	if now := pinnedMapIDs(t, after.PinDir); !maps.Equal(now, ids) {
+		t.Errorf("pinned maps %v → %v", ids, now)
+	}
+	if log, _ := os.ReadFile(filepath.Join(tb.LogDir(), "node1-agent.log")); strings.Contains(string(log[u.logAt:]), "migrat") {
+		t.Errorf("a same-layout upgrade migrated:\n%s", log[u.logAt:])
+	}
 	if after.Agent == nil || after.Agent.Version != next || after.Agent.Version == before.Agent.Version {
 		t.Errorf("after the upgrade the agent reports %+v (before: %s)", after.Agent, before.Agent.Version)
 	}
