@@ -844,6 +844,13 @@ func TestStatusAll(t *testing.T) {
 		}
 	}
 
+	// As a user: one clear error (no node can be asked), not every node "down".
+	cmd := tb.Command(context.Background(), "node1", "alice", tb.Binary, "status", "--all", "--config", tb.ConfigPath("node1"))
+	out, _ := cmd.CombinedOutput()
+	if cmd.ProcessState.ExitCode() != 2 || !strings.Contains(string(out), "needs root") || strings.Contains(string(out), "down") {
+		t.Errorf("status --all as alice: exit %d\n%s", cmd.ProcessState.ExitCode(), out)
+	}
+
 	// Drift: node2 runs another [policy] (one more exempt listener).
 	p := tb.ConfigPath("node2")
 	orig := must(os.ReadFile(p))
