@@ -30,7 +30,7 @@ const (
 	// the underlay NICs (ingress).
 	srunFilterPrio   = 0x5041
 	srunFilterHandle = 1
-	srunFilterName   = "pal_uvn_srun_in"
+	srunFilterName   = srunbpfProgPalUvnSrunIn
 )
 
 // srunSpec is the embedded collection with the port range and mark set.
@@ -39,7 +39,7 @@ func srunSpec(r policy.PortRange) (*ebpf.CollectionSpec, error) {
 	if err != nil {
 		return nil, err
 	}
-	for name, v := range map[string]uint32{"port_min": uint32(r.First), "port_max": uint32(r.Last), "srun_mark": srunMark} {
+	for name, v := range map[string]uint32{srunbpfVarPortMin: uint32(r.First), srunbpfVarPortMax: uint32(r.Last), srunbpfVarSrunMark: srunMark} {
 		if err := spec.Variables[name].Set(v); err != nil {
 			return nil, fmt.Errorf("srun programs: set %s: %w", name, err)
 		}
@@ -154,9 +154,9 @@ func (m *Manager) ensureSrunTC(ns *NodeState) error {
 	if err != nil {
 		return err
 	}
-	delete(spec.Programs, "pal_uvn_pbind4")
-	delete(spec.Programs, "pal_uvn_pbind6")
-	delete(spec.Programs, "pal_uvn_release")
+	delete(spec.Programs, srunbpfProgPalUvnPbind4)
+	delete(spec.Programs, srunbpfProgPalUvnPbind6)
+	delete(spec.Programs, srunbpfProgPalUvnRelease)
 	opts := ebpf.CollectionOptions{}
 	if srunMapAlive(ns.SrunMap) {
 		repl, err := srunSharedMaps(ns)
@@ -176,7 +176,7 @@ func (m *Manager) ensureSrunTC(ns *NodeState) error {
 	if err := fillSrunSources(coll, m.cfg.Underlays); err != nil {
 		return err
 	}
-	info, err := coll.Maps["pal_srun_ports"].Info()
+	info, err := coll.Maps[srunbpfMapPalSrunPorts].Info()
 	if err != nil {
 		return err
 	}
@@ -200,7 +200,7 @@ func (m *Manager) ensureSrunTC(ns *NodeState) error {
 		}
 		f := &netlink.BpfFilter{FilterAttrs: netlink.FilterAttrs{LinkIndex: d.Attrs().Index, Parent: netlink.HANDLE_MIN_INGRESS,
 			Handle: srunFilterHandle, Protocol: unix.ETH_P_ALL, Priority: srunFilterPrio},
-			Fd: coll.Programs["pal_uvn_srun_in"].FD(), Name: srunFilterName, DirectAction: true}
+			Fd: coll.Programs[srunbpfProgPalUvnSrunIn].FD(), Name: srunFilterName, DirectAction: true}
 		if err := netlink.FilterReplace(f); err != nil {
 			return fmt.Errorf("attach %s to %s ingress: %w", srunFilterName, d.Attrs().Name, err)
 		}
@@ -216,14 +216,14 @@ func fillSrunSources(coll *ebpf.Collection, us []Underlay) error {
 			var err error
 			if n.Addr().Is4() {
 				k := srunbpfSrunLpm4{Prefixlen: uint32(n.Bits()), Addr: nativeAddr4(n.Addr())}
-				err = coll.Maps["pal_srun_src4"].Put(k, uint8(1))
+				err = coll.Maps[srunbpfMapPalSrunSrc4].Put(k, uint8(1))
 			} else {
 				k := srunbpfSrunLpm6{Prefixlen: uint32(n.Bits())}
 				b := n.Addr().As16()
 				for i := range k.Addr {
 					k.Addr[i] = uint32(b[4*i]) | uint32(b[4*i+1])<<8 | uint32(b[4*i+2])<<16 | uint32(b[4*i+3])<<24
 				}
-				err = coll.Maps["pal_srun_src6"].Put(k, uint8(1))
+				err = coll.Maps[srunbpfMapPalSrunSrc6].Put(k, uint8(1))
 			}
 			if err != nil {
 				return fmt.Errorf("srun source %s: %w", n, err)
@@ -338,17 +338,17 @@ func (m *Manager) attachSrun(cg *cgroup2, a *Attachment, vrfIndex int, vrfMAC ne
 	if err != nil {
 		return err
 	}
-	if err := spec.Variables["vrf_ifindex"].Set(uint32(vrfIndex)); err != nil {
+	if err := spec.Variables[srunbpfVarVrfIfindex].Set(uint32(vrfIndex)); err != nil {
 		return err
 	}
 	var mac [6]byte
 	copy(mac[:], vrfMAC)
-	if err := spec.Variables["vrf_mac"].Set(mac); err != nil {
+	if err := spec.Variables[srunbpfVarVrfMac].Set(mac); err != nil {
 		return err
 	}
-	delete(spec.Programs, "pal_uvn_srun_in")
-	delete(spec.Maps, "pal_srun_src4")
-	delete(spec.Maps, "pal_srun_src6")
+	delete(spec.Programs, srunbpfProgPalUvnSrunIn)
+	delete(spec.Maps, srunbpfMapPalSrunSrc4)
+	delete(spec.Maps, srunbpfMapPalSrunSrc6)
 	repl, err := srunSharedMaps(ns)
 	if err != nil {
 		return err
@@ -364,9 +364,9 @@ func (m *Manager) attachSrun(cg *cgroup2, a *Attachment, vrfIndex int, vrfMAC ne
 		at   ebpf.AttachType
 		id   *uint32
 	}{
-		{"pal_uvn_pbind4", ebpf.AttachCGroupInet4PostBind, &a.Bind4ID},
-		{"pal_uvn_pbind6", ebpf.AttachCGroupInet6PostBind, &a.Bind6ID},
-		{"pal_uvn_release", ebpf.AttachCgroupInetSockRelease, &a.ReleaseID},
+		{srunbpfProgPalUvnPbind4, ebpf.AttachCGroupInet4PostBind, &a.Bind4ID},
+		{srunbpfProgPalUvnPbind6, ebpf.AttachCGroupInet6PostBind, &a.Bind6ID},
+		{srunbpfProgPalUvnRelease, ebpf.AttachCgroupInetSockRelease, &a.ReleaseID},
 	} {
 		id, err := cg.attachProg(a.Cgroup, coll.Programs[p.name], p.at)
 		if err != nil {
@@ -437,7 +437,7 @@ func (m *Manager) srunIntact() bool {
 // programs that share them.
 func srunSharedMaps(ns *NodeState) (map[string]*ebpf.Map, error) {
 	out := map[string]*ebpf.Map{}
-	for name, id := range map[string]uint32{"pal_srun_ports": ns.SrunMap} {
+	for name, id := range map[string]uint32{srunbpfMapPalSrunPorts: ns.SrunMap} {
 		mp, err := ebpf.NewMapFromID(ebpf.MapID(id))
 		if err != nil {
 			closeMaps(out)

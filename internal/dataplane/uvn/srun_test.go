@@ -12,6 +12,7 @@ import (
 	"testing"
 
 	"github.com/cilium/ebpf"
+	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/palisade-hpc/palisade/internal/policy"
@@ -24,7 +25,7 @@ func srunTestColl(t *testing.T, r policy.PortRange) *ebpf.Collection {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, p := range []string{"pal_uvn_pbind4", "pal_uvn_pbind6", "pal_uvn_release"} {
+	for _, p := range []string{srunbpfProgPalUvnPbind4, srunbpfProgPalUvnPbind6, srunbpfProgPalUvnRelease} {
 		delete(spec.Programs, p)
 	}
 	coll, err := ebpf.NewCollection(spec)
@@ -70,10 +71,10 @@ func TestSrunTCProgram(t *testing.T) {
 	mac := net.HardwareAddr{0x02, 0xaa, 0xbb, 0xcc, 0xdd, 0xee}
 	owner := srunbpfSrunOwner{Ifindex: 1, Port: 61234}
 	copy(owner.Mac[:], mac)
-	if err := coll.Maps["pal_srun_ports"].Put(uint64(61234), owner); err != nil {
+	if err := coll.Maps[srunbpfMapPalSrunPorts].Put(uint64(61234), owner); err != nil {
 		t.Fatal(err)
 	}
-	prog := coll.Programs["pal_uvn_srun_in"]
+	prog := coll.Programs[srunbpfProgPalUvnSrunIn]
 	for _, c := range []struct {
 		name     string
 		in       []byte
@@ -88,8 +89,7 @@ func TestSrunTCProgram(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: %v", c.name, err)
 		}
-		const tcActRedirect = 7
-		if got := ret == tcActRedirect; got != c.redirect {
+		if got := ret == uint32(netlink.TC_ACT_REDIRECT); got != c.redirect {
 			t.Errorf("%s: verdict %d, want redirect=%v", c.name, ret, c.redirect)
 		}
 		if c.redirect && !bytes.Equal(out[:6], mac) {
@@ -112,7 +112,7 @@ func TestSrunClaims(t *testing.T) {
 	}
 	r := policy.PortRange{First: 61000, Last: 62999}
 	coll := srunTestColl(t, r)
-	ports := coll.Maps["pal_srun_ports"]
+	ports := coll.Maps[srunbpfMapPalSrunPorts]
 	var cg *cgroup2
 	var home string
 	mk := func(name string, ifindex int) string {
@@ -123,18 +123,18 @@ func TestSrunClaims(t *testing.T) {
 			t.Fatal(err)
 		}
 		var mac [6]byte
-		spec.Variables["vrf_ifindex"].Set(uint32(ifindex))
-		spec.Variables["vrf_mac"].Set(mac)
-		delete(spec.Programs, "pal_uvn_srun_in")
-		delete(spec.Maps, "pal_srun_src4")
-		delete(spec.Maps, "pal_srun_src6")
-		c, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{MapReplacements: map[string]*ebpf.Map{"pal_srun_ports": ports}})
+		spec.Variables[srunbpfVarVrfIfindex].Set(uint32(ifindex))
+		spec.Variables[srunbpfVarVrfMac].Set(mac)
+		delete(spec.Programs, srunbpfProgPalUvnSrunIn)
+		delete(spec.Maps, srunbpfMapPalSrunSrc4)
+		delete(spec.Maps, srunbpfMapPalSrunSrc6)
+		c, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{MapReplacements: map[string]*ebpf.Map{srunbpfMapPalSrunPorts: ports}})
 		if err != nil {
 			t.Fatalf("load claim programs: %v", err)
 		}
 		defer c.Close()
-		for name, at := range map[string]ebpf.AttachType{"pal_uvn_pbind4": ebpf.AttachCGroupInet4PostBind,
-			"pal_uvn_pbind6": ebpf.AttachCGroupInet6PostBind, "pal_uvn_release": ebpf.AttachCgroupInetSockRelease} {
+		for name, at := range map[string]ebpf.AttachType{srunbpfProgPalUvnPbind4: ebpf.AttachCGroupInet4PostBind,
+			srunbpfProgPalUvnPbind6: ebpf.AttachCGroupInet6PostBind, srunbpfProgPalUvnRelease: ebpf.AttachCgroupInetSockRelease} {
 			if _, err := cg.attachProg(path, c.Programs[name], at); err != nil {
 				t.Fatal(err)
 			}
