@@ -120,27 +120,13 @@ func userwallOn(t *testing.T, series string) {
 
 func checkMatrix(t *testing.T, ctx context.Context, tb *testbed.Testbed) {
 	t0 := time.Now()
-	var stdout, stderr bytes.Buffer
-	args := append([]string{"check", "--mode=userwall", "--json"}, CheckSubset...)
-	code, err := vm.RelayCheck(ctx, tb, args, &stdout, &stderr)
+	rep, code, stderr, err := vm.RelayCheckReport(ctx, tb, append([]string{"--mode=userwall"}, CheckSubset...))
 	if err != nil {
-		t.Fatalf("relay: %v\n%s", err, stderr.String())
-	}
-	var rep struct {
-		Passed, Failed int
-		Warnings       []string
-		Cases          []struct {
-			ID, Launcher, Path, Proto, Connector, Listener, Expected, Rule, Observed, Kind, Error string
-			Family                                                                                int
-			Pass                                                                                  bool
-		}
-	}
-	if err := json.Unmarshal(stdout.Bytes(), &rep); err != nil {
-		t.Fatalf("check exited %d, output is not a report: %v\n%s\n%s", code, err, stdout.String(), stderr.String())
+		t.Fatalf("%v\n%s", err, stderr)
 	}
 	paths := map[string]int{}
 	for _, c := range rep.Cases {
-		paths[c.Path]++
+		paths[string(c.Path)]++
 	}
 	t.Logf("check %v: %d passed, %d failed in %v (exit %d); cases by path %v; warnings %v", CheckSubset, rep.Passed, rep.Failed,
 		time.Since(t0).Round(time.Second), code, paths, rep.Warnings)
@@ -150,8 +136,7 @@ func checkMatrix(t *testing.T, ctx context.Context, tb *testbed.Testbed) {
 		for _, c := range rep.Cases {
 			if !c.Pass && n < 40 {
 				n++
-				t.Logf("%s %s %s→%s %s%d %s: expected %s (%s), observed %s %s %s", c.ID, c.Launcher, c.Connector, c.Listener,
-					c.Proto, c.Family, c.Path, c.Expected, c.Rule, c.Observed, c.Kind, c.Error)
+				t.Log(c)
 			}
 		}
 	}

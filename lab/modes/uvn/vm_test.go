@@ -3,7 +3,6 @@ package uvn
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -310,23 +309,9 @@ var CheckSubset = []string{"--connectors=bob,root", "--listeners=bob,alice+proj1
 // --name NAME --mode uvn` does, and requires every case to match.
 func checkMatrix(t *testing.T, ctx context.Context, tb *testbed.Testbed) {
 	t0 := time.Now()
-	var stdout, stderr bytes.Buffer
-	args := append([]string{"check", "--mode=uvn", "--json"}, CheckSubset...)
-	code, err := vm.RelayCheck(ctx, tb, args, &stdout, &stderr)
+	rep, code, stderr, err := vm.RelayCheckReport(ctx, tb, append([]string{"--mode=uvn"}, CheckSubset...))
 	if err != nil {
-		t.Fatalf("relay: %v\n%s", err, stderr.String())
-	}
-	var rep struct {
-		Passed, Failed int
-		Warnings       []string
-		Cases          []struct {
-			ID, Launcher, Path, Proto, Connector, Listener, Expected, Rule, Observed, Kind, Error string
-			Family                                                                                int
-			Pass                                                                                  bool
-		}
-	}
-	if err := json.Unmarshal(stdout.Bytes(), &rep); err != nil {
-		t.Fatalf("check exited %d, output is not a report: %v\n%s\n%s", code, err, stdout.String(), stderr.String())
+		t.Fatalf("%v\n%s", err, stderr)
 	}
 	t.Logf("check %v: %d passed, %d failed in %v (exit %d); warnings %v", CheckSubset, rep.Passed, rep.Failed,
 		time.Since(t0).Round(time.Second), code, rep.Warnings)
@@ -336,17 +321,16 @@ func checkMatrix(t *testing.T, ctx context.Context, tb *testbed.Testbed) {
 		for _, c := range rep.Cases {
 			if !c.Pass && n < 40 {
 				n++
-				t.Logf("%s %s %s→%s %s%d %s: expected %s (%s), observed %s %s %s", c.ID, c.Launcher, c.Connector, c.Listener,
-					c.Proto, c.Family, c.Path, c.Expected, c.Rule, c.Observed, c.Kind, c.Error)
+				t.Log(c)
 			}
 		}
-		t.Logf("stderr:\n%s", stderr.String())
+		t.Logf("stderr:\n%s", stderr)
 	}
 	// Every launcher ran and saw both outcomes; every rule was exercised.
 	seen := map[string]bool{}
 	for _, c := range rep.Cases {
 		if c.Pass {
-			seen[c.Launcher+"/"+c.Observed] = true
+			seen[string(c.Launcher)+"/"+c.Observed] = true
 			seen[c.Rule] = true
 		}
 	}
