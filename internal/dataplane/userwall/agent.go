@@ -307,6 +307,9 @@ func (a *agent) enforce() error {
 		}
 		return err
 	}
+	if gone := a.dp.PruneMaps(); len(gone) > 0 {
+		a.log.Info("removed the pins of maps this version no longer has", "maps", gone)
+	}
 	a.log.Info("userwall enforcing", "netns_cookie", cookie, "pins", pinDir, "adopted", adopting,
 		"links", len(a.dp.Links()), "interfaces", a.dp.Interfaces(), "cgroup", cg)
 	if err := a.dp.LSMErr(); err != nil {

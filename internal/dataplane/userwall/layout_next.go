@@ -13,7 +13,7 @@ import (
 // palisade_layout_next): the maps it creates differ from the pinned ones of
 // a regular build in flags (sk_owners: socket storage, so the owners are
 // re-adopted), max_entries (counters: carried over; exempt_conn: refilled
-// from the configuration). The programs are the same object. It can also
+// from the configuration), and it has one map more (LayoutNextMap). The programs are the same object. It can also
 // fail a migration on purpose: PALISADE_MIGRATION_FAULT=<stage>.
 func init() {
 	layoutVariant = func(spec *ebpf.CollectionSpec) {
@@ -21,6 +21,9 @@ func init() {
 		spec.Maps["sk_owners"].Flags |= bpfFClone
 		spec.Maps["counters"].MaxEntries += 16
 		spec.Maps["exempt_conn"].MaxEntries *= 2
+		// A map of this version only: pinned at commit, and its pin
+		// removed when a regular build comes back.
+		spec.Maps[LayoutNextMap] = &ebpf.MapSpec{Name: LayoutNextMap, Type: ebpf.Array, KeySize: 4, ValueSize: 4, MaxEntries: 1}
 	}
 	// PALISADE_MIGRATION_FAULT=<stage> fails a migration there.
 	migrationFault = func(stage string) error {

@@ -16,6 +16,9 @@ var (
 	descConfigInfo = prometheus.NewDesc("palisade_config_info",
 		"Always 1; the SHA-256 of the running configuration file (sha256sum of it): nodes running the same file show the same value.",
 		[]string{"sha256", "path"}, nil)
+	descConfigShared = prometheus.NewDesc("palisade_config_shared_info",
+		"Always 1; the SHA-256 of the running configuration's cluster-wide tables ([policy], [cluster], [offcluster]): every node should show the same value (status --all's drift).",
+		[]string{"shared_sha256"}, nil)
 	descConfigGen = prometheus.NewDesc("palisade_config_generation",
 		"Configurations applied since the agent started (1 = the one it started with).", nil, nil)
 	descConfigReload = prometheus.NewDesc("palisade_config_last_reload_timestamp_seconds",
@@ -41,7 +44,7 @@ var (
 type collector struct{ a *agent }
 
 func (c collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descConfigInfo, descConfigGen, descConfigReload, descConfigReloadOK, descAudit, descFindings, descBuildInfo, descDecisions, descLinks, descLSM, descEntries, descEvents} {
+	for _, d := range []*prometheus.Desc{descConfigInfo, descConfigShared, descConfigGen, descConfigReload, descConfigReloadOK, descAudit, descFindings, descBuildInfo, descDecisions, descLinks, descLSM, descEntries, descEvents} {
 		ch <- d
 	}
 }
@@ -61,6 +64,7 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descBuildInfo, prometheus.GaugeValue, 1, v.Version, v.Commit, v.BuildDate, v.GoVersion, v.EBPF)
 	st := c.a.stateSnapshot()
 	ch <- prometheus.MustNewConstMetric(descConfigInfo, prometheus.GaugeValue, 1, st.ConfigSHA, st.Config)
+	ch <- prometheus.MustNewConstMetric(descConfigShared, prometheus.GaugeValue, 1, st.SharedSHA)
 	ch <- prometheus.MustNewConstMetric(descConfigGen, prometheus.GaugeValue, float64(st.Generation))
 	last, ok := 0.0, 1.0
 	if !st.LastReload.IsZero() {

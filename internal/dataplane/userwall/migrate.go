@@ -3,6 +3,7 @@ package userwall
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -67,6 +68,9 @@ func (d *Dataplane) Fault(stage string) error {
 	return migrationFault(stage)
 }
 
+// LayoutNextMap is the map only the palisade_layout_next build has.
+const LayoutNextMap = "uw_layout_next"
+
 // stagingDir is where a migration pins its new maps and links until commit.
 func stagingDir(pinDir string) string { return filepath.Join(pinDir, "next") }
 
@@ -84,6 +88,7 @@ var ownerRecorders = []string{"sock_create", "post_bind4", "post_bind6"}
 type migration struct {
 	next    string
 	changed map[string]string    // map name → what changed
+	added   []string             // maps this version adds
 	old     map[string]*ebpf.Map // the pinned maps being replaced
 	reused  map[string]*ebpf.Map // pinned maps the new programs use as they are
 	undo    []undoStep           // restores the old attachments
@@ -112,7 +117,8 @@ func planMigration(spec *ebpf.CollectionSpec, pinDir string) (*migration, error)
 		}
 		pinned, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, name), nil)
 		if errors.Is(err, os.ErrNotExist) {
-			continue // new in this version: created and pinned as usual
+			m.added = append(m.added, name) // new in this version: staged too
+			continue
 		}
 		if err != nil {
 			m.close()
@@ -286,7 +292,7 @@ func (d *Dataplane) Commit() error {
 		return nil
 	}
 	var errs []error
-	for name := range m.changed {
+	for _, name := range slices.Concat(slices.Collect(maps.Keys(m.changed)), m.added) {
 		if err := os.Rename(filepath.Join(m.next, name), filepath.Join(d.PinDir, name)); err != nil {
 			errs = append(errs, fmt.Errorf("move pin %s: %w", name, err))
 		}
@@ -381,4 +387,27 @@ func (d *Dataplane) rememberTC(ifindex int, dir tcDir, progName string) error {
 	d.mig.undo = append(d.mig.undo, undoStep{
 		restore: func() error { return detachTC(ifindex, dir) }, release: func() {}})
 	return nil
+}
+
+// PruneMaps removes the pins of maps this version no longer has (an
+// upgrade dropped them): once every link runs this version's programs
+// nothing uses them, and the pin alone would keep them allocated. Called
+// after a successful install or commit; other pins (tc_lo, links, next)
+// are not maps of the collection and stay.
+func (d *Dataplane) PruneMaps() []string {
+	var gone []string
+	ents, err := os.ReadDir(d.PinDir)
+	if err != nil {
+		return nil
+	}
+	for _, e := range ents {
+		n := e.Name()
+		if e.IsDir() || n == tcLoMap || d.coll.Maps[n] != nil {
+			continue
+		}
+		if err := os.Remove(filepath.Join(d.PinDir, n)); err == nil {
+			gone = append(gone, n)
+		}
+	}
+	return gone
 }

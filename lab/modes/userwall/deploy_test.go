@@ -296,16 +296,25 @@ func TestExplainAgreesWithKernel(t *testing.T) {
 
 // TestUpgradeWithoutGap replaces node1's agent by a newer build, as the
 // package's postinst does (stop, new binary, start): the new version adopts
-// the pinned programs and maps, and during the whole replacement no refused
-// connection gets through and no allowed one fails.
+// the pinned programs and maps (the same map objects: no migration), and
+// during the whole replacement no refused connection gets through and no
+// allowed one fails.
 func TestUpgradeWithoutGap(t *testing.T) {
 	needTestbed(t)
 	const next = "9.9.9~upgrade"
 	u := newUpgrader(t)
 	listenBoth(t, 5197)
 	before := status(t, "node1")
+	ids := pinnedMapIDs(t, before.PinDir)
 	u.replaceUnderTraffic(t, buildAgent(t, next), 5197)
 	after := status(t, "node1")
+	// Same layout: every map adopted as it is, no migration.
+	if now := pinnedMapIDs(t, after.PinDir); !maps.Equal(now, ids) {
+		t.Errorf("pinned maps %v → %v", ids, now)
+	}
+	if log, _ := os.ReadFile(filepath.Join(tb.LogDir(), "node1-agent.log")); strings.Contains(string(log[u.logAt:]), "migrat") {
+		t.Errorf("a same-layout upgrade migrated:\n%s", log[u.logAt:])
+	}
 	if after.Agent == nil || after.Agent.Version != next || after.Agent.Version == before.Agent.Version {
 		t.Errorf("after the upgrade the agent reports %+v (before: %s)", after.Agent, before.Agent.Version)
 	}
@@ -343,7 +352,10 @@ func TestUpgradeChangedLayout(t *testing.T) {
 			for _, step := range []struct {
 				name string
 				bin  []byte
-			}{{"N → N+1 (changed layout)", variant}, {"N+1 → N (downgrade, changed layout)", regular}} {
+				// the map only N+1 has: pinned at commit, pin removed by N
+				added, dropped string
+			}{{"N → N+1 (changed layout)", variant, uw.LayoutNextMap, ""},
+				{"N+1 → N (downgrade, changed layout)", regular, "", uw.LayoutNextMap}} {
 				before := status(t, "node1")
 				ids := pinnedMapIDs(t, before.PinDir)
 				var total uint64
@@ -362,6 +374,10 @@ func TestUpgradeChangedLayout(t *testing.T) {
 				now := pinnedMapIDs(t, after.PinDir)
 				for name, id := range ids {
 					switch {
+					case name == step.dropped:
+						if now[name] != 0 || !gone(func() bool { return !mapExists(id) }) {
+							t.Errorf("%s: map %s (not in this version) still pinned (%d) or allocated (%d)", step.name, name, now[name], id)
+						}
 					case now[name] == 0:
 						t.Errorf("%s: map %s no longer pinned", step.name, name)
 					case changed[name] && now[name] == id:
@@ -372,7 +388,17 @@ func TestUpgradeChangedLayout(t *testing.T) {
 						t.Errorf("%s: map %s (same layout) replaced: id %d → %d", step.name, name, id, now[name])
 					}
 				}
-				if len(now) != len(ids) {
+				if step.added != "" && now[step.added] == 0 {
+					t.Errorf("%s: map %s (new in this version) not pinned", step.name, step.added)
+				}
+				want := len(ids)
+				if step.added != "" {
+					want++
+				}
+				if step.dropped != "" {
+					want--
+				}
+				if len(now) != want {
 					t.Errorf("%s: pinned maps %v → %v", step.name, ids, now)
 				}
 				if _, err := os.Stat(filepath.Join(after.PinDir, "next")); !os.IsNotExist(err) {
@@ -735,6 +761,22 @@ func TestStatusAll(t *testing.T) {
 	if code != 0 && code != 1 {
 		t.Errorf("status --all with every node up and alike exits %d", code)
 	}
+	sharedMetric := func(node string) string {
+		m, err := metrics(node, "127.0.0.1:9464")
+		if err != nil {
+			t.Fatalf("%s metrics: %v", node, err)
+		}
+		x := regexp.MustCompile(`palisade_config_shared_info\{shared_sha256="([0-9a-f]+)"\} 1`).FindStringSubmatch(m)
+		if x == nil {
+			t.Fatalf("%s metrics lack palisade_config_shared_info", node)
+		}
+		return x[1]
+	}
+	for _, n := range tb.Nodes {
+		if got := sharedMetric(n.Name); got != shared {
+			t.Errorf("%s: metric palisade_config_shared_info says %s, status --all %s", n.Name, got, shared)
+		}
+	}
 
 	// Drift: node2 runs another [policy] (one more exempt listener).
 	p := tb.ConfigPath("node2")
@@ -755,6 +797,9 @@ func TestStatusAll(t *testing.T) {
 	}
 	if v := views["node1"]; v.State == uw.NodeDrift || v.State == uw.NodeDown {
 		t.Errorf("node1: %+v", v)
+	}
+	if v := views["node2"]; v.Report != nil && sharedMetric("node2") != v.Report.SharedSHA {
+		t.Errorf("node2's metric palisade_config_shared_info is not its drifted hash %s", v.Report.SharedSHA)
 	}
 	if code != 2 {
 		t.Errorf("status --all with a drifting node exits %d, want 2", code)
