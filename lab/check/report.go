@@ -245,6 +245,15 @@ type JSONReport struct {
 	Cases     []CaseRecord `json:"cases"`
 }
 
+// ParseJSON reads WriteJSON's document.
+func ParseJSON(b []byte) (*JSONReport, error) {
+	var r JSONReport
+	if err := json.Unmarshal(b, &r); err != nil {
+		return nil, err
+	}
+	return &r, nil
+}
+
 // Record flattens a case for machines.
 func (c *Case) Record() CaseRecord {
 	rec := CaseRecord{ID: c.ID, Launcher: c.Launcher, Path: c.Path, Proto: c.Proto.String(), Family: c.Family,

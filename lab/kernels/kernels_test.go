@@ -120,9 +120,14 @@ func userwallOn(t *testing.T, series string) {
 
 func checkMatrix(t *testing.T, ctx context.Context, tb *testbed.Testbed) {
 	t0 := time.Now()
-	rep, code, stderr, err := vm.RelayCheckReport(ctx, tb, append([]string{"--mode=userwall"}, CheckSubset...))
+	var stdout, stderr bytes.Buffer
+	code, err := vm.RelayCheck(ctx, tb, append([]string{"check", "--mode=userwall", "--json"}, CheckSubset...), &stdout, &stderr)
 	if err != nil {
-		t.Fatalf("%v\n%s", err, stderr)
+		t.Fatalf("relay: %v\n%s", err, stderr.String())
+	}
+	rep, err := check.ParseJSON(stdout.Bytes())
+	if err != nil {
+		t.Fatalf("check exited %d, output is not a report: %v\n%s\n%s", code, err, stdout.String(), stderr.String())
 	}
 	paths := map[string]int{}
 	for _, c := range rep.Cases {

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/palisade-hpc/palisade/lab/check"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 	"github.com/palisade-hpc/palisade/lab/vm"
 )
@@ -309,9 +310,14 @@ var CheckSubset = []string{"--connectors=bob,root", "--listeners=bob,alice+proj1
 // --name NAME --mode uvn` does, and requires every case to match.
 func checkMatrix(t *testing.T, ctx context.Context, tb *testbed.Testbed) {
 	t0 := time.Now()
-	rep, code, stderr, err := vm.RelayCheckReport(ctx, tb, append([]string{"--mode=uvn"}, CheckSubset...))
+	var stdout, stderr bytes.Buffer
+	code, err := vm.RelayCheck(ctx, tb, append([]string{"check", "--mode=uvn", "--json"}, CheckSubset...), &stdout, &stderr)
 	if err != nil {
-		t.Fatalf("%v\n%s", err, stderr)
+		t.Fatalf("relay: %v\n%s", err, stderr.String())
+	}
+	rep, err := check.ParseJSON(stdout.Bytes())
+	if err != nil {
+		t.Fatalf("check exited %d, output is not a report: %v\n%s\n%s", code, err, stdout.String(), stderr.String())
 	}
 	t.Logf("check %v: %d passed, %d failed in %v (exit %d); warnings %v", CheckSubset, rep.Passed, rep.Failed,
 		time.Since(t0).Round(time.Second), code, rep.Warnings)
@@ -324,7 +330,7 @@ func checkMatrix(t *testing.T, ctx context.Context, tb *testbed.Testbed) {
 				t.Log(c)
 			}
 		}
-		t.Logf("stderr:\n%s", stderr)
+		t.Logf("stderr:\n%s", stderr.String())
 	}
 	// Every launcher ran and saw both outcomes; every rule was exercised.
 	seen := map[string]bool{}
