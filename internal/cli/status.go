@@ -100,7 +100,10 @@ func clusterStatus(cmd *cobra.Command, pidFile string, timeout time.Duration, as
 		return fmt.Errorf("%s: ident_port = 0 (the UDP ident service is off): no cluster view", cfg.Path)
 	}
 	want := cfg.SharedSHA256()
-	views := userwall.ClusterView(cmd.Context(), cfg.Nodes, uint16(cfg.Agent.IdentPort), timeout, want)
+	views, err := userwall.ClusterView(cmd.Context(), cfg.Nodes, uint16(cfg.Agent.IdentPort), timeout, want)
+	if err != nil {
+		return &ExitError{statusNotEnforced, "status --all: " + err.Error()}
+	}
 	code := statusOK
 	for _, v := range views {
 		switch v.State {

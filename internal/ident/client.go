@@ -23,6 +23,10 @@ import (
 // privileged port, or not from a cluster subnet).
 var ErrTimeout = errors.New("ident: no answer")
 
+// ErrUnprivileged means the caller may not bind a privileged source port,
+// without which no node answers.
+var ErrUnprivileged = errors.New("ident: asking another node needs root (a privileged source port)")
+
 // Client asks other nodes' ident services. The zero value uses DefaultPort
 // and a one-second timeout.
 type Client struct {
@@ -67,7 +71,7 @@ func bindPrivileged(family netip.Addr) (*net.UDPConn, error) {
 			return c, nil
 		}
 		if errors.Is(err, syscall.EACCES) || errors.Is(err, syscall.EPERM) {
-			return nil, fmt.Errorf("ident: asking another node needs root (a privileged source port): %w", err)
+			return nil, fmt.Errorf("%w: %w", ErrUnprivileged, err)
 		}
 		lastErr = err
 	}

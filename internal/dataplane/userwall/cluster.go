@@ -3,6 +3,7 @@ package userwall
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/netip"
 	"os"
@@ -70,12 +71,14 @@ type NodeView struct {
 	State  string      `json:"state"`
 	Error  string      `json:"error,omitempty"`
 	Report *NodeReport `json:"report,omitempty"`
+	err    error
 }
 
 // ClusterView asks every node's agent for its report, timeout per node
 // (in parallel, at most 64 at once), and judges each against want, the
-// cluster-wide configuration hash every node should run.
-func ClusterView(ctx context.Context, nodes []config.Node, port uint16, timeout time.Duration, want string) []NodeView {
+// cluster-wide configuration hash every node should run. Its only error:
+// the caller may not ask at all (ident.ErrUnprivileged).
+func ClusterView(ctx context.Context, nodes []config.Node, port uint16, timeout time.Duration, want string) ([]NodeView, error) {
 	out := make([]NodeView, len(nodes))
 	sem := make(chan struct{}, 64)
 	var wg sync.WaitGroup
@@ -90,7 +93,7 @@ func ClusterView(ctx context.Context, nodes []config.Node, port uint16, timeout 
 				err = json.Unmarshal(raw, &r)
 			}
 			if err != nil {
-				v.State, v.Error = NodeDown, err.Error()
+				v.State, v.Error, v.err = NodeDown, err.Error(), err
 				out[i] = v
 				return
 			}
@@ -114,5 +117,10 @@ func ClusterView(ctx context.Context, nodes []config.Node, port uint16, timeout 
 		})
 	}
 	wg.Wait()
-	return out
+	for _, v := range out {
+		if v.err != nil && errors.Is(v.err, ident.ErrUnprivileged) {
+			return nil, v.err
+		}
+	}
+	return out, nil
 }

@@ -37,6 +37,9 @@ const lsmList = "lsm=lockdown,capability,landlock,yama,apparmor,bpf"
 // testdata/lsm_guest.py makes listeners and connectors as different users
 // there and in a second namespace without programs. Needs root, qemu and a
 // prepared kernel in the VM cache (`palisade-lab vm kernel`); ~1.5 min under TCG.
+// Before that, the guest runs the full agent and replaces it by a build with
+// another map layout (-tags palisade_layout_next): the migration of LSM links,
+// which cannot be updated in place (checkLSMUpgrade).
 func TestLSMVM(t *testing.T) {
 	if testing.Short() {
 		t.Skip("boots a VM")
@@ -63,8 +66,13 @@ func TestLSMVM(t *testing.T) {
 	// The product binary runs the agent in the guest; the lab binary is
 	// the VM's hub and guest agent.
 	bin, lab := filepath.Join(dir, "palisade"), filepath.Join(dir, "palisade-lab")
-	for out, pkg := range map[string]string{bin: "cmd/palisade", lab: "cmd/palisade-lab"} {
-		build := exec.CommandContext(ctx, "go", "build", "-o", out, "github.com/palisade-hpc/palisade/"+pkg)
+	next := filepath.Join(dir, "palisade-next") // another map layout: the upgrade with LSM links
+	for out, pkg := range map[string]string{bin: "cmd/palisade", lab: "cmd/palisade-lab", next: "cmd/palisade"} {
+		tags := ""
+		if out == next {
+			tags = "palisade_layout_next"
+		}
+		build := exec.CommandContext(ctx, "go", "build", "-tags", tags, "-o", out, "github.com/palisade-hpc/palisade/"+pkg)
 		build.Env = append(os.Environ(), "CGO_ENABLED=0")
 		if out, err := build.CombinedOutput(); err != nil {
 			t.Fatalf("build: %v\n%s", err, out)
@@ -106,7 +114,7 @@ func TestLSMVM(t *testing.T) {
 	}
 	t.Logf("guest up in %.1f s", time.Since(start).Seconds())
 	var out strings.Builder
-	code, err := vm.Exec(ctx, vmDir, vm.Request{Op: "sh", Argv: []string{"bash", filepath.Join(dir, "lsm_guest.sh"), bin, dir}}, nil, &out, &out)
+	code, err := vm.Exec(ctx, vmDir, vm.Request{Op: "sh", Argv: []string{"bash", filepath.Join(dir, "lsm_guest.sh"), bin, dir, next}}, nil, &out, &out)
 	t.Logf("guest script (exit %d, %.1f s since boot):\n%s", code, time.Since(start).Seconds(), out.String())
 	if err != nil || code != 0 {
 		t.Fatalf("guest script: exit %d, %v", code, err)
@@ -114,6 +122,7 @@ func TestLSMVM(t *testing.T) {
 
 	res := map[string]string{}
 	got := map[string]bool{}
+	upgrade := map[string]string{}
 	var lsm string
 	sc := bufio.NewScanner(strings.NewReader(out.String()))
 	for sc.Scan() {
@@ -130,8 +139,12 @@ func TestLSMVM(t *testing.T) {
 			}
 		case strings.HasPrefix(l, "LSM "):
 			lsm = strings.TrimPrefix(l, "LSM ")
+		case strings.HasPrefix(l, "UPGRADE-"):
+			k, v, _ := strings.Cut(l, " ")
+			upgrade[k] = v
 		}
 	}
+	checkLSMUpgrade(t, upgrade)
 	if !strings.Contains(","+lsm+",", ",bpf,") {
 		t.Fatalf("bpf not in the guest's LSM list %q", lsm)
 	}
@@ -190,6 +203,33 @@ func TestLSMVM(t *testing.T) {
 		if !strings.Contains(out.String(), name) {
 			t.Errorf("no denial event naming %s", name)
 		}
+	}
+}
+
+// checkLSMUpgrade: in the guest, a build with another map layout replaced
+// the agent (migration) with both LSM links attached before and after, on
+// new programs, committed, nothing left staged.
+func checkLSMUpgrade(t *testing.T, u map[string]string) {
+	t.Helper()
+	progs := func(k string) map[string]string {
+		m := map[string]string{}
+		for _, f := range strings.Fields(u[k]) {
+			name, id, _ := strings.Cut(f, "=")
+			m[name] = id
+		}
+		return m
+	}
+	before, after := progs("UPGRADE-BEFORE"), progs("UPGRADE-AFTER")
+	for _, l := range []string{"lsm_unix_may_send", "lsm_unix_stream_connect"} {
+		if before[l] == "" || after[l] == "" || before[l] == after[l] {
+			t.Errorf("upgrade in the guest: LSM link %s on program %q before, %q after", l, before[l], after[l])
+		}
+	}
+	if before["unix_enforced"] != "True" || after["unix_enforced"] != "True" {
+		t.Errorf("upgrade in the guest: unix_enforced %q before, %q after", before["unix_enforced"], after["unix_enforced"])
+	}
+	if u["UPGRADE-COMMITTED"] != "1" || u["UPGRADE-STAGED"] != "0" {
+		t.Errorf("upgrade in the guest: committed %q, staged dirs left %q", u["UPGRADE-COMMITTED"], u["UPGRADE-STAGED"])
 	}
 }
 

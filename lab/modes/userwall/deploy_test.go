@@ -5,11 +5,13 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"fmt"
 	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -412,6 +414,7 @@ func TestUpgradeChangedLayout(t *testing.T) {
 					t.Errorf("%s: counters not carried over: total %d → %d", step.name, total, total2)
 				}
 				checkLinksReplaced(t, step.name, before, after)
+				checkNoLeaks(t, step.name, after)
 			}
 		})
 	}
@@ -474,6 +477,7 @@ func TestUpgradeRollback(t *testing.T) {
 					if _, err := os.Stat(filepath.Join(before.PinDir, "next")); !os.IsNotExist(err) {
 						t.Errorf("%s: staging directory left behind: %v", stage, err)
 					}
+					checkNoLeaks(t, stage, after)
 				}
 				u.replace(t, u.old)
 				u.restart(t)
@@ -504,6 +508,68 @@ func useTCAttach(t *testing.T, u *upgrader) {
 	u.restart(t)
 	if s := status(t, "node1"); s.Attach != "tc" {
 		t.Fatalf("node1 with tc_attach = \"tc\": attach %q", s.Attach)
+	}
+}
+
+// checkNoLeaks: the programs that use node1's settings map are exactly the
+// ones its links and filters run (none of an earlier or failed agent is
+// left: no iterator, no staged program), and each such program is in as
+// many kernel links as status lists (no doubled owner recorder left).
+func checkNoLeaks(t *testing.T, step string, st *uw.Status) {
+	t.Helper()
+	settings := pinnedMapIDs(t, st.PinDir)["settings"]
+	want := map[uint32]bool{}
+	linksOf := map[uint32]int{}
+	for _, l := range st.Links {
+		want[l.ProgID] = true
+		if l.Type != "tc" {
+			linksOf[l.ProgID]++
+		}
+	}
+	var extra []string
+	ok := gone(func() bool {
+		out, err := exec.Command("bpftool", "prog", "show", "-j").Output()
+		if err != nil {
+			t.Fatalf("bpftool prog show: %v", err)
+		}
+		var progs []struct {
+			ID     uint32       `json:"id"`
+			Name   string       `json:"name"`
+			MapIDs []ebpf.MapID `json:"map_ids"`
+		}
+		if err := json.Unmarshal(out, &progs); err != nil {
+			t.Fatal(err)
+		}
+		extra = nil
+		for _, p := range progs {
+			if slices.Contains(p.MapIDs, settings) && !want[p.ID] {
+				extra = append(extra, fmt.Sprintf("%s (id %d)", p.Name, p.ID))
+			}
+		}
+		return len(extra) == 0
+	})
+	if !ok {
+		t.Errorf("%s: programs using node1's maps beyond its links: %v", step, extra)
+	}
+	out, err := exec.Command("bpftool", "link", "show", "-j").Output()
+	if err != nil {
+		t.Fatalf("bpftool link show: %v", err)
+	}
+	var links []struct {
+		ID     uint32 `json:"id"`
+		ProgID uint32 `json:"prog_id"`
+	}
+	if err := json.Unmarshal(out, &links); err != nil {
+		t.Fatal(err)
+	}
+	got := map[uint32]int{}
+	for _, l := range links {
+		if want[l.ProgID] {
+			got[l.ProgID]++
+		}
+	}
+	if !maps.Equal(got, linksOf) {
+		t.Errorf("%s: kernel links per program %v, status lists %v", step, got, linksOf)
 	}
 }
 
@@ -776,6 +842,13 @@ func TestStatusAll(t *testing.T) {
 		if got := sharedMetric(n.Name); got != shared {
 			t.Errorf("%s: metric palisade_config_shared_info says %s, status --all %s", n.Name, got, shared)
 		}
+	}
+
+	// As a user: one clear error (no node can be asked), not every node "down".
+	cmd := tb.Command(context.Background(), "node1", "alice", tb.Binary, "status", "--all", "--config", tb.ConfigPath("node1"))
+	out, _ := cmd.CombinedOutput()
+	if cmd.ProcessState.ExitCode() != 2 || !strings.Contains(string(out), "needs root") || strings.Contains(string(out), "down") {
+		t.Errorf("status --all as alice: exit %d\n%s", cmd.ProcessState.ExitCode(), out)
 	}
 
 	// Drift: node2 runs another [policy] (one more exempt listener).
