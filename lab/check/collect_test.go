@@ -187,14 +187,11 @@ func TestCollect(t *testing.T) {
 	if err := rep.WriteJSON(&js); err != nil {
 		t.Fatal(err)
 	}
-	var doc struct {
-		Passed, Failed int
-		Cases          []CaseRecord
-	}
-	if err := json.Unmarshal(js.Bytes(), &doc); err != nil {
+	doc, err := ParseJSON(js.Bytes())
+	if err != nil {
 		t.Fatalf("--json output does not parse: %v", err)
 	}
-	if doc.Passed != passed || doc.Failed != failed || len(doc.Cases) != len(m.cases) {
+	if doc.Passed != passed || doc.Failed != failed || len(doc.Cases) != len(m.cases) || doc.Mode != rep.Mode || doc.Nodes != rep.Nodes {
 		t.Errorf("json: %d/%d/%d", doc.Passed, doc.Failed, len(doc.Cases))
 	}
 }

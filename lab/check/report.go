@@ -226,6 +226,34 @@ type CaseRecord struct {
 	AuditEvent string `json:"audit_event,omitempty"`
 }
 
+// String is the case on one line, as the VM tests log a mismatch.
+func (c CaseRecord) String() string {
+	return fmt.Sprintf("%s %s %s→%s %s%d %s: expected %s (%s), observed %s %s %s", c.ID, c.Launcher, c.Connector, c.Listener,
+		c.Proto, c.Family, c.Path, c.Expected, c.Rule, c.Observed, c.Kind, c.Error)
+}
+
+// JSONReport is the document WriteJSON prints (`check --json`), as a reader
+// decodes it.
+type JSONReport struct {
+	Mode      string       `json:"mode"`
+	Testbed   string       `json:"testbed"`
+	Nodes     int          `json:"nodes"`
+	Passed    int          `json:"passed"`
+	Failed    int          `json:"failed"`
+	ElapsedMS int64        `json:"elapsed_ms"`
+	Warnings  []string     `json:"warnings"`
+	Cases     []CaseRecord `json:"cases"`
+}
+
+// ParseJSON reads WriteJSON's document.
+func ParseJSON(b []byte) (*JSONReport, error) {
+	var r JSONReport
+	if err := json.Unmarshal(b, &r); err != nil {
+		return nil, err
+	}
+	return &r, nil
+}
+
 // Record flattens a case for machines.
 func (c *Case) Record() CaseRecord {
 	rec := CaseRecord{ID: c.ID, Launcher: c.Launcher, Path: c.Path, Proto: c.Proto.String(), Family: c.Family,

@@ -122,26 +122,17 @@ func userwallOn(t *testing.T, series string) {
 func checkMatrix(t *testing.T, ctx context.Context, tb *testbed.Testbed) {
 	t0 := time.Now()
 	var stdout, stderr bytes.Buffer
-	args := append([]string{"check", "--mode=userwall", "--json"}, CheckSubset...)
-	code, err := vm.RelayCheck(ctx, tb, args, &stdout, &stderr)
+	code, err := vm.RelayCheck(ctx, tb, append([]string{"check", "--mode=userwall", "--json"}, CheckSubset...), &stdout, &stderr)
 	if err != nil {
 		t.Fatalf("relay: %v\n%s", err, stderr.String())
 	}
-	var rep struct {
-		Passed, Failed int
-		Warnings       []string
-		Cases          []struct {
-			ID, Launcher, Path, Proto, Connector, Listener, Expected, Rule, Observed, Kind, Error string
-			Family                                                                                int
-			Pass                                                                                  bool
-		}
-	}
-	if err := json.Unmarshal(stdout.Bytes(), &rep); err != nil {
+	rep, err := check.ParseJSON(stdout.Bytes())
+	if err != nil {
 		t.Fatalf("check exited %d, output is not a report: %v\n%s\n%s", code, err, stdout.String(), stderr.String())
 	}
 	paths := map[string]int{}
 	for _, c := range rep.Cases {
-		paths[c.Path]++
+		paths[string(c.Path)]++
 	}
 	t.Logf("check %v: %d passed, %d failed in %v (exit %d); cases by path %v; warnings %v", CheckSubset, rep.Passed, rep.Failed,
 		time.Since(t0).Round(time.Second), code, paths, rep.Warnings)
@@ -151,8 +142,7 @@ func checkMatrix(t *testing.T, ctx context.Context, tb *testbed.Testbed) {
 		for _, c := range rep.Cases {
 			if !c.Pass && n < 40 {
 				n++
-				t.Logf("%s %s %s→%s %s%d %s: expected %s (%s), observed %s %s %s", c.ID, c.Launcher, c.Connector, c.Listener,
-					c.Proto, c.Family, c.Path, c.Expected, c.Rule, c.Observed, c.Kind, c.Error)
+				t.Log(c)
 			}
 		}
 	}

@@ -3,7 +3,6 @@ package uvn
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -13,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/palisade-hpc/palisade/lab/check"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 	"github.com/palisade-hpc/palisade/lab/vm"
 )
@@ -311,21 +311,12 @@ var CheckSubset = []string{"--connectors=bob,root", "--listeners=bob,alice+proj1
 func checkMatrix(t *testing.T, ctx context.Context, tb *testbed.Testbed) {
 	t0 := time.Now()
 	var stdout, stderr bytes.Buffer
-	args := append([]string{"check", "--mode=uvn", "--json"}, CheckSubset...)
-	code, err := vm.RelayCheck(ctx, tb, args, &stdout, &stderr)
+	code, err := vm.RelayCheck(ctx, tb, append([]string{"check", "--mode=uvn", "--json"}, CheckSubset...), &stdout, &stderr)
 	if err != nil {
 		t.Fatalf("relay: %v\n%s", err, stderr.String())
 	}
-	var rep struct {
-		Passed, Failed int
-		Warnings       []string
-		Cases          []struct {
-			ID, Launcher, Path, Proto, Connector, Listener, Expected, Rule, Observed, Kind, Error string
-			Family                                                                                int
-			Pass                                                                                  bool
-		}
-	}
-	if err := json.Unmarshal(stdout.Bytes(), &rep); err != nil {
+	rep, err := check.ParseJSON(stdout.Bytes())
+	if err != nil {
 		t.Fatalf("check exited %d, output is not a report: %v\n%s\n%s", code, err, stdout.String(), stderr.String())
 	}
 	t.Logf("check %v: %d passed, %d failed in %v (exit %d); warnings %v", CheckSubset, rep.Passed, rep.Failed,
@@ -336,8 +327,7 @@ func checkMatrix(t *testing.T, ctx context.Context, tb *testbed.Testbed) {
 		for _, c := range rep.Cases {
 			if !c.Pass && n < 40 {
 				n++
-				t.Logf("%s %s %s→%s %s%d %s: expected %s (%s), observed %s %s %s", c.ID, c.Launcher, c.Connector, c.Listener,
-					c.Proto, c.Family, c.Path, c.Expected, c.Rule, c.Observed, c.Kind, c.Error)
+				t.Log(c)
 			}
 		}
 		t.Logf("stderr:\n%s", stderr.String())
@@ -346,7 +336,7 @@ func checkMatrix(t *testing.T, ctx context.Context, tb *testbed.Testbed) {
 	seen := map[string]bool{}
 	for _, c := range rep.Cases {
 		if c.Pass {
-			seen[c.Launcher+"/"+c.Observed] = true
+			seen[string(c.Launcher)+"/"+c.Observed] = true
 			seen[c.Rule] = true
 		}
 	}
