@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"path/filepath"
 
 	"golang.org/x/sys/unix"
 
@@ -239,4 +240,22 @@ func (d *Dataplane) SetMembers(m identity.Membership) error {
 // Disable stops enforcement without detaching (programs answer "allow").
 func (d *Dataplane) Disable() error {
 	return d.Map("settings").Update(uint32(0), uwbpfUwConfig{}, ebpf.UpdateAny)
+}
+
+// ListsLocalAddr reports whether the local-address trie pinned under pinDir
+// holds a: the agent's acknowledgement that it knows a new address (IPv6
+// sources it does not list are refused, see uw_skb_egress).
+func ListsLocalAddr(pinDir string, a netip.Addr) (bool, error) {
+	m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, "local_addrs"), &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		return false, err
+	}
+	defer m.Close()
+	a = a.Unmap().WithZone("")
+	var v uint8
+	err = m.Lookup(lpmKey(netip.PrefixFrom(a, a.BitLen())), &v)
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		return false, nil
+	}
+	return err == nil, err
 }

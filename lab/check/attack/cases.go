@@ -327,6 +327,12 @@ func newAddress(local bool) *Case {
 			uspec := ActSpec{Sock: sock("udp", 6), Dst: ap(a6, e.Port), Count: 3, Connect: true}
 			r.Attack(e, t, node, Attacker, "tcp → "+tspec.Dst, tspec)
 			r.Attack(e, u, node, Attacker, "udp → "+uspec.Dst, uspec)
+			// The testbed has no DAD: a new IPv6 address is a source at
+			// once, and one the agent does not list yet is refused (see
+			// uw_skb_egress). The controls wait for its acknowledgement.
+			if err := e.waitListed(e.A, a4, a6); err != nil {
+				return err
+			}
 			r.Control(e, t, node, Victim, "tcp → "+tspec.Dst, tspec)
 			r.Control(e, u, node, Victim, "udp → "+uspec.Dst, uspec)
 			return nil
@@ -334,12 +340,14 @@ func newAddress(local bool) *Case {
 }
 
 // newAddressAgentStopped takes the agent's address list out of the question:
-// with A's agent stopped it cannot learn of the new addresses, so a source the
-// kernel chose (and checked) must be admitted on the kernel's word, while a
-// source it did not check (IPv6 with IP_FREEBIND) stays refused.
+// with A's agent stopped it cannot learn of the new addresses. An IPv4
+// source the kernel chose and checked is admitted on the kernel's word; an
+// IPv6 one is admitted only once the agent lists it (IPv6 does not check a
+// source again after bind), and a forged one never, whether the socket still
+// has IP_FREEBIND or cleared it after binding.
 func newAddressAgentStopped() *Case {
 	return &Case{Name: "new-address-agent-stopped", Class: "device-bound",
-		Why: "A's agent is stopped (SIGSTOP) while an administrator adds addresses (v4, v6 nodad); alice connects to them from A (the kernel picks them as source) — admitted although the agent never listed them; alice sending from an address A does not have (IPv6, IP_FREEBIND) stays refused",
+		Why: "A's agent is stopped (SIGSTOP) while an administrator adds addresses (v4, v6 nodad); alice's TCP from the new IPv4 address is admitted (the kernel checked it), her UDP from the new IPv6 address only once the agent, resumed, lists it; alice sending from an address A does not have (IPv6, IP_FREEBIND, also cleared again after bind) stays refused",
 		Run: func(e *Env, r *Run) error {
 			k, a4, a6 := e.newAddrs()
 			forged := ap(netip.MustParseAddr(fmt.Sprintf("2001:2::%d", k+50)), e.Port+1)
@@ -354,7 +362,14 @@ func newAddressAgentStopped() *Case {
 			if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
 				return err
 			}
-			r.Defer(func() { syscall.Kill(pid, syscall.SIGCONT) })
+			stopped := true
+			resume := func() {
+				if stopped {
+					syscall.Kill(pid, syscall.SIGCONT)
+					stopped = false
+				}
+			}
+			r.Defer(resume)
 			for _, a := range [][]string{{a4.String() + "/24"}, {a6.String() + "/64", "nodad"}} {
 				args := append([]string{"ip", "addr", "add", a[0], "dev", "eth0"}, a[1:]...)
 				if _, err := e.Root(e.A.Name, args...); err != nil {
@@ -362,18 +377,21 @@ func newAddressAgentStopped() *Case {
 				}
 				r.Defer(func() { e.Root(e.A.Name, "ip", "addr", "del", a[0], "dev", "eth0") })
 			}
-			tspec := ActSpec{Sock: sock("tcp", 4), Dst: ap(a4, e.Port)}
-			uspec := ActSpec{Sock: sock("udp", 6), Dst: ap(a6, e.Port), Count: 3, Connect: true}
-			// The controls bind the new addresses: their source is one the
-			// agent has not listed.
-			tctl, uctl := tspec, uspec
-			tctl.Sock.Bind, uctl.Sock.Bind = ap(a4, 0), ap(a6, 0)
+			tspec := ActSpec{Sock: Sock{Proto: "tcp", Family: 4, Bind: ap(a4, 0)}, Dst: ap(a4, e.Port)}
+			uspec := ActSpec{Sock: Sock{Proto: "udp", Family: 6, Bind: ap(a6, 0)}, Dst: ap(a6, e.Port), Count: 3}
 			fspec := ActSpec{Sock: Sock{Proto: "udp", Family: 6, Bind: forged, FreeBind: true}, Dst: ap(a6, e.Port), Count: 3}
-			r.Attack(e, t, e.A.Name, Attacker, "tcp → "+tspec.Dst, tspec)
-			r.Attack(e, u, e.A.Name, Attacker, "udp → "+uspec.Dst, uspec)
+			ospec := fspec
+			ospec.Sock.FreeBindOff = true
+			r.Attack(e, t, e.A.Name, Attacker, "tcp → "+tspec.Dst, ActSpec{Sock: sock("tcp", 4), Dst: tspec.Dst})
+			r.Attack(e, u, e.A.Name, Victim, "udp "+uspec.Sock.Bind+" → "+uspec.Dst+" (IPv6 source the agent does not list yet: refused)", uspec)
 			r.Attack(e, u, e.A.Name, Victim, "udp "+forged+" (IP_FREEBIND, not A's) → "+fspec.Dst, fspec)
-			r.Control(e, t, e.A.Name, Victim, "tcp "+tctl.Sock.Bind+" → "+tspec.Dst, tctl)
-			r.Control(e, u, e.A.Name, Victim, "udp "+uctl.Sock.Bind+" → "+uspec.Dst, uctl)
+			r.Attack(e, u, e.A.Name, Victim, "udp "+forged+" (IP_FREEBIND cleared after bind) → "+ospec.Dst, ospec)
+			r.Control(e, t, e.A.Name, Victim, "tcp "+tspec.Sock.Bind+" → "+tspec.Dst+" (agent stopped)", tspec)
+			resume()
+			if err := e.waitListed(e.A, a6); err != nil {
+				return err
+			}
+			r.Control(e, u, e.A.Name, Victim, "udp "+uspec.Sock.Bind+" → "+uspec.Dst+" (agent resumed, lists it)", uspec)
 			return nil
 		}}
 }
@@ -834,6 +852,40 @@ func (e *Env) unixEnforced(node testbed.Node) (bool, error) {
 		return false, fmt.Errorf("status on %s: %v", node.Name, err)
 	}
 	return st.Unix, nil
+}
+
+// waitListed waits until node's agent lists every address of addrs in its
+// local-address map (its acknowledgement of a new address), or fails after
+// 10 s.
+func (e *Env) waitListed(node testbed.Node, addrs ...netip.Addr) error {
+	cmd := exec.CommandContext(e.Ctx, "nsenter", "--net=/run/netns/"+node.NetNS, "--uts="+node.UTS, "--",
+		e.TB.Binary, "status", "--json", "--config", e.TB.ConfigPath(node.Name))
+	out, err := cmd.Output()
+	if ee, ok := err.(*exec.ExitError); err != nil && !(ok && ee.ExitCode() == 1) {
+		return fmt.Errorf("status on %s: %v", node.Name, err)
+	}
+	var st struct {
+		PinDir string `json:"pin_dir"`
+	}
+	if err := json.Unmarshal(out, &st); err != nil || st.PinDir == "" {
+		return fmt.Errorf("status on %s: no pin directory (%v)", node.Name, err)
+	}
+	for end := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		missing := 0
+		for _, a := range addrs {
+			if ok, err := userwall.ListsLocalAddr(st.PinDir, a); err != nil {
+				return err
+			} else if !ok {
+				missing++
+			}
+		}
+		if missing == 0 {
+			return nil
+		}
+		if time.Now().After(end) {
+			return fmt.Errorf("the agent on %s does not list %v after 10 s", node.Name, addrs)
+		}
+	}
 }
 
 func abstractUnix(proto string) *Case {

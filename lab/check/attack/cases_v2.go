@@ -78,6 +78,12 @@ func replySpoofedV6() *Case {
 			r.Attack(e, s, e.B.Name, Attacker, "udp "+spoofed+" (spoofed) → "+to+" (stamped)", ActSpec{Sock: from, Dst: to, Count: 3})
 			r.Attack(e, s, e.B.Name, Attacker, "udp "+spoofed+" (spoofed) → "+to+" unstamped (fragment)",
 				ActSpec{Sock: from, Dst: to, Count: 3, Size: bigDatagram})
+			// The kernel checks IP_FREEBIND at bind time only: cleared
+			// again, the socket keeps sending from the foreign address.
+			off := from
+			off.FreeBindOff = true
+			r.Attack(e, s, e.B.Name, Attacker, "udp "+spoofed+" (spoofed, IP_FREEBIND cleared after bind) → "+to+" unstamped (fragment)",
+				ActSpec{Sock: off, Dst: to, Count: 3, Size: bigDatagram})
 			ctl := ActSpec{Sock: Sock{Proto: "udp", Family: 6, Bind: pc}, Dst: to, Count: 3}
 			r.Control(e, s, e.B.Name, Victim, "udp "+pc+" → "+to, ctl)
 			return nil

@@ -162,6 +162,12 @@ func bindSock(s Sock) (int, error) {
 			unix.Close(fd)
 			return -1, at("bind", err)
 		}
+		if s.FreeBindOff {
+			if err := unix.SetsockoptInt(fd, unix.IPPROTO_IP, unix.IP_FREEBIND, 0); err != nil {
+				unix.Close(fd)
+				return -1, at("IP_FREEBIND off", err)
+			}
+		}
 	}
 	if err := join(fd, s); err != nil {
 		unix.Close(fd)

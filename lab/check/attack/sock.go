@@ -53,6 +53,9 @@ type Sock struct {
 	// FreeBind sets IP_FREEBIND: bind (and, for IPv6, send from) an
 	// address that is not the node's (unprivileged).
 	FreeBind bool `json:"freebind,omitempty"`
+	// FreeBindOff clears IP_FREEBIND again once bound: the kernel checks
+	// the flag at bind time only, so the socket keeps its foreign source.
+	FreeBindOff bool `json:"freebind_off,omitempty"`
 }
 
 const (

@@ -1255,53 +1255,24 @@ int uw_skb_ingress(struct __sk_buff *skb)
 	return c->audit ? 1 : 0;
 }
 
-/* The inet_sock flags before 6.6 (bit fields; one word since). */
-struct inet_sock___bits {
-	__u8 freebind : 1;
-	__u8 transparent : 1;
-} __attribute__((preserve_access_index));
-
-/*
- * May this IPv6 socket send from an address the kernel did not check?
- * IPv6 lets a socket bind, and then send, from any address when
- * ipv6_can_nonlocal_bind() holds: IPV6_FREEBIND / IP_FREEBIND (no privilege),
- * IPV6_TRANSPARENT or net.ipv6.ip_nonlocal_bind. Any other source was one of
- * the node's addresses when the kernel accepted it. A socket whose kernel
- * state this program cannot read (no BTF cast for its kind) may.
- */
-static __always_inline int v6_may_forge(struct bpf_sock *sk)
-{
-	struct sock *ks = (struct sock *)bpf_skc_to_tcp_sock(sk);
-	if (!ks)
-		ks = (struct sock *)bpf_skc_to_udp6_sock(sk);
-	if (!ks)
-		return 1;
-	if (BPF_CORE_READ(ks, __sk_common.skc_net.net, ipv6.sysctl.ip_nonlocal_bind))
-		return 1;
-	if (bpf_core_field_exists(struct inet_sock, inet_flags)) {
-		unsigned long f = BPF_CORE_READ((struct inet_sock *)ks, inet_flags);
-		/* INET_FLAGS_FREEBIND and _TRANSPARENT: an anonymous enum
-		 * (no CO-RE relocation); its order has only grown since 6.6. */
-		return (f >> 11 & 1) || (f >> 15 & 1);
-	}
-	struct inet_sock___bits *b = (void *)ks;
-	return BPF_CORE_READ_BITFIELD_PROBED(b, freebind) || BPF_CORE_READ_BITFIELD_PROBED(b, transparent);
-}
-
 /*
  * cgroup_skb egress: a user's packet must leave from one of the node's own
  * addresses. IP_FREEBIND / IPV6_FREEBIND let an unprivileged user send from
  * any IPv6 address; tc egress would then seal the user's identity over a
  * forged source (and an identity-less one could pose as a node of the staged
- * rollout). A TCP segment that is not a pure SYN leaves at once: its
- * connection's SYN was checked here.
+ * rollout or an off-cluster peer). A TCP segment that is not a pure SYN
+ * leaves at once: its connection's SYN was checked here.
  *
- * local_addrs is the agent's copy of the node's addresses and lags behind an
- * address just added (a netlink event away): a source it does not list is
- * refused only where the kernel did not check it itself. An IPv4 source
- * always was: the output route refuses a non-local one unless the socket has
- * IP_TRANSPARENT (CAP_NET_ADMIN or CAP_NET_RAW: root, exempt) — see
- * __ip_route_output_key. An IPv6 one unless v6_may_forge.
+ * IPv4 needs no list: the output route refuses a source that is not local
+ * unless the socket has IP_TRANSPARENT (CAP_NET_ADMIN or CAP_NET_RAW: root,
+ * exempt) — __ip_route_output_key — so an address just added, which the
+ * agent's list (a netlink event away) may not hold yet, is not refused.
+ * IPv6 checks a source only when it is set (bind, IPV6_PKTINFO): a socket
+ * bound with FREEBIND that clears the flag again, or bound to an address
+ * removed since, sends from it. So an IPv6 source must be in local_addrs,
+ * which the agent fills from the first RTM_NEWADDR, while the address is
+ * still tentative (DAD); only an address added with nodad or optimistic DAD
+ * can be refused for the few milliseconds before the agent lists it.
  */
 SEC("cgroup_skb/egress")
 int uw_skb_egress(struct __sk_buff *skb)
@@ -1332,7 +1303,7 @@ int uw_skb_egress(struct __sk_buff *skb)
 	if (v4 || lpm_has(&local_addrs, src))
 		return 1;
 	sk = bpf_sk_fullsock(sk);
-	if (!sk || !v6_may_forge(sk))
+	if (!sk)
 		return 1;
 	struct uw_owner *o = owner_of(sk);
 	if (!o || bpf_map_lookup_elem(&exempt_conn, &o->uid))
