@@ -495,30 +495,8 @@ func pinnedNames(dir string) []string {
 // RemovePins detaches every pinned link and removes every pinned map of the
 // namespace (the kernel frees an object when its last pin and fd are gone).
 func RemovePins(pinDir string) error {
-	var errs []error
-	linkDir := filepath.Join(pinDir, "links")
-	for _, n := range pinnedNames(linkDir) {
-		p := filepath.Join(linkDir, n)
-		if l, err := link.LoadPinnedLink(p, nil); err == nil {
-			if err := l.Unpin(); err != nil && !errors.Is(err, os.ErrNotExist) {
-				errs = append(errs, err)
-			}
-			l.Close()
-		} else if err := os.Remove(p); err != nil && !os.IsNotExist(err) {
-			errs = append(errs, err)
-		}
-	}
-	_ = os.Remove(linkDir)
-	errs = append(errs, removeStaging(pinDir))
-	for _, n := range pinnedNames(pinDir) {
-		if err := os.Remove(filepath.Join(pinDir, n)); err != nil && !os.IsNotExist(err) {
-			errs = append(errs, err)
-		}
-	}
-	if err := os.Remove(pinDir); err != nil && !os.IsNotExist(err) {
-		errs = append(errs, err)
-	}
+	err := removePinTree(pinDir) // staged pins (next/) included
 	// The shared parent goes only when no other namespace uses it.
 	_ = os.Remove(filepath.Dir(pinDir))
-	return errors.Join(errs...)
+	return err
 }
