@@ -489,9 +489,9 @@ func copyFile(src, dst string, mode os.FileMode) error {
 	return os.WriteFile(dst, b, mode)
 }
 
-// scriptsHash names the initramfs built from these scripts.
+// scriptsHash names the initramfs built from these scripts and modules.
 func scriptsHash() string {
-	h := sha256.Sum256([]byte(initScript + "\x00" + inittab + "\x00" + agentScript))
+	h := sha256.Sum256([]byte(initScript + "\x00" + inittab + "\x00" + agentScript + "\x00" + strings.Join(initrdModules, ",")))
 	return hex.EncodeToString(h[:4])
 }
 
