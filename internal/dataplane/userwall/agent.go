@@ -128,6 +128,11 @@ func ReadPid(path string) int {
 	if len(args) < 2 || !strings.Contains(filepath.Base(args[0]), "palisade") || !slices.Contains(args[1:], "agent") {
 		return 0
 	}
+	// Nor a user's process dressed as one (named "palisade ... agent"),
+	// which could take a crashed agent's pid: the agent runs as root.
+	if uid, ok := procfs.EffectiveUID(pid); !ok || uid != 0 {
+		return 0
+	}
 	return pid
 }
 

@@ -116,3 +116,16 @@ func Cmdline(pid int) []string {
 	}
 	return args
 }
+
+// EffectiveUID returns the effective uid of pid (false if it is gone).
+func EffectiveUID(pid int) (uint64, bool) {
+	p, err := procfs.NewProc(pid)
+	if err != nil {
+		return 0, false
+	}
+	st, err := p.NewStatus()
+	if err != nil {
+		return 0, false
+	}
+	return st.UIDs[1], true
+}

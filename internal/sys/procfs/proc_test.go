@@ -89,3 +89,12 @@ func TestDescendantsMemoryStart(t *testing.T) {
 		t.Fatal("Memory(-1) ok")
 	}
 }
+
+func TestEffectiveUID(t *testing.T) {
+	if uid, ok := EffectiveUID(os.Getpid()); !ok || uid != uint64(os.Geteuid()) {
+		t.Errorf("EffectiveUID(self) = %d, %v; want %d", uid, ok, os.Geteuid())
+	}
+	if _, ok := EffectiveUID(1 << 30); ok {
+		t.Errorf("EffectiveUID of a pid that cannot exist succeeded")
+	}
+}
