@@ -136,7 +136,8 @@ func (Handler) Up(ctx context.Context, tb *testbed.Testbed, opts testbed.Options
 	if err := Start(ctx, dir, tb.LabBinary, a); err != nil {
 		return err
 	}
-	timeout := 15 * time.Minute
+	// Boot and guest testbed, after another guest's run (the VM lock).
+	timeout := 30 * time.Minute
 	rd, err := WaitReady(ctx, dir, timeout)
 	if err != nil {
 		return err

@@ -67,6 +67,21 @@ func RunHub(dir string) error {
 	if err := json.Unmarshal(b, &argv); err != nil {
 		return err
 	}
+	// One guest at a time on this machine: two emulated guests (TCG) share
+	// its cores with each other and with the host testbeds, and Slurm's and
+	// the tests' timing inside both suffered (srun's I/O abandoned after 60
+	// s in a CI run with two guests up). The lock goes with the hub, when
+	// qemu has exited.
+	vl, err := os.OpenFile(filepath.Join(CacheDir(), "vm.lock"), os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return err
+	}
+	defer vl.Close()
+	h.logf("waiting for the machine's VM lock")
+	if err := syscall.Flock(int(vl.Fd()), syscall.LOCK_EX); err != nil {
+		return err
+	}
+	h.logf("VM lock taken")
 	os.Remove(filepath.Join(dir, fileCtl))
 	os.Remove(filepath.Join(dir, fileHub))
 	ql, err := os.Create(filepath.Join(dir, "qemu.log"))

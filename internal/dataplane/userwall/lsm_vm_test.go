@@ -53,7 +53,7 @@ func TestLSMVM(t *testing.T) {
 	if !vm.Prepared(vm.DefaultKernel) {
 		t.Skipf("no prepared guest kernel in %s (run `palisade-lab vm kernel`)", vm.CacheDir())
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
 	defer cancel()
 	// Not under /tmp: the guest mounts its own tmpfs there and sees the rest
 	// of the host's root read-only at the same paths.
@@ -105,7 +105,7 @@ func TestLSMVM(t *testing.T) {
 			t.Errorf("stop VM: %v", err)
 		}
 	}()
-	rd, err := vm.WaitReady(ctx, vmDir, 3*time.Minute)
+	rd, err := vm.WaitReady(ctx, vmDir, 20*time.Minute) // another guest may hold the VM lock
 	if err != nil {
 		t.Fatalf("VM: %v", err)
 	}

@@ -289,7 +289,8 @@ func brokenConfig(t *testing.T, e *vmEnv) {
 	out, d := timed("srun -N1 -w node3 hostname")
 	t.Logf("srun with a broken config on node3: %v:\n%s", d, out)
 	if hasLine(out, "node3") || !strings.Contains(out, "Palisade: node3:") || !strings.Contains(out, "configuration") || strings.Contains(out, "exit=0") || d == 0 || d > 30*time.Second {
-		t.Errorf("srun: want a failure naming Palisade and the configuration within 30 s, got (%v):\n%s", d, out)
+		t.Errorf("srun: want a failure naming Palisade and the configuration within 30 s, got (%v):\n%s\n%s", d, out,
+			e.run(t, "node1", "", "cd "+tb.LogDir()+"; echo '--- slurmd-node3'; tail -40 slurmd-node3.log; echo '--- slurmctld'; tail -15 slurmctld.log"))
 	}
 	// The same login to a healthy node, timed the same way: under
 	// emulation on a loaded host an ssh login alone can take most of 30 s;
