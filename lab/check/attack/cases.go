@@ -295,6 +295,18 @@ func (e *Env) newAddrs() (k int, a4, a6 netip.Addr) {
 	return k, netip.AddrFrom4([4]byte{198, 18, 0, byte(k)}), netip.MustParseAddr(fmt.Sprintf("2001:2::%d", k))
 }
 
+// addAddrs adds addresses to A's eth0 (each: prefix, then `ip addr add`
+// flags) and removes them when the case ends.
+func (e *Env) addAddrs(r *Run, addrs ...[]string) error {
+	for _, a := range addrs {
+		if _, err := e.Root(e.A.Name, append([]string{"ip", "addr", "add", a[0], "dev", "eth0"}, a[1:]...)...); err != nil {
+			return err
+		}
+		r.Defer(func() { e.Root(e.A.Name, "ip", "addr", "del", a[0], "dev", "eth0") })
+	}
+	return nil
+}
+
 // wildSinks are alice's wildcard TCP v4 and UDP v6 listeners on A.
 func (e *Env) wildSinks(r *Run) (t, u *Sink, err error) {
 	if t, err = e.Sink(r, e.A.Name, Victim, SinkSpec{Sock: Sock{Proto: "tcp", Family: 4, Bind: ap(wild(4), e.Port)}}); err != nil {
@@ -313,11 +325,8 @@ func newAddress(local bool) *Case {
 			if err != nil {
 				return err
 			}
-			for _, a := range []string{a4.String() + "/24", a6.String() + "/64"} {
-				if _, err := e.Root(e.A.Name, "ip", "addr", "add", a, "dev", "eth0"); err != nil {
-					return err
-				}
-				r.Defer(func() { e.Root(e.A.Name, "ip", "addr", "del", a, "dev", "eth0") })
+			if err := e.addAddrs(r, []string{a4.String() + "/24"}, []string{a6.String() + "/64"}); err != nil {
+				return err
 			}
 			node := e.B.Name
 			if local {
@@ -370,12 +379,8 @@ func newAddressAgentStopped() *Case {
 				}
 			}
 			r.Defer(resume)
-			for _, a := range [][]string{{a4.String() + "/24"}, {a6.String() + "/64", "nodad"}} {
-				args := append([]string{"ip", "addr", "add", a[0], "dev", "eth0"}, a[1:]...)
-				if _, err := e.Root(e.A.Name, args...); err != nil {
-					return err
-				}
-				r.Defer(func() { e.Root(e.A.Name, "ip", "addr", "del", a[0], "dev", "eth0") })
+			if err := e.addAddrs(r, []string{a4.String() + "/24"}, []string{a6.String() + "/64", "nodad"}); err != nil {
+				return err
 			}
 			tspec := ActSpec{Sock: Sock{Proto: "tcp", Family: 4, Bind: ap(a4, 0)}, Dst: ap(a4, e.Port)}
 			uspec := ActSpec{Sock: Sock{Proto: "udp", Family: 6, Bind: ap(a6, 0)}, Dst: ap(a6, e.Port), Count: 3}
@@ -838,37 +843,40 @@ func fastOpen() *Case {
 
 // unixEnforced asks node's agent whether its LSM programs are attached.
 func (e *Env) unixEnforced(node testbed.Node) (bool, error) {
-	cmd := exec.CommandContext(e.Ctx, "nsenter", "--net=/run/netns/"+node.NetNS, "--uts="+node.UTS, "--",
-		e.TB.Binary, "status", "--json", "--config", e.TB.ConfigPath(node.Name))
-	out, err := cmd.Output()
-	// Exit status 1: enforcing with warnings (the JSON is complete).
-	if ee, ok := err.(*exec.ExitError); err != nil && !(ok && ee.ExitCode() == 1) {
-		return false, fmt.Errorf("status on %s: %v", node.Name, err)
-	}
 	var st struct {
 		Unix bool `json:"unix_enforced"`
 	}
-	if err := json.Unmarshal(out, &st); err != nil {
-		return false, fmt.Errorf("status on %s: %v", node.Name, err)
-	}
-	return st.Unix, nil
+	err := e.status(node, &st)
+	return st.Unix, err
 }
 
-// waitListed waits until node's agent lists every address of addrs in its
-// local-address map (its acknowledgement of a new address), or fails after
-// 10 s.
-func (e *Env) waitListed(node testbed.Node, addrs ...netip.Addr) error {
+// status decodes node's `palisade status --json` into v. Exit status 1 is
+// "enforcing with warnings": the JSON is complete.
+func (e *Env) status(node testbed.Node, v any) error {
 	cmd := exec.CommandContext(e.Ctx, "nsenter", "--net=/run/netns/"+node.NetNS, "--uts="+node.UTS, "--",
 		e.TB.Binary, "status", "--json", "--config", e.TB.ConfigPath(node.Name))
 	out, err := cmd.Output()
 	if ee, ok := err.(*exec.ExitError); err != nil && !(ok && ee.ExitCode() == 1) {
 		return fmt.Errorf("status on %s: %v", node.Name, err)
 	}
+	if err := json.Unmarshal(out, v); err != nil {
+		return fmt.Errorf("status on %s: %v", node.Name, err)
+	}
+	return nil
+}
+
+// waitListed waits until node's agent lists every address of addrs in its
+// local-address map (its acknowledgement of a new address), or fails after
+// 10 s.
+func (e *Env) waitListed(node testbed.Node, addrs ...netip.Addr) error {
 	var st struct {
 		PinDir string `json:"pin_dir"`
 	}
-	if err := json.Unmarshal(out, &st); err != nil || st.PinDir == "" {
-		return fmt.Errorf("status on %s: no pin directory (%v)", node.Name, err)
+	if err := e.status(node, &st); err != nil {
+		return err
+	}
+	if st.PinDir == "" {
+		return fmt.Errorf("status on %s: no pin directory", node.Name)
 	}
 	for end := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		missing := 0

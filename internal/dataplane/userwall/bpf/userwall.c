@@ -1292,15 +1292,11 @@ int uw_skb_egress(struct __sk_buff *skb)
 		if ((void *)(th + 14) <= end && !TCP_SYN_ONLY(th[13]))
 			return 1;
 	}
+	if (v4)
+		return 1; /* the kernel checked the source (above) */
 	__u8 src[16];
-	if (v4) {
-		__u32 sa;
-		__builtin_memcpy(&sa, &h[12], 4);
-		map4(src, sa);
-	} else {
-		__builtin_memcpy(src, &h[8], 16);
-	}
-	if (v4 || lpm_has(&local_addrs, src))
+	__builtin_memcpy(src, &h[8], 16);
+	if (lpm_has(&local_addrs, src))
 		return 1;
 	sk = bpf_sk_fullsock(sk);
 	if (!sk)
