@@ -81,3 +81,57 @@ func TestSingleCopy(t *testing.T) {
 		t.Errorf("per-packet hook not found: %+v", u)
 	}
 }
+
+// TestFloor: each program's time above the floor is its time less, for
+// every run, the empty program's time per run at the same hook (the work
+// nodes' probes, and the shared hooks' one); a hook without a probe keeps
+// its time as counted, and the unit is then not "floored".
+func TestFloor(t *testing.T) {
+	c := Cost{Ops: 100, Progs: []ProgCost{
+		// shared hook: node1 checks (300 ns), node2 and node3 exit (50 ns);
+		// the probe runs once per invocation at 40 ns.
+		{Node: "node1", Work: true, Name: "p_connect", Type: "CGroupSockAddr", Hook: "CGroupInet4Connect", RunNS: 100 * 300, RunCnt: 100},
+		{Node: "node2", Work: true, Name: "p_connect", Type: "CGroupSockAddr", Hook: "CGroupInet4Connect", RunNS: 100 * 50, RunCnt: 100},
+		{Node: "node3", Work: false, Name: "p_connect", Type: "CGroupSockAddr", Hook: "CGroupInet4Connect", RunNS: 100 * 50, RunCnt: 100},
+		{Work: true, Name: floorPrefix + "CGroupInet4Connect", Type: "CGroupSockAddr", Hook: "CGroupInet4Connect", Floor: true, RunNS: 100 * 40, RunCnt: 100},
+		// tc: 4 packets per op on each work node at 100 ns; the work
+		// nodes' probes 60 and 80 ns per run, an idle node's probe ignored.
+		{Node: "node1", Work: true, Name: "p_tc", Type: "SchedCLS", Hook: "TCXEgress", RunNS: 400 * 100, RunCnt: 400},
+		{Node: "node2", Work: true, Name: "p_tc", Type: "SchedCLS", Hook: "TCXEgress", RunNS: 400 * 100, RunCnt: 400},
+		{Node: "node1", Work: true, Name: floorPrefix + "TCXEgress", Type: "SchedCLS", Hook: "TCXEgress", Floor: true, RunNS: 400 * 60, RunCnt: 400},
+		{Node: "node2", Work: true, Name: floorPrefix + "TCXEgress", Type: "SchedCLS", Hook: "TCXEgress", Floor: true, RunNS: 400 * 80, RunCnt: 400},
+		{Node: "node3", Work: false, Name: floorPrefix + "TCXEgress", Type: "SchedCLS", Hook: "TCXEgress", Floor: true, RunNS: 1000, RunCnt: 1},
+	}}
+	got := map[string]progCost{}
+	for _, p := range singleCopy(c) {
+		got[p.name] = p
+	}
+	if len(got) != 2 {
+		t.Fatalf("floor probes taken for data-plane programs: %+v", got)
+	}
+	if p := got["p_connect"]; math.Abs(p.floorRun-40) > 1e-9 || math.Abs(p.aboveOp-260) > 1e-9 {
+		t.Errorf("shared hook: %+v, want floor 40, 260 ns/op above", p)
+	}
+	if p := got["p_tc"]; math.Abs(p.floorRun-70) > 1e-9 || math.Abs(p.aboveOp-8*30) > 1e-9 {
+		t.Errorf("tc: %+v, want floor 70, 240 ns/op above", p)
+	}
+	u := summarizeCosts([]Cost{c})
+	if !u.floored || math.Abs(u.above.Median-500) > 1e-9 || math.Abs(u.perPacketAbove-260) > 1e-9 || u.perPacketAboveBy != "p_connect" {
+		t.Errorf("unit: %+v, want 500 ns/op above the floor, 260 ns per run above (p_connect)", u)
+	}
+	// The probes are not the data plane's time.
+	if math.Abs(u.measured.Median-1150) > 1e-9 || math.Abs(u.other.Median-50) > 1e-9 {
+		t.Errorf("as counted %v, other nodes %v: want 1150 and 50 (probes excluded)", u.measured.Median, u.other.Median)
+	}
+	// Without probes: as counted, not floored.
+	var bare Cost
+	bare.Ops = c.Ops
+	for _, p := range c.Progs {
+		if !p.Floor {
+			bare.Progs = append(bare.Progs, p)
+		}
+	}
+	if u := summarizeCosts([]Cost{bare}); u.floored || math.Abs(u.above.Median-u.single.Median) > 1e-9 {
+		t.Errorf("no probes: floored=%v above %v single %v", u.floored, u.above.Median, u.single.Median)
+	}
+}

@@ -196,7 +196,7 @@ func TestQuickOnTestbed(t *testing.T) {
 	// The exact accounting: userwall's units carry its programs' run time,
 	// attributed to nodes, and every unit the processes' CPU time.
 	if slices.ContainsFunc(res.Modes, func(m ModeStatus) bool { return m.Name == "userwall" && m.Status == "ran" }) {
-		progs, cpu := 0, 0
+		progs, cpu, floorRuns := 0, 0, 0
 		for _, c := range res.Costs {
 			if c.Mode != "userwall" || c.Variant != Enforced {
 				continue
@@ -208,16 +208,28 @@ func TestQuickOnTestbed(t *testing.T) {
 				cpu++
 			}
 			for _, p := range c.Progs {
-				if p.Node == "" || p.Name == "" || p.Type == "" {
+				if (p.Node == "" && !p.Floor) || p.Name == "" || p.Type == "" {
 					t.Errorf("program without node, name or type: %+v", p)
 				}
+				if p.Floor && p.RunCnt > 0 {
+					floorRuns++
+				}
+				if strings.HasPrefix(p.Type, "SchedCLS") || strings.HasPrefix(p.Type, "CGroupSKB") {
+					if p.Hook == "" {
+						t.Errorf("packet program without its hook: %+v", p)
+					}
+				}
 			}
+		}
+		// The floor: an empty program ran on the data plane's hooks.
+		if floorRuns == 0 {
+			t.Errorf("userwall: no floor probe ran (extra %v)", res.Extra)
 		}
 		if progs == 0 || cpu == 0 {
 			t.Errorf("userwall: %d units with eBPF run time, %d with CPU time (extra %v)", progs, cpu, res.Extra)
 		}
 		md, _ := os.ReadFile(filepath.Join(out, "results.md"))
-		for _, want := range []string{"In-kernel cost per operation", "Per program: conn conn-cross", "95 % CI", "in-kernel time ≤ 1.5 µs per TCP connection"} {
+		for _, want := range []string{"In-kernel cost per operation", "Per program: conn conn-cross", "95 % CI", "in-kernel time ≤ 1.5 µs per TCP connection", "above the floor"} {
 			if !strings.Contains(string(md), want) {
 				t.Errorf("results.md lacks %q", want)
 			}

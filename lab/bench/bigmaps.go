@@ -11,12 +11,9 @@ package bench
 // (another data plane, a rename) the series is reported as not measured.
 
 import (
-	"bufio"
 	"encoding/binary"
 	"fmt"
 	"net/netip"
-	"os"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -35,31 +32,7 @@ const (
 )
 
 // mapIDs lists the eBPF maps a process holds.
-func mapIDs(pid int) []uint32 {
-	dir := fmt.Sprintf("/proc/%d/fdinfo", pid)
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		return nil
-	}
-	var ids []uint32
-	for _, e := range ents {
-		f, err := os.Open(filepath.Join(dir, e.Name()))
-		if err != nil {
-			continue
-		}
-		sc := bufio.NewScanner(f)
-		for sc.Scan() {
-			if v, ok := strings.CutPrefix(sc.Text(), "map_id:"); ok {
-				if id, err := strconv.ParseUint(strings.TrimSpace(v), 10, 32); err == nil && id > 0 {
-					ids = append(ids, uint32(id))
-				}
-			}
-		}
-		f.Close()
-	}
-	slices.Sort(ids)
-	return slices.Compact(ids)
-}
+func mapIDs(pid int) []uint32 { return fdinfoIDs(pid, "map_id:") }
 
 // bigMap is one node's membership map, filled for a measurement.
 type bigMap struct {

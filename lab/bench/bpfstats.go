@@ -8,14 +8,11 @@ package bench
 // attributed to the node of the agent that loaded it.
 
 import (
-	"bufio"
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
 	"slices"
 	"sort"
-	"strconv"
 	"strings"
 
 	"github.com/cilium/ebpf"
@@ -27,10 +24,14 @@ type ProgCost struct {
 	Node string `json:"node"` // node of the agent that loaded it
 	// Work: the program belongs to a node the operation ran on (client or
 	// server); the testbed's other nodes' copies are reported apart.
-	Work   bool   `json:"work"`
-	ID     uint32 `json:"id"`
-	Name   string `json:"name"`
-	Type   string `json:"type"`
+	Work bool   `json:"work"`
+	ID   uint32 `json:"id"`
+	Name string `json:"name"`
+	Type string `json:"type"`
+	// Hook is the attach type the program runs at ("" = not known); a
+	// floor probe (Floor) is the empty program the bench attached there.
+	Hook   string `json:"hook,omitempty"`
+	Floor  bool   `json:"floor,omitempty"`
 	RunNS  uint64 `json:"run_ns"`
 	RunCnt uint64 `json:"run_cnt"`
 }
@@ -59,12 +60,13 @@ type Cost struct {
 	CPU     []ProcCPU  `json:"cpu,omitempty"`
 }
 
-// WorkNS is the eBPF run time on the nodes that did the work (other=false)
-// or on the other nodes (other=true).
+// WorkNS is the eBPF run time of the data plane on the nodes that did the
+// work (other=false) or on the other nodes (other=true); floor probes are
+// not counted.
 func (c Cost) WorkNS(other bool) float64 {
 	t := 0.0
 	for _, p := range c.Progs {
-		if p.Work != other {
+		if p.Work != other && !p.Floor {
 			t += float64(p.RunNS)
 		}
 	}
@@ -123,7 +125,7 @@ func (s *bpfStats) Close() {
 
 // progRef is one program of a data-plane process, held open for a set.
 type progRef struct {
-	node      string
+	node      string // "" = a floor probe of a shared hook
 	id        uint32
 	name, typ string
 	prog      *ebpf.Program
@@ -131,31 +133,7 @@ type progRef struct {
 
 // progIDs lists the eBPF programs a process holds, directly or through a
 // link (both descriptors carry prog_id in their fdinfo).
-func progIDs(pid int) []uint32 {
-	dir := fmt.Sprintf("/proc/%d/fdinfo", pid)
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		return nil
-	}
-	var ids []uint32
-	for _, e := range ents {
-		f, err := os.Open(filepath.Join(dir, e.Name()))
-		if err != nil {
-			continue
-		}
-		sc := bufio.NewScanner(f)
-		for sc.Scan() {
-			if v, ok := strings.CutPrefix(sc.Text(), "prog_id:"); ok {
-				if id, err := strconv.ParseUint(strings.TrimSpace(v), 10, 32); err == nil && id > 0 {
-					ids = append(ids, uint32(id))
-				}
-			}
-		}
-		f.Close()
-	}
-	slices.Sort(ids)
-	return slices.Compact(ids)
-}
+func progIDs(pid int) []uint32 { return fdinfoIDs(pid, "prog_id:") }
 
 // fullName is the program's function name from its BTF (the kernel keeps
 // only 15 characters of the object name).
@@ -170,8 +148,12 @@ func fullName(info *ebpf.ProgramInfo) string {
 	return info.Name
 }
 
-// progSet is the programs of a mode's processes during one measured set.
-type progSet struct{ refs []*progRef }
+// progSet is the programs of a mode's processes during one measured set,
+// and the floor probes attached beside them.
+type progSet struct {
+	refs  []*progRef
+	floor *floorProbes
+}
 
 // progCounters is a snapshot of every program's run time and count.
 type progCounters map[uint32][2]uint64
@@ -227,8 +209,15 @@ func (ps *progSet) delta(a, b progCounters, work []string) []ProgCost {
 		if !okA || !okB {
 			continue
 		}
-		out = append(out, ProgCost{Node: r.node, Work: slices.Contains(work, r.node), ID: r.id,
-			Name: r.name, Type: r.typ, RunNS: y[0] - x[0], RunCnt: y[1] - x[1]})
+		pc := ProgCost{Node: r.node, Work: slices.Contains(work, r.node), ID: r.id,
+			Name: r.name, Type: r.typ, RunNS: y[0] - x[0], RunCnt: y[1] - x[1]}
+		if hook, ok := strings.CutPrefix(r.name, floorPrefix); ok {
+			pc.Hook, pc.Floor = hook, true
+			pc.Work = pc.Work || r.node == ""
+		} else if ps.floor != nil {
+			pc.Hook = ps.floor.hookOf[r.id]
+		}
+		out = append(out, pc)
 	}
 	sort.Slice(out, func(i, j int) bool {
 		if out[i].Node != out[j].Node {
@@ -244,6 +233,17 @@ func (ps *progSet) close() {
 		return
 	}
 	for _, r := range ps.refs {
-		r.prog.Close()
+		if !strings.HasPrefix(r.name, floorPrefix) {
+			r.prog.Close()
+		}
 	}
+	ps.floor.close()
+}
+
+// addFloor attaches the floor probes beside the set's programs.
+func (ps *progSet) addFloor(procs []Proc) []string {
+	fp := attachFloor(procs)
+	ps.floor = fp
+	ps.refs = append(ps.refs, fp.refs...)
+	return fp.Problems
 }

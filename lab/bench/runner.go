@@ -233,6 +233,11 @@ func runMode(ctx context.Context, o *Options, plan Plan, d Driver, mode string, 
 				if !env.VM && res.Extra["bpf_stats"] != "" && !strings.HasPrefix(res.Extra["bpf_stats"], "unavailable") {
 					if ps := openProgs(procs); len(ps.refs) > 0 {
 						s.progs = ps
+						// Empty programs on the same hooks: the floor of
+						// the accounting (floor.go).
+						for _, p := range ps.addFloor(procs) {
+							noteOnce(res, "bpf_floor", p)
+						}
 					}
 				}
 			}
@@ -258,6 +263,17 @@ func runMode(ctx context.Context, o *Options, plan Plan, d Driver, mode string, 
 		return errors.New("every measurement failed (see errors)")
 	}
 	return nil
+}
+
+// noteOnce adds a line to res.Extra[key] unless it is there already.
+func noteOnce(res *Results, key, line string) {
+	lines := strings.Split(res.Extra[key], "; ")
+	if res.Extra[key] == "" {
+		lines = nil
+	}
+	if !slices.Contains(lines, line) {
+		res.Extra[key] = strings.Join(append(lines, line), "; ")
+	}
 }
 
 func hasSamples(res *Results, mode string) bool {
