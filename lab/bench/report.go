@@ -341,6 +341,9 @@ func Markdown(r *Results, plots map[string][]string) string {
 	w("Run %s → %s (%s), %s run, %d interleaved rounds (baseline, mode, baseline, mode, …). ",
 		r.Started.Format("2006-01-02 15:04 MST"), r.Finished.Format("15:04 MST"),
 		r.Finished.Sub(r.Started).Round(time.Second), kind, r.Plan.Rounds)
+	if mg := r.Extra["merged"]; mg != "" {
+		w("Merged results: %s. ", mg)
+	}
 	w("Every figure is the median over rounds with [min–max]; the ratio is median(mode) / median(baseline), with the range of the per-round paired ratios and the 95 %% confidence interval of the ratio (t interval on the paired rounds' log-ratios). A target on a ratio is *met* when its whole interval is inside the target, *not met* when it lies wholly outside, and *not resolvable on this machine* otherwise.\n\n")
 	m := r.Machine
 	w("**Machine:** %s, %d cores, %.1f GiB, kernel %s, %s", m.CPU, m.Cores, m.MemoryGiB, m.Kernel, m.OS)

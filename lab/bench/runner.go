@@ -433,9 +433,20 @@ func mergeInto(res *Results, path string) {
 	for _, m := range res.Modes {
 		now[m.Name] = true
 	}
+	// Each kept mode says which run measured it, on what load (the header
+	// describes this run only).
+	kind := "full"
+	if old.Quick {
+		kind = "quick"
+	}
+	from := fmt.Sprintf("measured in the run of %s (%s, %d rounds; load average at start %s, at end %s)",
+		old.Started.UTC().Format("2006-01-02 15:04 MST"), kind, old.Plan.Rounds, old.Machine.LoadStart, old.Machine.LoadEnd)
 	var modes []ModeStatus
 	for _, m := range old.Modes {
 		if !now[m.Name] {
+			if !strings.Contains(m.Reason, "measured in the run of") && !strings.Contains(m.Reason, "from the previous committed run") {
+				m.Reason = strings.TrimSpace(m.Reason + " " + from)
+			}
 			modes = append(modes, m)
 		}
 	}
@@ -466,13 +477,10 @@ func mergeInto(res *Results, path string) {
 			res.Errors = append(res.Errors, e)
 		}
 	}
-	if old.Started.Before(res.Started) {
-		res.Started = old.Started
-	}
 	if res.Extra == nil {
 		res.Extra = map[string]string{}
 	}
-	res.Extra["merged"] = fmt.Sprintf("modes %v re-run at %s into %s", keys(now), time.Now().UTC().Format("15:04 MST"), path)
+	res.Extra["merged"] = fmt.Sprintf("modes %v from this run; the others as noted in the modes table", keys(now))
 }
 
 func keys(m map[string]bool) []string {
