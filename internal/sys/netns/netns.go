@@ -40,6 +40,34 @@ func Do(target netns.NsHandle, fn func() error) error {
 	return ferr
 }
 
+// DoNew runs fn with the calling goroutine's thread in a new, empty network
+// namespace (a scratch one: it disappears once nothing fn made in it, such as
+// a socket, holds it any more).
+func DoNew(fn func() error) error {
+	runtime.LockOSThread()
+	cur, err := netns.Get()
+	if err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("current netns: %w", err)
+	}
+	defer cur.Close()
+	ns, err := netns.New() // unshare: the thread is in it from here
+	if err != nil {
+		if err := netns.Set(cur); err != nil {
+			return fmt.Errorf("return from netns: %w", err) // thread stays locked: discarded
+		}
+		runtime.UnlockOSThread()
+		return fmt.Errorf("new netns: %w", err)
+	}
+	ns.Close()
+	ferr := fn()
+	if err := netns.Set(cur); err != nil {
+		return fmt.Errorf("return from netns: %w", err) // thread stays locked: discarded
+	}
+	runtime.UnlockOSThread()
+	return ferr
+}
+
 // DoPath is Do with the namespace named by a file (e.g. /run/netns/NAME or
 // /proc/PID/ns/net).
 func DoPath(path string, fn func() error) error {
