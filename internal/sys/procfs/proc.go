@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"os"
 	"path"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -220,4 +221,31 @@ func parseCreds(b []byte) (Creds, error) {
 		return c, fmt.Errorf("status: no Uid/Gid lines")
 	}
 	return c, nil
+}
+
+// FdinfoIDs lists the distinct non-zero values of key ("map_id", "prog_id")
+// in the fdinfo of pid's descriptors: the BPF objects the process holds (a
+// link's descriptor carries its program's prog_id too).
+func FdinfoIDs(pid int, key string) []uint32 {
+	dir := "/proc/" + strconv.Itoa(pid) + "/fdinfo"
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil
+	}
+	var ids []uint32
+	for _, e := range ents {
+		b, err := os.ReadFile(dir + "/" + e.Name())
+		if err != nil {
+			continue // closed meanwhile
+		}
+		for line := range strings.Lines(string(b)) {
+			if v, ok := strings.CutPrefix(line, key+":"); ok {
+				if id, err := strconv.ParseUint(strings.TrimSpace(v), 10, 32); err == nil && id > 0 {
+					ids = append(ids, uint32(id))
+				}
+			}
+		}
+	}
+	slices.Sort(ids)
+	return slices.Compact(ids)
 }

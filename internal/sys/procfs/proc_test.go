@@ -9,6 +9,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/cilium/ebpf"
 )
 
 func TestAliveAndCmdline(t *testing.T) {
@@ -147,5 +149,29 @@ func TestCredsAndCgroup2OfThisProcess(t *testing.T) {
 	}
 	if _, err := Cgroup2(1 << 30); err == nil {
 		t.Error("Cgroup2 of a pid that cannot exist succeeded")
+	}
+}
+
+func TestFdinfoIDs(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (creates a BPF map)")
+	}
+	before := FdinfoIDs(os.Getpid(), "map_id")
+	m, err := ebpf.NewMap(&ebpf.MapSpec{Name: "pal_fdinfo", Type: ebpf.Array, KeySize: 4, ValueSize: 4, MaxEntries: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	info, err := m.Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, _ := info.ID()
+	got := FdinfoIDs(os.Getpid(), "map_id")
+	if slices.Contains(before, uint32(id)) || !slices.Contains(got, uint32(id)) || len(got) != len(before)+1 {
+		t.Errorf("map_id: before %v, with map %d open %v", before, id, got)
+	}
+	if ids := FdinfoIDs(os.Getpid(), "prog_id"); len(ids) != 0 {
+		t.Errorf("prog_id of a process holding no program: %v", ids)
 	}
 }
