@@ -1,7 +1,6 @@
 package cli
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -220,9 +219,7 @@ func uvnStatusCmd() *cobra.Command {
 				return err
 			}
 			if asJSON {
-				e := json.NewEncoder(cmd.OutOrStdout())
-				e.SetIndent("", "  ")
-				return e.Encode(map[string]any{"users": users, "node": node})
+				return writeJSON(cmd.OutOrStdout(), map[string]any{"users": users, "node": node})
 			}
 			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 			fmt.Fprintln(w, "UID\tVRF\tTABLE\tVXLANS\tNAT\tHOLDERS\tCGROUPS\tSTATE")

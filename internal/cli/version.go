@@ -1,7 +1,6 @@
 package cli
 
 import (
-	"encoding/json"
 	"fmt"
 
 	"github.com/spf13/cobra"
@@ -33,9 +32,7 @@ func AddVersion(root *cobra.Command) {
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if asJSON {
-				e := json.NewEncoder(cmd.OutOrStdout())
-				e.SetIndent("", "  ")
-				return e.Encode(info)
+				return writeJSON(cmd.OutOrStdout(), info)
 			}
 			fmt.Fprint(cmd.OutOrStdout(), info.Long())
 			return nil
