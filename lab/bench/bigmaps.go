@@ -11,17 +11,16 @@ package bench
 // (another data plane, a rename) the series is reported as not measured.
 
 import (
-	"bufio"
 	"encoding/binary"
 	"fmt"
 	"net/netip"
-	"os"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
 
 	"github.com/cilium/ebpf"
+
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 )
 
 const (
@@ -33,33 +32,6 @@ const (
 	bigMapUIDBase = 5000000
 	bigMapGIDBase = 6000000
 )
-
-// mapIDs lists the eBPF maps a process holds.
-func mapIDs(pid int) []uint32 {
-	dir := fmt.Sprintf("/proc/%d/fdinfo", pid)
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		return nil
-	}
-	var ids []uint32
-	for _, e := range ents {
-		f, err := os.Open(filepath.Join(dir, e.Name()))
-		if err != nil {
-			continue
-		}
-		sc := bufio.NewScanner(f)
-		for sc.Scan() {
-			if v, ok := strings.CutPrefix(sc.Text(), "map_id:"); ok {
-				if id, err := strconv.ParseUint(strings.TrimSpace(v), 10, 32); err == nil && id > 0 {
-					ids = append(ids, uint32(id))
-				}
-			}
-		}
-		f.Close()
-	}
-	slices.Sort(ids)
-	return slices.Compact(ids)
-}
 
 // bigMap is one node's membership map, filled for a measurement.
 type bigMap struct {
@@ -77,7 +49,7 @@ func fillBigMaps(procs []Proc, work []string) ([]*bigMap, error) {
 			continue
 		}
 		var found *ebpf.Map
-		for _, id := range mapIDs(p.PID) {
+		for _, id := range procfs.FdinfoIDs(p.PID, "map_id") {
 			m, err := ebpf.NewMapFromID(ebpf.MapID(id))
 			if err != nil {
 				continue

@@ -8,18 +8,17 @@ package bench
 // attributed to the node of the agent that loaded it.
 
 import (
-	"bufio"
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
 	"slices"
 	"sort"
-	"strconv"
 	"strings"
 
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
+
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 )
 
 // ProgCost is one program's run time and run count during one unit.
@@ -129,34 +128,6 @@ type progRef struct {
 	prog      *ebpf.Program
 }
 
-// progIDs lists the eBPF programs a process holds, directly or through a
-// link (both descriptors carry prog_id in their fdinfo).
-func progIDs(pid int) []uint32 {
-	dir := fmt.Sprintf("/proc/%d/fdinfo", pid)
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		return nil
-	}
-	var ids []uint32
-	for _, e := range ents {
-		f, err := os.Open(filepath.Join(dir, e.Name()))
-		if err != nil {
-			continue
-		}
-		sc := bufio.NewScanner(f)
-		for sc.Scan() {
-			if v, ok := strings.CutPrefix(sc.Text(), "prog_id:"); ok {
-				if id, err := strconv.ParseUint(strings.TrimSpace(v), 10, 32); err == nil && id > 0 {
-					ids = append(ids, uint32(id))
-				}
-			}
-		}
-		f.Close()
-	}
-	slices.Sort(ids)
-	return slices.Compact(ids)
-}
-
 // fullName is the program's function name from its BTF (the kernel keeps
 // only 15 characters of the object name).
 func fullName(info *ebpf.ProgramInfo) string {
@@ -181,7 +152,7 @@ func openProgs(procs []Proc) *progSet {
 	ps := &progSet{}
 	seen := map[uint32]bool{}
 	for _, p := range procs {
-		for _, id := range progIDs(p.PID) {
+		for _, id := range procfs.FdinfoIDs(p.PID, "prog_id") {
 			if seen[id] {
 				continue
 			}
