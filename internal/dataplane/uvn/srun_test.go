@@ -138,7 +138,7 @@ func TestSrunClaims(t *testing.T) {
 			at ebpf.AttachType
 			id *uint32
 		}{srunbpfProgPalUvnPbind4: {ebpf.AttachCGroupInet4PostBind, &a.Bind4ID},
-			srunbpfProgPalUvnPbind6: {ebpf.AttachCGroupInet6PostBind, &a.Bind6ID},
+			srunbpfProgPalUvnPbind6:  {ebpf.AttachCGroupInet6PostBind, &a.Bind6ID},
 			srunbpfProgPalUvnRelease: {ebpf.AttachCgroupInetSockRelease, &a.ReleaseID}} {
 			id, err := cg.attachProg(path, c.Programs[name], p.at)
 			if err != nil {
