@@ -1,7 +1,6 @@
 package cli
 
 import (
-	"encoding/json"
 	"fmt"
 	"io"
 	"strings"
@@ -62,9 +61,7 @@ unloaded, the clsact probe runs in a throw-away network namespace).`,
 			}
 			out := cmd.OutOrStdout()
 			if asJSON {
-				e := json.NewEncoder(out)
-				e.SetIndent("", "  ")
-				if err := e.Encode(p); err != nil {
+				if err := writeJSON(out, p); err != nil {
 					return err
 				}
 			} else {

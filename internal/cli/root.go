@@ -6,8 +6,10 @@
 package cli
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 
 	"github.com/spf13/cobra"
@@ -68,6 +70,13 @@ func Execute(root *cobra.Command) int {
 		fmt.Fprintln(os.Stderr, root.Name()+":", msg)
 	}
 	return code
+}
+
+// writeJSON prints v indented: the --json form of every command.
+func writeJSON(w io.Writer, v any) error {
+	e := json.NewEncoder(w)
+	e.SetIndent("", "  ")
+	return e.Encode(v)
 }
 
 // ExitError carries a specific exit code (e.g. check mismatches) without

@@ -1,7 +1,6 @@
 package cli
 
 import (
-	"encoding/json"
 	"fmt"
 	"io"
 	"text/tabwriter"
@@ -62,21 +61,7 @@ drifting or not enforcing.`,
 				code = statusWarnings
 			}
 			out := cmd.OutOrStdout()
-			switch {
-			case check:
-			case asJSON:
-				e := json.NewEncoder(out)
-				e.SetIndent("", "  ")
-				if err := e.Encode(s); err != nil {
-					return err
-				}
-			default:
-				printStatus(out, s)
-			}
-			if code != statusOK {
-				return &ExitError{code, ""}
-			}
-			return nil
+			return statusOutput(out, check, asJSON, s, func() { printStatus(out, s) }, code)
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
@@ -115,19 +100,24 @@ func clusterStatus(cmd *cobra.Command, pidFile string, timeout time.Duration, as
 		}
 	}
 	out := cmd.OutOrStdout()
+	all := struct {
+		SharedSHA string              `json:"shared_sha256"`
+		Nodes     []userwall.NodeView `json:"nodes"`
+	}{want, views}
+	return statusOutput(out, check, asJSON, all, func() { printCluster(out, want, views) }, code)
+}
+
+// statusOutput prints a status report (nothing with --check, JSON with
+// --json, else text) and exits with code.
+func statusOutput(out io.Writer, check, asJSON bool, v any, text func(), code int) error {
 	switch {
 	case check:
 	case asJSON:
-		e := json.NewEncoder(out)
-		e.SetIndent("", "  ")
-		if err := e.Encode(struct {
-			SharedSHA string              `json:"shared_sha256"`
-			Nodes     []userwall.NodeView `json:"nodes"`
-		}{want, views}); err != nil {
+		if err := writeJSON(out, v); err != nil {
 			return err
 		}
 	default:
-		printCluster(out, want, views)
+		text()
 	}
 	if code != statusOK {
 		return &ExitError{code, ""}

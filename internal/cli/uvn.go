@@ -1,7 +1,6 @@
 package cli
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -85,11 +84,27 @@ func readSlurmConf(path string) (*slurmconf.Conf, error) {
 	return sc, err
 }
 
-func uidFlag(cmd *cobra.Command, s string) (uint32, error) {
+func uidFlag(s string) (uint32, error) {
 	if s == "" {
 		return 0, errors.New("--uid is required")
 	}
 	return identity.UID(identity.System(), s)
+}
+
+// uvnForUID is the manager and the user of an administrator's command that
+// names one with --uid.
+func uvnForUID(cmd *cobra.Command, uid string) (*uvn.Manager, uint32, error) {
+	u, err := uidFlag(uid)
+	if err != nil {
+		return nil, 0, err
+	}
+	m, _, err := uvnManager(cmd, false)
+	return m, u, err
+}
+
+// verboseFlag is -v: uvnManager's Logf prints each step.
+func verboseFlag(c *cobra.Command) {
+	c.Flags().BoolP("verbose", "v", false, "log each step")
 }
 
 func uvnSetupCmd() *cobra.Command {
@@ -110,11 +125,7 @@ With --pid, the VRF socket program is attached to that process's own cgroup
 is recorded as a live user of the network.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			u, err := uidFlag(cmd, uid)
-			if err != nil {
-				return err
-			}
-			m, _, err := uvnManager(cmd, false)
+			m, u, err := uvnForUID(cmd, uid)
 			if err != nil {
 				return err
 			}
@@ -130,7 +141,7 @@ is recorded as a live user of the network.`,
 	c.Flags().StringVar(&uid, "uid", "", "user (uid or name)")
 	c.Flags().IntVar(&pid, "pid", 0, "process whose session moves into the VRF")
 	c.Flags().IntVar(&holder, "holder", 0, "process that keeps the network alive (default --pid)")
-	c.Flags().BoolP("verbose", "v", false, "log each step")
+	verboseFlag(c)
 	return c
 }
 
@@ -142,11 +153,7 @@ func uvnReleaseCmd() *cobra.Command {
 		Short: "Drop a holder (and dead ones); tear the user's network down when none is left",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			u, err := uidFlag(cmd, uid)
-			if err != nil {
-				return err
-			}
-			m, _, err := uvnManager(cmd, false)
+			m, u, err := uvnForUID(cmd, uid)
 			if err != nil {
 				return err
 			}
@@ -164,7 +171,7 @@ func uvnReleaseCmd() *cobra.Command {
 	}
 	c.Flags().StringVar(&uid, "uid", "", "user (uid or name)")
 	c.Flags().IntVar(&holder, "holder", 0, "holder to drop (0: only prune dead holders)")
-	c.Flags().BoolP("verbose", "v", false, "log each step")
+	verboseFlag(c)
 	return c
 }
 
@@ -183,7 +190,7 @@ func uvnTeardownCmd() *cobra.Command {
 			if all {
 				return m.TeardownAll()
 			}
-			u, err := uidFlag(cmd, uid)
+			u, err := uidFlag(uid)
 			if err != nil {
 				return err
 			}
@@ -192,7 +199,7 @@ func uvnTeardownCmd() *cobra.Command {
 	}
 	c.Flags().StringVar(&uid, "uid", "", "user (uid or name)")
 	c.Flags().BoolVar(&all, "all", false, "every user")
-	c.Flags().BoolP("verbose", "v", false, "log each step")
+	verboseFlag(c)
 	return c
 }
 
@@ -212,9 +219,7 @@ func uvnStatusCmd() *cobra.Command {
 				return err
 			}
 			if asJSON {
-				e := json.NewEncoder(cmd.OutOrStdout())
-				e.SetIndent("", "  ")
-				return e.Encode(map[string]any{"users": users, "node": node})
+				return writeJSON(cmd.OutOrStdout(), map[string]any{"users": users, "node": node})
 			}
 			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 			fmt.Fprintln(w, "UID\tVRF\tTABLE\tVXLANS\tNAT\tHOLDERS\tCGROUPS\tSTATE")
@@ -365,7 +370,7 @@ success, nothing done. A failure prints one line for the user and exits 1.`,
 		},
 	}
 	c.Flags().StringVar(&logPath, "log", "", "append one line per session event to this file")
-	c.Flags().BoolP("verbose", "v", false, "log each step")
+	verboseFlag(c)
 	return c
 }
 
@@ -406,7 +411,7 @@ func uvnJobCmd() *cobra.Command {
 	}
 	c.Flags().IntVar(&pid, "pid", 0, "task to move into the VRF")
 	c.Flags().IntVar(&holder, "holder", 0, "slurmstepd pid (holder)")
-	c.Flags().BoolP("verbose", "v", false, "log each step")
+	verboseFlag(c)
 	return c
 }
 

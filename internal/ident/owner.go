@@ -17,6 +17,7 @@ import (
 
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 )
 
 // ErrNoSocket means no socket matches the query (nothing listens there).
@@ -99,12 +100,12 @@ func (r *Resolver) LookupConn(addr, peer netip.AddrPort, proto policy.Proto) (Ow
 func (r *Resolver) owner(s diagSocket) (Owner, error) {
 	var fallback *Owner
 	for _, pid := range sortedCopy(r.proc.pids(s.Inode)) {
-		c, err := readCreds(r.proc.root, pid)
+		c, err := procfs.ReadCreds(pid)
 		if err != nil || c.Zombie {
 			continue
 		}
-		o := Owner{UID: c.EUID, GID: c.EGID, Groups: c.Groups, PID: pid, Command: c.Command}
-		if c.EUID == s.UID {
+		o := Owner{UID: c.EUID(), GID: c.EGID(), Groups: c.Groups, PID: pid, Command: c.Command}
+		if c.EUID() == s.UID {
 			return r.named(o), nil
 		}
 		if fallback == nil {

@@ -1,8 +1,6 @@
 package ident
 
 import (
-	"bytes"
-	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -90,65 +88,4 @@ func (p *procIndex) scan() map[uint32][]int {
 		}
 	}
 	return m
-}
-
-// procCreds is what /proc/PID/status says of a process's credentials.
-type procCreds struct {
-	EUID, EGID uint32
-	Groups     []uint32
-	Command    string
-	Zombie     bool
-}
-
-// readCreds parses /proc/PID/status: Name, State, Uid (real, effective,
-// saved, fs), Gid (same), Groups.
-func readCreds(root string, pid int) (procCreds, error) {
-	b, err := os.ReadFile(filepath.Join(root, strconv.Itoa(pid), "status"))
-	if err != nil {
-		return procCreds{}, err
-	}
-	return parseStatus(b)
-}
-
-func parseStatus(b []byte) (procCreds, error) {
-	var c procCreds
-	var haveUID, haveGID bool
-	for line := range bytes.Lines(b) {
-		key, val, ok := strings.Cut(string(line), ":")
-		if !ok {
-			continue
-		}
-		f := strings.Fields(val)
-		switch key {
-		case "Name":
-			c.Command = strings.TrimSpace(val)
-		case "State":
-			c.Zombie = len(f) > 0 && (f[0] == "Z" || f[0] == "X")
-		case "Uid", "Gid":
-			if len(f) < 2 {
-				return c, fmt.Errorf("status: malformed %s line %q", key, val)
-			}
-			v, err := strconv.ParseUint(f[1], 10, 32) // effective
-			if err != nil {
-				return c, fmt.Errorf("status: %s: %w", key, err)
-			}
-			if key == "Uid" {
-				c.EUID, haveUID = uint32(v), true
-			} else {
-				c.EGID, haveGID = uint32(v), true
-			}
-		case "Groups":
-			for _, s := range f {
-				v, err := strconv.ParseUint(s, 10, 32)
-				if err != nil {
-					return c, fmt.Errorf("status: Groups: %w", err)
-				}
-				c.Groups = append(c.Groups, uint32(v))
-			}
-		}
-	}
-	if !haveUID || !haveGID {
-		return c, fmt.Errorf("status: no Uid/Gid lines")
-	}
-	return c, nil
 }

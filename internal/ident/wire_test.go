@@ -100,27 +100,6 @@ func TestAnswerRoundTrip(t *testing.T) {
 	}
 }
 
-func TestParseStatus(t *testing.T) {
-	status := "Name:\tpython3\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t17793\nPid:\t17793\n" +
-		"Uid:\t2001\t2002\t2002\t2002\nGid:\t2001\t2100\t2100\t2100\nFDSize:\t64\nGroups:\t2001 2100 \n"
-	c, err := parseStatus([]byte(status))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if c.EUID != 2002 || c.EGID != 2100 || !slices.Equal(c.Groups, []uint32{2001, 2100}) || c.Command != "python3" || c.Zombie {
-		t.Errorf("parsed %+v", c)
-	}
-	c, err = parseStatus([]byte("Name:\tx\nState:\tZ (zombie)\nUid:\t0\t0\t0\t0\nGid:\t0\t0\t0\t0\nGroups:\t\n"))
-	if err != nil || !c.Zombie || len(c.Groups) != 0 {
-		t.Errorf("zombie: %+v %v", c, err)
-	}
-	for _, bad := range []string{"Name:\tx\n", "Uid:\t1\nGid:\t1\t1\n", "Uid:\t1\t1\nGid:\t1\t1\nGroups:\tx\n"} {
-		if _, err := parseStatus([]byte(bad)); err == nil {
-			t.Errorf("parseStatus(%q) accepted", bad)
-		}
-	}
-}
-
 func TestDiagEncoding(t *testing.T) {
 	req := encodeReq(unix.AF_INET6, policy.UDP, allStates,
 		netip.MustParseAddrPort("[2001:2::1]:6000"), netip.MustParseAddrPort("[2001:2::2]:99"))

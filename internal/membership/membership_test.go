@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"os"
+	"os/exec"
 	"slices"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/palisade-hpc/palisade/internal/identity"
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 	"golang.org/x/time/rate"
 )
 
@@ -180,13 +182,38 @@ func TestRateBound(t *testing.T) {
 	}
 }
 
-func TestStatusGIDs(t *testing.T) {
-	if got := statusGIDs([]byte("Name:\tx\nUid:\t1\t1\t1\t1\nGid:\t2100\t2001\t2001\t2001\nGroups:\t5\n")); !slices.Equal(got, []uint32{2100, 2001}) {
-		t.Errorf("statusGIDs = %v", got)
-	}
-	got, err := LocalGIDs("/proc")
+func TestLocalGIDs(t *testing.T) {
+	got, err := LocalGIDs()
 	if err != nil || !slices.Contains(got, uint32(os.Getegid())) {
 		t.Errorf("LocalGIDs = %v %v", got, err)
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("the other-namespace half needs root (unshare -n, setpriv)")
+	}
+	// A process here running with gid 64123 counts; one in another network
+	// namespace with 64124 does not.
+	here := exec.Command("setpriv", "--regid", "64123", "--clear-groups", "sleep", "60")
+	there := exec.Command("unshare", "-n", "setpriv", "--regid", "64124", "--clear-groups", "sleep", "60")
+	for _, c := range []*exec.Cmd{here, there} {
+		if err := c.Start(); err != nil {
+			t.Fatal(err)
+		}
+		defer c.Wait()
+		defer c.Process.Kill()
+	}
+	// Both have their ids once they run sleep (setpriv and unshare exec).
+	deadline := time.Now().Add(10 * time.Second)
+	for _, c := range []*exec.Cmd{here, there} {
+		for a := procfs.Cmdline(c.Process.Pid); len(a) == 0 || a[0] != "sleep"; a = procfs.Cmdline(c.Process.Pid) {
+			if time.Now().After(deadline) {
+				t.Fatalf("pid %d never ran sleep: %q", c.Process.Pid, a)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	got, err = LocalGIDs()
+	if err != nil || !slices.Contains(got, 64123) || slices.Contains(got, 64124) {
+		t.Errorf("LocalGIDs = %v %v: want 64123 (this namespace), not 64124 (another)", got, err)
 	}
 }
 

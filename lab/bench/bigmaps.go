@@ -19,6 +19,8 @@ import (
 	"strings"
 
 	"github.com/cilium/ebpf"
+
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 )
 
 const (
@@ -30,9 +32,6 @@ const (
 	bigMapUIDBase = 5000000
 	bigMapGIDBase = 6000000
 )
-
-// mapIDs lists the eBPF maps a process holds.
-func mapIDs(pid int) []uint32 { return fdinfoIDs(pid, "map_id:") }
 
 // bigMap is one node's membership map, filled for a measurement.
 type bigMap struct {
@@ -50,7 +49,7 @@ func fillBigMaps(procs []Proc, work []string) ([]*bigMap, error) {
 			continue
 		}
 		var found *ebpf.Map
-		for _, id := range mapIDs(p.PID) {
+		for _, id := range procfs.FdinfoIDs(p.PID, "map_id") {
 			m, err := ebpf.NewMapFromID(ebpf.MapID(id))
 			if err != nil {
 				continue

@@ -17,6 +17,8 @@ import (
 
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
+
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 )
 
 // ProgCost is one program's run time and run count during one unit.
@@ -131,10 +133,6 @@ type progRef struct {
 	prog      *ebpf.Program
 }
 
-// progIDs lists the eBPF programs a process holds, directly or through a
-// link (both descriptors carry prog_id in their fdinfo).
-func progIDs(pid int) []uint32 { return fdinfoIDs(pid, "prog_id:") }
-
 // fullName is the program's function name from its BTF (the kernel keeps
 // only 15 characters of the object name).
 func fullName(info *ebpf.ProgramInfo) string {
@@ -163,7 +161,7 @@ func openProgs(procs []Proc) *progSet {
 	ps := &progSet{}
 	seen := map[uint32]bool{}
 	for _, p := range procs {
-		for _, id := range progIDs(p.PID) {
+		for _, id := range procfs.FdinfoIDs(p.PID, "prog_id") {
 			if seen[id] {
 				continue
 			}

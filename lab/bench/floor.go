@@ -17,21 +17,21 @@ package bench
 // detached, when the round ends.
 
 import (
-	"bufio"
 	"errors"
 	"fmt"
 	"io/fs"
-	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
-	"strconv"
 	"strings"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
+
+	"github.com/palisade-hpc/palisade/internal/sys/cgroup2"
+	"github.com/palisade-hpc/palisade/internal/sys/netns"
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 )
 
 // floorPrefix names the probes in the accounting (ProgCost.Name).
@@ -43,36 +43,6 @@ func hookName(at ebpf.AttachType) string {
 		return "CGroupInetIngress" // also AttachNone, whose name String gives
 	}
 	return strings.TrimPrefix(at.String(), "Attach")
-}
-
-// linkIDs lists the eBPF links a process holds.
-func linkIDs(pid int) []uint32 { return fdinfoIDs(pid, "link_id:") }
-
-// fdinfoIDs lists the ids after key in a process's descriptors' fdinfo.
-func fdinfoIDs(pid int, key string) []uint32 {
-	dir := fmt.Sprintf("/proc/%d/fdinfo", pid)
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		return nil
-	}
-	var ids []uint32
-	for _, e := range ents {
-		f, err := os.Open(filepath.Join(dir, e.Name()))
-		if err != nil {
-			continue
-		}
-		sc := bufio.NewScanner(f)
-		for sc.Scan() {
-			if v, ok := strings.CutPrefix(sc.Text(), key); ok {
-				if id, err := strconv.ParseUint(strings.TrimSpace(v), 10, 32); err == nil && id > 0 {
-					ids = append(ids, uint32(id))
-				}
-			}
-		}
-		f.Close()
-	}
-	slices.Sort(ids)
-	return slices.Compact(ids)
 }
 
 // floorHook is one place the data plane runs programs at.
@@ -104,7 +74,7 @@ func attachFloor(procs []Proc) *floorProbes {
 	hooks := map[string]*floorHook{}
 	var order []string
 	for _, p := range procs {
-		for _, id := range linkIDs(p.PID) {
+		for _, id := range procfs.FdinfoIDs(p.PID, "link_id") {
 			l, err := link.NewFromID(link.ID(id))
 			if err != nil {
 				continue
@@ -181,7 +151,7 @@ func (fp *floorProbes) attach(h *floorHook) error {
 	var links []link.Link
 	switch {
 	case h.typ == ebpf.SchedCLS:
-		err = inNetNS(h.netns, func() error {
+		err = netns.DoPath(h.netns, func() error {
 			for _, ifi := range h.ifindex {
 				l, err := link.AttachTCX(link.TCXOptions{Interface: ifi, Program: prog, Attach: h.at, Anchor: link.Head()})
 				if err != nil {
@@ -218,80 +188,30 @@ func (fp *floorProbes) attach(h *floorHook) error {
 	return nil
 }
 
-// inNetNS runs f on a thread in the network namespace at path. The thread
-// is given back to the runtime only if it is back in its own namespace.
-func inNetNS(path string, f func() error) error {
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		self, err := os.Open("/proc/thread-self/ns/net")
-		if err != nil {
-			runtime.UnlockOSThread()
-			errc <- err
-			return
-		}
-		defer self.Close()
-		target, err := os.Open(path)
-		if err != nil {
-			runtime.UnlockOSThread()
-			errc <- err
-			return
-		}
-		defer target.Close()
-		if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
-			runtime.UnlockOSThread()
-			errc <- fmt.Errorf("setns %s: %w", path, err)
-			return
-		}
-		ferr := f()
-		if err := unix.Setns(int(self.Fd()), unix.CLONE_NEWNET); err != nil {
-			// Leave the thread locked: it dies with this goroutine.
-			errc <- errors.Join(ferr, fmt.Errorf("back to own namespace: %w", err))
-			return
-		}
-		runtime.UnlockOSThread()
-		errc <- ferr
-	}()
-	return <-errc
-}
-
-// cgroupPath finds the cgroup v2 directory whose id (inode) is id, under
-// every cgroup2 mount of this host.
+// cgroupPath finds the cgroup v2 directory whose id (inode) is id: the
+// root of the hierarchy (where the data plane attaches) or one below it.
 func cgroupPath(id uint64) (string, error) {
-	f, err := os.Open("/proc/self/mountinfo")
+	root, err := cgroup2.MountPoint()
 	if err != nil {
 		return "", err
 	}
-	defer f.Close()
-	var mounts []string
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fs := strings.Fields(sc.Text())
-		for i, x := range fs {
-			if x == "-" && i+1 < len(fs) && fs[i+1] == "cgroup2" {
-				mounts = append(mounts, fs[4])
-			}
-		}
-	}
 	errFound := errors.New("found")
-	for _, m := range mounts {
-		var found string
-		_ = filepath.WalkDir(m, func(p string, d fs.DirEntry, err error) error {
-			if err != nil || !d.IsDir() {
-				return nil
-			}
-			var st unix.Stat_t
-			if unix.Stat(p, &st) == nil && st.Ino == id {
-				found = p
-				return errFound
-			}
+	var found string
+	_ = filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || !d.IsDir() {
 			return nil
-		})
-		if found != "" {
-			return found, nil
 		}
+		var st unix.Stat_t
+		if unix.Stat(p, &st) == nil && st.Ino == id {
+			found = p
+			return errFound
+		}
+		return nil
+	})
+	if found == "" {
+		return "", fmt.Errorf("no cgroup with id %d under %s", id, root)
 	}
-	return "", fmt.Errorf("no cgroup with id %d under %v", id, mounts)
+	return found, nil
 }
 
 func (fp *floorProbes) close() {

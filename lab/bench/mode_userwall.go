@@ -2,8 +2,6 @@ package bench
 
 import (
 	"context"
-	"errors"
-	"sync"
 
 	"github.com/palisade-hpc/palisade/lab/modes/userwall"
 )
@@ -71,21 +69,6 @@ func (d *userwallDriver) Processes(_ context.Context, env *Env) []Proc {
 		}
 	}
 	return out
-}
-
-// forEachNode runs f for every node concurrently.
-func forEachNode(env *Env, f func(Node) error) error {
-	errs := make([]error, len(env.Nodes))
-	var wg sync.WaitGroup
-	for i, n := range env.Nodes {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[i] = f(n)
-		}()
-	}
-	wg.Wait()
-	return errors.Join(errs...)
 }
 
 // UserwallDriver switches the userwall agents off and on between rounds.

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 
+	"github.com/palisade-hpc/palisade/lab/testbed"
 	// The VM testbed (`testbed up --vm`) and its uvn mode live there.
 	_ "github.com/palisade-hpc/palisade/lab/vm"
 )
@@ -74,7 +75,7 @@ func (*uvnDriver) Prepare(ctx context.Context, env *Env) error {
 // Set tears the bench users' networks down for the baseline (so nothing
 // of uvn is on the path) and sets alice's up on every node for the mode.
 func (d *uvnDriver) Set(ctx context.Context, env *Env, variant string) error {
-	return forEachNode(env, func(n Node) error {
+	return testbed.Parallel(env.Nodes, func(n Node) error {
 		for _, uid := range []string{uvnUsers["alice"], uvnUsers["bob"]} {
 			verb := "teardown"
 			if variant == Enforced && uid == uvnUsers[BenchUser] {

@@ -115,10 +115,7 @@ func (s *session) mpi() error {
 			errs = append(errs, fmt.Sprintf("%s: no results in output: %s", series, tail(out, 300)))
 		}
 	}
-	if len(errs) > 0 {
-		return fmt.Errorf("%s", strings.Join(errs, "; "))
-	}
-	return nil
+	return joinErrs(errs)
 }
 
 // netipPrefix24 is the /24 of a node address (the testbed's node nets).

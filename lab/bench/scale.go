@@ -6,7 +6,6 @@ import (
 	"math"
 	"net/netip"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 )
@@ -27,10 +26,7 @@ func (s *session) scale() error {
 	if err := s.bigMaps(); err != nil {
 		errs = append(errs, err.Error())
 	}
-	if len(errs) > 0 {
-		return fmt.Errorf("%s", strings.Join(errs, "; "))
-	}
-	return nil
+	return joinErrs(errs)
 }
 
 func (s *session) scaleUsers() error {
@@ -315,8 +311,5 @@ func (s *session) egress() error {
 				Process: "gateway", RSSMB: mb, HWMMB: mb})
 		}
 	}
-	if len(errs) > 0 {
-		return fmt.Errorf("%s", strings.Join(errs, "; "))
-	}
-	return nil
+	return joinErrs(errs)
 }

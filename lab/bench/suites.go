@@ -2,6 +2,7 @@ package bench
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"net/netip"
@@ -77,6 +78,21 @@ func iperfPorts() []int {
 		ps = append(ps, PortIperf+10*i)
 	}
 	return ps
+}
+
+// route is one measured series and the address its client talks to.
+type route struct {
+	series string
+	target netip.Addr
+}
+
+// joinErrs is a suite's failures as one error (nil for none): a suite goes
+// on past a failed unit and reports every one.
+func joinErrs(errs []string) error {
+	if len(errs) == 0 {
+		return nil
+	}
+	return errors.New(strings.Join(errs, "; "))
 }
 
 // paths returns the client node and the (localhost, cross-node) targets.
@@ -222,10 +238,7 @@ func (s *session) throughput() error {
 	}
 	tcp("tcp-cross", cross, s.plan.Streams)
 	tcp("tcp-local", local, s.plan.LocalStreams)
-	udp := []struct {
-		series string
-		target netip.Addr
-	}{{"udp-cross", cross}, {"udp-local", local}}
+	udp := []route{{"udp-cross", cross}, {"udp-local", local}}
 	if s.plan.UDPRate == "" {
 		udp = nil
 	}
@@ -238,10 +251,7 @@ func (s *session) throughput() error {
 		s.emit(SuiteThroughput, p.series, 1, "gbit_s", g, "")
 		s.emit(SuiteThroughput, p.series, 1, "loss_pct", loss, "")
 	}
-	if len(errs) > 0 {
-		return fmt.Errorf("%s", strings.Join(errs, "; "))
-	}
-	return nil
+	return joinErrs(errs)
 }
 
 // latency: request/response round trips over one TCP connection for each
@@ -252,10 +262,7 @@ func (s *session) latency() error {
 		return err
 	}
 	var errs []string
-	for _, p := range []struct {
-		series string
-		target netip.Addr
-	}{{"rr-local", local}, {"rr-cross", cross}} {
+	for _, p := range []route{{"rr-local", local}, {"rr-cross", cross}} {
 		work, srv := s.work(client, p.target)
 		// One run per size, so that each size is accounted on its own.
 		for _, size := range s.plan.RRSizes {
@@ -282,10 +289,7 @@ func (s *session) latency() error {
 			s.emit(SuiteLatency, p.series, float64(r.Size), "rtt_us", r.MedUS, "")
 		}
 	}
-	if len(errs) > 0 {
-		return fmt.Errorf("%s", strings.Join(errs, "; "))
-	}
-	return nil
+	return joinErrs(errs)
 }
 
 // conn: N threads × new TCP connections sending one byte each (reference
@@ -296,10 +300,7 @@ func (s *session) conn() error {
 		return err
 	}
 	var errs []string
-	for _, p := range []struct {
-		series string
-		target netip.Addr
-	}{{"conn-local", local}, {"conn-cross", cross}} {
+	for _, p := range []route{{"conn-local", local}, {"conn-cross", cross}} {
 		work, srv := s.work(client, p.target)
 		for _, th := range s.plan.ConnThreads {
 			var r ConnResult
@@ -330,10 +331,7 @@ func (s *session) conn() error {
 			s.emit(SuiteConn, p.series, float64(r.Threads), "connect_us", r.ConnectUS, note)
 		}
 	}
-	if len(errs) > 0 {
-		return fmt.Errorf("%s", strings.Join(errs, "; "))
-	}
-	return nil
+	return joinErrs(errs)
 }
 
 // connRun runs `palisade-lab bench conn` on node as user.
@@ -365,10 +363,7 @@ func (s *session) udp() error {
 		return err
 	}
 	var errs []string
-	paths := []struct {
-		series string
-		target netip.Addr
-	}{
+	paths := []route{
 		{"udp4-local", netip.MustParseAddr("127.0.0.1")},
 		{"udp4-cross", n2.Eth0},
 		{"udp6-local", netip.IPv6Loopback()},
@@ -422,10 +417,7 @@ func (s *session) udp() error {
 			s.emit(SuiteUDP, rr, float64(size), "rtt_us", r.MedUS, "")
 		}
 	}
-	if len(errs) > 0 {
-		return fmt.Errorf("%s", strings.Join(errs, "; "))
-	}
-	return nil
+	return joinErrs(errs)
 }
 
 // udpRun runs `palisade bench udp` for one size.

@@ -143,6 +143,55 @@ func (p *privFlags) apply() error {
 	return bench.DropPrivileges(p.uid, p.gid, p.nofile)
 }
 
+// nodeCmd is a hidden command the bench runs inside a node. With priv, it
+// adds the identity switch flags and applies them before run.
+func nodeCmd(use, short string, priv *privFlags, run func(cmd *cobra.Command) error) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:    use,
+		Short:  short,
+		Hidden: true,
+		Args:   cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if priv != nil {
+				if err := priv.apply(); err != nil {
+					return err
+				}
+			}
+			return run(cmd)
+		},
+	}
+	if priv != nil {
+		priv.add(cmd)
+	}
+	return cmd
+}
+
+// printJSON writes a node command's result on stdout, for the bench to read.
+func printJSON(v any, err error) error {
+	if err != nil {
+		return err
+	}
+	return json.NewEncoder(os.Stdout).Encode(v)
+}
+
+// forEach runs f on each of a comma-separated list of integers and collects
+// the results.
+func forEach[R any](list string, f func(int) (R, error)) ([]R, error) {
+	ns, err := bench.ParseInts(list)
+	if err != nil {
+		return nil, err
+	}
+	var out []R
+	for _, n := range ns {
+		r, err := f(n)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, r)
+	}
+	return out, nil
+}
+
 func benchServeCmd() *cobra.Command {
 	var (
 		cfg   bench.ServeConfig
@@ -150,39 +199,26 @@ func benchServeCmd() *cobra.Command {
 		conn  string
 		priv  privFlags
 	)
-	cmd := &cobra.Command{
-		Use:    "serve",
-		Short:  "bench servers in a node (until stdin closes)",
-		Hidden: true,
-		Args:   cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := priv.apply(); err != nil {
+	cmd := nodeCmd("serve", "bench servers in a node (until stdin closes)", &priv, func(cmd *cobra.Command) error {
+		var err error
+		if conn != "" {
+			if cfg.ConnPorts, err = bench.ParseInts(conn); err != nil {
 				return err
 			}
-			if conn != "" {
-				ps, err := bench.ParseInts(conn)
-				if err != nil {
-					return err
-				}
-				cfg.ConnPorts = ps
+		}
+		if iperf != "" {
+			if cfg.IperfPorts, err = bench.ParseInts(iperf); err != nil {
+				return err
 			}
-			if iperf != "" {
-				ps, err := bench.ParseInts(iperf)
-				if err != nil {
-					return err
-				}
-				cfg.IperfPorts = ps
-			}
-			return bench.Serve(cmd.Context(), cfg, os.Stdin, os.Stdout)
-		},
-	}
+		}
+		return bench.Serve(cmd.Context(), cfg, os.Stdin, os.Stdout)
+	})
 	cmd.Flags().StringVar(&cfg.Addr, "addr", "", "bind address (default all)")
 	cmd.Flags().StringVar(&conn, "conn", "", "connection-setup server ports (comma-separated)")
 	cmd.Flags().IntVar(&cfg.RRPort, "rr", 0, "echo server port")
 	cmd.Flags().StringVar(&iperf, "iperf", "", "iperf3 server ports (comma-separated)")
 	cmd.Flags().IntVar(&cfg.UDPSink, "udp-sink", 0, "UDP port counting datagrams (v4 and v6)")
 	cmd.Flags().IntVar(&cfg.UDPEcho, "udp-echo", 0, "UDP echo port (v4 and v6)")
-	priv.add(cmd)
 	return cmd
 }
 
@@ -193,38 +229,19 @@ func benchConnCmd() *cobra.Command {
 		startAt       int64
 		priv          privFlags
 	)
-	cmd := &cobra.Command{
-		Use:    "conn",
-		Short:  "connection-setup load generator (JSON on stdout)",
-		Hidden: true,
-		Args:   cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := priv.apply(); err != nil {
-				return err
-			}
-			ts, err := bench.ParseInts(threads)
-			if err != nil {
-				return err
-			}
-			if startAt > 0 {
-				time.Sleep(time.Until(time.Unix(0, startAt)))
-			}
-			var out []bench.ConnResult
-			for _, t := range ts {
-				r, err := bench.ConnRun(addr, t, conns)
-				if err != nil {
-					return err
-				}
-				out = append(out, r)
-			}
-			return json.NewEncoder(os.Stdout).Encode(out)
-		},
-	}
+	cmd := nodeCmd("conn", "connection-setup load generator (JSON on stdout)", &priv, func(*cobra.Command) error {
+		if _, err := bench.ParseInts(threads); err != nil {
+			return err // before waiting for the start
+		}
+		if startAt > 0 {
+			time.Sleep(time.Until(time.Unix(0, startAt)))
+		}
+		return printJSON(forEach(threads, func(t int) (bench.ConnResult, error) { return bench.ConnRun(addr, t, conns) }))
+	})
 	cmd.Flags().StringVar(&addr, "addr", "", "server IP:port")
 	cmd.Flags().StringVar(&threads, "threads", "1", "thread counts, run one after another")
 	cmd.Flags().IntVar(&conns, "conns", 1000, "connections per thread")
 	cmd.Flags().Int64Var(&startAt, "start-at", 0, "start at this Unix time (ns)")
-	priv.add(cmd)
 	return cmd
 }
 
@@ -233,23 +250,13 @@ func benchRRCmd() *cobra.Command {
 		addr, sizes string
 		iters       int
 	)
-	cmd := &cobra.Command{
-		Use:    "rr",
-		Short:  "request/response latency client (JSON on stdout)",
-		Hidden: true,
-		Args:   cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			ss, err := bench.ParseInts(sizes)
-			if err != nil {
-				return err
-			}
-			rs, err := bench.RRRun(addr, ss, iters)
-			if err != nil {
-				return err
-			}
-			return json.NewEncoder(os.Stdout).Encode(rs)
-		},
-	}
+	cmd := nodeCmd("rr", "request/response latency client (JSON on stdout)", nil, func(*cobra.Command) error {
+		ss, err := bench.ParseInts(sizes)
+		if err != nil {
+			return err
+		}
+		return printJSON(bench.RRRun(addr, ss, iters))
+	})
 	cmd.Flags().StringVar(&addr, "addr", "", "echo server IP:port")
 	cmd.Flags().StringVar(&sizes, "sizes", "1,64,1024,65536", "message sizes in bytes")
 	cmd.Flags().IntVar(&iters, "iters", 1000, "round trips per size")
@@ -262,21 +269,11 @@ func benchHoldCmd() *cobra.Command {
 		n    int
 		priv privFlags
 	)
-	cmd := &cobra.Command{
-		Use:    "hold",
-		Short:  "hold N idle connections open (until stdin closes)",
-		Hidden: true,
-		Args:   cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := priv.apply(); err != nil {
-				return err
-			}
-			return bench.Hold(addr, n, os.Stdin, os.Stdout)
-		},
-	}
+	cmd := nodeCmd("hold", "hold N idle connections open (until stdin closes)", &priv, func(*cobra.Command) error {
+		return bench.Hold(addr, n, os.Stdin, os.Stdout)
+	})
 	cmd.Flags().StringVar(&addr, "addr", "", "server IP:port")
 	cmd.Flags().IntVarP(&n, "n", "n", 100, "connections")
-	priv.add(cmd)
 	return cmd
 }
 
@@ -285,19 +282,9 @@ func benchUVNSetupCmd() *cobra.Command {
 		first uint32
 		n     int
 	)
-	cmd := &cobra.Command{
-		Use:    "uvnsetup",
-		Short:  "uvn per-user setup/teardown times as users fill a node (JSON on stdout)",
-		Hidden: true,
-		Args:   cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			r, err := bench.UVNScale(configPath, first, n)
-			if err != nil {
-				return err
-			}
-			return json.NewEncoder(os.Stdout).Encode(r)
-		},
-	}
+	cmd := nodeCmd("uvnsetup", "uvn per-user setup/teardown times as users fill a node (JSON on stdout)", nil, func(*cobra.Command) error {
+		return printJSON(bench.UVNScale(configPath, first, n))
+	})
 	cmd.Flags().Uint32Var(&first, "first", bench.UVNScaleUIDBase, "first uid")
 	cmd.Flags().IntVarP(&n, "n", "n", 10, "users")
 	return cmd
@@ -310,32 +297,19 @@ func benchUDPCmd() *cobra.Command {
 		rr          bool
 		iters       int
 	)
-	cmd := &cobra.Command{
-		Use:    "udp",
-		Short:  "UDP datagram-rate or round-trip client (JSON on stdout)",
-		Hidden: true,
-		Args:   cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			ss, err := bench.ParseInts(sizes)
+	cmd := nodeCmd("udp", "UDP datagram-rate or round-trip client (JSON on stdout)", nil, func(*cobra.Command) error {
+		return printJSON(forEach(sizes, func(size int) (r bench.UDPResult, err error) {
+			if rr {
+				r, err = bench.UDPRoundTrips(addr, size, iters)
+			} else {
+				r, err = bench.UDPRate(addr, size, time.Duration(seconds*float64(time.Second)))
+			}
 			if err != nil {
-				return err
+				return r, fmt.Errorf("%d B: %w", size, err)
 			}
-			var out []bench.UDPResult
-			for _, size := range ss {
-				var r bench.UDPResult
-				if rr {
-					r, err = bench.UDPRoundTrips(addr, size, iters)
-				} else {
-					r, err = bench.UDPRate(addr, size, time.Duration(seconds*float64(time.Second)))
-				}
-				if err != nil {
-					return fmt.Errorf("%d B: %w", size, err)
-				}
-				out = append(out, r)
-			}
-			return json.NewEncoder(os.Stdout).Encode(out)
-		},
-	}
+			return r, nil
+		}))
+	})
 	cmd.Flags().StringVar(&addr, "addr", "", "server IP:port")
 	cmd.Flags().StringVar(&sizes, "sizes", "64", "datagram sizes in bytes")
 	cmd.Flags().Float64Var(&seconds, "seconds", 1, "rate test: sending time per size")

@@ -250,11 +250,11 @@ func (c *Connector) Probe(ctx context.Context, t Target) Result {
 	case "udp":
 		rep, err = c.udp(ctx, t, nonce)
 	case ProtoUnixStream:
-		rep, err = c.unixStream(ctx, t, nonce)
+		rep, err = c.stream(ctx, "unix", t, nonce)
 	case ProtoUnixDgram:
 		rep, err = c.unixDgram(ctx, t, nonce)
 	default:
-		rep, err = c.tcp(ctx, t, nonce)
+		rep, err = c.stream(ctx, "tcp", t, nonce)
 	}
 	r := Result{Target: t, Elapsed: time.Since(start)}
 	if err == nil && rep.Nonce != nonce {
@@ -273,9 +273,11 @@ func (c *Connector) Probe(ctx context.Context, t Target) Result {
 	return r
 }
 
-func (c *Connector) tcp(ctx context.Context, t Target, nonce string) (Reply, error) {
+// stream sends the request on a new stream connection (network "tcp" or
+// "unix") and reads the one-line reply.
+func (c *Connector) stream(ctx context.Context, network string, t Target, nonce string) (Reply, error) {
 	d := net.Dialer{Timeout: c.TCPTimeout}
-	conn, err := d.DialContext(ctx, "tcp", t.Addr)
+	conn, err := d.DialContext(ctx, network, t.Addr)
 	if err != nil {
 		return Reply{}, err
 	}
@@ -305,6 +307,12 @@ func (c *Connector) udp(ctx context.Context, t Target, nonce string) (Reply, err
 		return Reply{}, err
 	}
 	defer conn.Close()
+	return c.exchange(ctx, conn, t, nonce)
+}
+
+// exchange sends the request on a connected datagram socket up to UDPTries
+// times, doubling the wait each time, until the reply carrying nonce comes.
+func (c *Connector) exchange(ctx context.Context, conn net.Conn, t Target, nonce string) (Reply, error) {
 	req := formatRequest(nonce, t.ID)
 	buf := make([]byte, maxMsg)
 	var last error = os.ErrDeadlineExceeded
@@ -316,8 +324,7 @@ func (c *Connector) udp(ctx context.Context, t Target, nonce string) (Reply, err
 		if _, err := conn.Write(req); err != nil {
 			return Reply{}, err
 		}
-		deadline := time.Now().Add(wait)
-		conn.SetReadDeadline(deadline)
+		conn.SetReadDeadline(time.Now().Add(wait))
 		for {
 			n, err := conn.Read(buf)
 			if err != nil {

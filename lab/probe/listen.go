@@ -121,7 +121,7 @@ func (l *Listener) Ports() []uint16 { return l.ports }
 func (l *Listener) Serve(ctx context.Context) {
 	for _, tl := range l.tcp {
 		l.wg.Add(1)
-		go l.serveTCP(tl)
+		go l.serveStream(tl, uint16(tl.Addr().(*net.TCPAddr).Port), "tcp")
 	}
 	for _, uc := range l.udp {
 		l.wg.Add(1)
@@ -129,7 +129,7 @@ func (l *Listener) Serve(ctx context.Context) {
 	}
 	for _, tl := range l.unix {
 		l.wg.Add(1)
-		go l.serveUnix(tl)
+		go l.serveStream(tl, portOfUnixName(tl.Addr().String()), ProtoUnixStream)
 	}
 	for _, uc := range l.unixgram {
 		l.wg.Add(1)
@@ -158,9 +158,10 @@ func (l *Listener) Close() {
 	})
 }
 
-func (l *Listener) serveTCP(tl net.Listener) {
+// serveStream answers each connection of a stream listener (TCP, or an
+// abstract Unix socket) with one reply line.
+func (l *Listener) serveStream(tl net.Listener, port uint16, proto string) {
 	defer l.wg.Done()
-	port := uint16(tl.Addr().(*net.TCPAddr).Port)
 	for {
 		c, err := tl.Accept()
 		if err != nil {
@@ -182,7 +183,7 @@ func (l *Listener) serveTCP(tl net.Listener) {
 			if err != nil {
 				return
 			}
-			c.Write(formatReply(Reply{Nonce: nonce, Identity: l.self, Port: port, Proto: "tcp"}))
+			c.Write(formatReply(Reply{Nonce: nonce, Identity: l.self, Port: port, Proto: proto}))
 		}()
 	}
 }

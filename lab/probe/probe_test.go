@@ -144,6 +144,43 @@ func TestLoopbackBothWays(t *testing.T) {
 	}
 }
 
+// The abstract Unix sockets answer like TCP and UDP: an open name with the
+// listener's identity, a name nobody serves with ECONNREFUSED, at once.
+func TestUnixBothWays(t *testing.T) {
+	open, closed := freePort(t), freePort(t)
+	l, err := Listen(ListenConfig{Ports: []uint16{open}, Unix: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { l.Serve(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+
+	var targets []Target
+	for _, proto := range []string{ProtoUnixStream, ProtoUnixDgram} {
+		for _, p := range []uint16{open, closed} {
+			targets = append(targets, Target{ID: fmt.Sprintf("%s/%d", proto, p), Proto: proto, Addr: UnixName(p, proto)})
+		}
+	}
+	got := map[string]Result{}
+	NewConnector(nil).Run(context.Background(), targets, func(r Result) { got[r.ID] = r })
+	self := Self()
+	for _, tg := range targets {
+		r, ok := got[tg.ID]
+		switch {
+		case !ok:
+			t.Errorf("%s: no result", tg.ID)
+		case strings.HasSuffix(tg.ID, "/"+strconv.Itoa(int(open))):
+			if !r.Allowed || r.Peer != self {
+				t.Errorf("%s: want allowed by %v, got %+v", tg.ID, self, r)
+			}
+		case r.Allowed || r.Kind != "ECONNREFUSED" || r.Elapsed > 300*time.Millisecond:
+			t.Errorf("%s: want ECONNREFUSED at once, got allowed=%v kind=%s err=%v in %v", tg.ID, r.Allowed, r.Kind, r.Err, r.Elapsed)
+		}
+	}
+}
+
 func TestBindFailureClosesEverything(t *testing.T) {
 	p := freePort(t)
 	busy, err := net.ListenPacket("udp6", net.JoinHostPort("::1", strconv.Itoa(int(p))))

@@ -7,7 +7,6 @@ import (
 	"net"
 	"os"
 	"strings"
-	"time"
 )
 
 // Abstract Unix sockets (Linux): a listener with Unix set also serves the
@@ -50,34 +49,6 @@ func (l *Listener) listenUnix(ports []uint16) error {
 	return nil
 }
 
-func (l *Listener) serveUnix(tl net.Listener) {
-	defer l.wg.Done()
-	port := portOfUnixName(tl.Addr().String())
-	for {
-		c, err := tl.Accept()
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
-			time.Sleep(10 * time.Millisecond)
-			continue
-		}
-		go func() {
-			defer c.Close()
-			c.SetDeadline(time.Now().Add(5 * time.Second))
-			line, err := readLine(c)
-			if err != nil {
-				return
-			}
-			nonce, err := parseRequest(line)
-			if err != nil {
-				return
-			}
-			c.Write(formatReply(Reply{Nonce: nonce, Identity: l.self, Port: port, Proto: ProtoUnixStream}))
-		}()
-	}
-}
-
 func (l *Listener) serveUnixgram(uc *net.UnixConn) {
 	defer l.wg.Done()
 	port := portOfUnixName(uc.LocalAddr().String())
@@ -98,28 +69,6 @@ func (l *Listener) serveUnixgram(uc *net.UnixConn) {
 	}
 }
 
-func (c *Connector) unixStream(ctx context.Context, t Target, nonce string) (Reply, error) {
-	d := net.Dialer{Timeout: c.TCPTimeout}
-	conn, err := d.DialContext(ctx, "unix", t.Addr)
-	if err != nil {
-		return Reply{}, err
-	}
-	defer conn.Close()
-	conn.SetDeadline(time.Now().Add(c.ReplyTimeout))
-	if _, err := conn.Write(formatRequest(nonce, t.ID)); err != nil {
-		return Reply{}, err
-	}
-	line, err := readLine(conn)
-	if err != nil {
-		return Reply{}, err
-	}
-	rep, err := parseReply(line)
-	if err != nil {
-		return Reply{}, badReply{err.Error()}
-	}
-	return rep, nil
-}
-
 // unixDgram sends from a socket bound to its own abstract name (the
 // listener answers to it) and connected to the listener, retrying like UDP.
 func (c *Connector) unixDgram(ctx context.Context, t Target, nonce string) (Reply, error) {
@@ -129,33 +78,5 @@ func (c *Connector) unixDgram(ctx context.Context, t Target, nonce string) (Repl
 		return Reply{}, err
 	}
 	defer conn.Close()
-	req := formatRequest(nonce, t.ID)
-	buf := make([]byte, maxMsg)
-	var last error = os.ErrDeadlineExceeded
-	wait := c.UDPWait
-	for try := 0; try < c.UDPTries; try, wait = try+1, wait*2 {
-		if err := ctx.Err(); err != nil {
-			return Reply{}, err
-		}
-		if _, err := conn.Write(req); err != nil {
-			return Reply{}, err
-		}
-		conn.SetReadDeadline(time.Now().Add(wait))
-		for {
-			n, err := conn.Read(buf)
-			if err != nil {
-				if Classify(err) == KindTimeout {
-					last = err
-					break
-				}
-				return Reply{}, err
-			}
-			rep, perr := parseReply(buf[:n])
-			if perr == nil && rep.Nonce == nonce {
-				return rep, nil
-			}
-			last = badReply{"unexpected datagram"}
-		}
-	}
-	return Reply{}, last
+	return c.exchange(ctx, conn, t, nonce)
 }

@@ -2,6 +2,7 @@ package testbed
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -179,4 +180,20 @@ func (tb *Testbed) Output(ctx context.Context, node, user string, argv ...string
 		return string(out), fmt.Errorf("%s as %q on %s: %w: %s", argv, user, node, err, out)
 	}
 	return string(out), nil
+}
+
+// Parallel runs f for every item concurrently (one per node, typically)
+// and returns every failure.
+func Parallel[T any](items []T, f func(T) error) error {
+	errs := make([]error, len(items))
+	var wg sync.WaitGroup
+	for i, it := range items {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = f(it)
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
 }

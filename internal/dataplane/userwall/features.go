@@ -3,7 +3,6 @@ package userwall
 import (
 	"errors"
 	"fmt"
-	"os"
 	"slices"
 	"sort"
 	"strconv"
@@ -172,8 +171,8 @@ func ProbeKernel() (*Probe, error) {
 	if cgErr != nil {
 		// A command run with a fresh sysfs (`ip netns exec`, a testbed
 		// login) sees no cgroup mount; the kernel's hierarchy is init's.
-		if b, err := os.ReadFile("/proc/1/mounts"); err == nil && strings.Contains(string(b), " cgroup2 ") {
-			cg, cgErr = "mounted in init's mount namespace", nil
+		if p, err := cgroup2.InitMountPoint(); err == nil {
+			cg, cgErr = p+" in init's mount namespace", nil
 		}
 	}
 	f = Feature{Name: "cgroup v2 hierarchy", Since: "4.5", Required: true, Present: cgErr == nil,

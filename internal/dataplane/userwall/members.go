@@ -24,7 +24,7 @@ func (a *agent) newMembers() *membership.Tracker {
 	return membership.New(membership.Config{
 		Lookup:    &membership.Getent{},
 		Files:     func() (*identity.Table, error) { return identity.ReadFiles("/etc/passwd", "/etc/group") },
-		LocalGIDs: func() ([]uint32, error) { return membership.LocalGIDs("/proc") },
+		LocalGIDs: membership.LocalGIDs,
 		ExtraGIDs: a.exempt.groups,
 		Apply: func(m identity.Membership) error {
 			err := a.dp.SetMembers(m)

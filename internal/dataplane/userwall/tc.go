@@ -5,13 +5,13 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"runtime"
 	"strings"
 
 	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	sysnetns "github.com/palisade-hpc/palisade/internal/sys/netns"
 )
 
 // Classic tc attachment, for kernels without tcx links (< 6.6): a clsact
@@ -305,37 +305,20 @@ func probeClsact() error {
 	})
 }
 
-// inScratchNetns runs f with a netlink handle in a new, empty network
+// inScratchNetns runs f with a netlink handle opened in a new, empty network
 // namespace that disappears afterwards. Only the calling OS thread enters
 // it, and only while the handle's socket is opened.
 func inScratchNetns(f func(*netlink.Handle) error) error {
-	h, err := func() (*netlink.Handle, error) {
-		runtime.LockOSThread()
-		orig, err := netns.Get()
-		if err != nil {
-			runtime.UnlockOSThread()
-			return nil, err
-		}
-		defer orig.Close()
-		ns, err := netns.New()
-		if err != nil {
-			runtime.UnlockOSThread()
-			return nil, fmt.Errorf("scratch network namespace: %w", err)
-		}
-		defer ns.Close()
-		h, herr := netlink.NewHandle()
-		if err := netns.Set(orig); err != nil {
-			// Leave the thread locked: Go retires it with the goroutine.
-			if h != nil {
-				h.Close()
-			}
-			return nil, fmt.Errorf("return from the scratch namespace: %w", err)
-		}
-		runtime.UnlockOSThread()
-		return h, herr
-	}()
-	if err != nil {
+	var h *netlink.Handle
+	err := sysnetns.DoNew(func() (err error) {
+		h, err = netlink.NewHandle()
 		return err
+	})
+	if err != nil {
+		if h != nil {
+			h.Close()
+		}
+		return fmt.Errorf("scratch network namespace: %w", err)
 	}
 	defer h.Close()
 	return f(h)

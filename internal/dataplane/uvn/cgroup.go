@@ -1,7 +1,6 @@
 package uvn
 
 import (
-	"bufio"
 	"bytes"
 	"errors"
 	"fmt"
@@ -117,21 +116,6 @@ func (c *cgroup2) exists(cg string) bool {
 	return true
 }
 
-// procCgroup returns pid's cgroup2 path from /proc/PID/cgroup ("0::/path").
-func procCgroup(pid int) (string, error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cgroup")
-	if err != nil {
-		return "", err
-	}
-	sc := bufio.NewScanner(bytes.NewReader(b))
-	for sc.Scan() {
-		if p, ok := strings.CutPrefix(sc.Text(), "0::"); ok {
-			return path.Clean("/" + strings.TrimSuffix(p, " (deleted)")), nil
-		}
-	}
-	return "", fmt.Errorf("pid %d: no cgroup2 entry in /proc/%d/cgroup", pid, pid)
-}
-
 // sessionCgroup picks the cgroup to attach the VRF program to for pid: its
 // own cgroup when that belongs to the session (every process in its subtree
 // is pid or a descendant), else a new child of it named for the session, into
@@ -139,7 +123,7 @@ func procCgroup(pid int) (string, error) {
 // or Slurm job cgroup (a child is still inside the parent's subtree), and the
 // root cgroup, which holds every unmanaged process, is never used.
 func (c *cgroup2) sessionCgroup(pid int, uid uint32) (cg string, created bool, err error) {
-	cg, err = procCgroup(pid)
+	cg, err = procfs.Cgroup2(pid)
 	if err != nil {
 		return "", false, err
 	}

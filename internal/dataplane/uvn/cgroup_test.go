@@ -7,18 +7,17 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"runtime"
 	"strconv"
 	"testing"
 	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
-	vnetns "github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
 	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/internal/sys/netns"
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 )
 
 // scratchCgroup makes an empty cgroup named for the test; on cleanup the
@@ -31,7 +30,7 @@ func scratchCgroup(t *testing.T, name string) (cg *cgroup2, home, path string) {
 		t.Fatal(err)
 	}
 	t.Cleanup(cg.Close)
-	if home, err = procCgroup(os.Getpid()); err != nil {
+	if home, err = procfs.Cgroup2(os.Getpid()); err != nil {
 		t.Fatal(err)
 	}
 	path = fmt.Sprintf("/pal-uvntest-%d-%s", os.Getpid(), name)
@@ -58,21 +57,7 @@ func enterCgroup(t *testing.T, cg *cgroup2, path string) {
 // and a device "paltest0" (up, with addrs), whose index fn gets.
 func inScratchNetns(t *testing.T, addrs []string, fn func(dummy int) error) {
 	t.Helper()
-	hc := make(chan vnetns.NsHandle)
-	go func() {
-		runtime.LockOSThread() // never unlocked: the thread goes with the namespace
-		h, err := vnetns.New()
-		if err != nil {
-			h = vnetns.None()
-		}
-		hc <- h
-	}()
-	h := <-hc
-	if !h.IsOpen() {
-		t.Fatal("cannot create a network namespace")
-	}
-	defer h.Close()
-	err := netns.Do(h, func() error {
+	err := netns.DoNew(func() error {
 		lo, err := netlink.LinkByName("lo")
 		if err != nil {
 			return err

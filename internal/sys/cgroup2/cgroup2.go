@@ -33,6 +33,20 @@ func MountPoint() (string, error) {
 	return p, nil
 }
 
+// InitMountPoint is MountPoint in init's mount namespace: a command run
+// with a fresh sysfs (`ip netns exec`, a testbed login) has no cgroup mount
+// of its own, yet the kernel's hierarchy may be mounted for the host.
+func InitMountPoint() (string, error) {
+	p, err := mountPoint("/proc/1/mounts", "/sys/fs/cgroup")
+	if err != nil {
+		return "", err
+	}
+	if p == "" {
+		return "", ErrNotMounted
+	}
+	return p, nil
+}
+
 // mountPoint finds the cgroup2 mount in a mounts file.
 func mountPoint(mounts, prefer string) (string, error) {
 	f, err := os.Open(mounts)

@@ -17,6 +17,36 @@ import (
 // target. Things that keep the namespace they were created in (sockets,
 // netlink handles) may be used afterwards from any thread.
 func Do(target netns.NsHandle, fn func() error) error {
+	return in(func(cur netns.NsHandle) error {
+		if cur.Equal(target) {
+			return nil
+		}
+		if err := netns.Set(target); err != nil {
+			return fmt.Errorf("enter netns: %w", err)
+		}
+		return nil
+	}, fn)
+}
+
+// DoNew runs fn with the calling goroutine's thread in a new, empty network
+// namespace (a scratch one: it disappears once nothing fn made in it, such as
+// a socket, holds it any more).
+func DoNew(fn func() error) error {
+	return in(func(netns.NsHandle) error {
+		ns, err := netns.New() // unshare: the thread is in it from here
+		if err != nil {
+			return fmt.Errorf("new netns: %w", err)
+		}
+		ns.Close() // the thread keeps the namespace
+		return nil
+	}, fn)
+}
+
+// in locks the calling goroutine to its thread, lets enter switch the
+// thread's namespace, runs fn there and switches back. If enter fails the
+// thread is switched back too (it may have left: unshare succeeded, the
+// handle did not).
+func in(enter func(cur netns.NsHandle) error, fn func() error) error {
 	runtime.LockOSThread()
 	cur, err := netns.Get()
 	if err != nil {
@@ -24,15 +54,10 @@ func Do(target netns.NsHandle, fn func() error) error {
 		return fmt.Errorf("current netns: %w", err)
 	}
 	defer cur.Close()
-	if cur.Equal(target) {
-		defer runtime.UnlockOSThread()
-		return fn()
+	ferr := enter(cur)
+	if ferr == nil {
+		ferr = fn()
 	}
-	if err := netns.Set(target); err != nil {
-		runtime.UnlockOSThread()
-		return fmt.Errorf("enter netns: %w", err)
-	}
-	ferr := fn()
 	if err := netns.Set(cur); err != nil {
 		return fmt.Errorf("return from netns: %w", err) // thread stays locked: discarded
 	}

@@ -62,3 +62,32 @@ func lockAndNew(out chan<- netns.NsHandle) {
 	}
 	out <- h
 }
+
+func TestDoNew(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (creates a network namespace)")
+	}
+	orig, err := netns.Get()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer orig.Close()
+	var first, second netns.NsHandle
+	werr := errors.New("fn error")
+	if err := DoNew(func() (err error) { first, err = netns.Get(); return err }); err != nil {
+		t.Fatal(err)
+	}
+	defer first.Close()
+	if err := DoNew(func() (err error) { second, _ = netns.Get(); return werr }); !errors.Is(err, werr) {
+		t.Fatalf("DoNew returned %v, want fn's error", err)
+	}
+	defer second.Close()
+	if first.Equal(orig) || second.Equal(orig) || first.Equal(second) {
+		t.Error("fn did not run in a namespace of its own")
+	}
+	after, _ := netns.Get()
+	defer after.Close()
+	if !after.Equal(orig) {
+		t.Error("thread left in the new namespace")
+	}
+}

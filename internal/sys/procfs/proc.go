@@ -1,10 +1,19 @@
 // Package procfs is Palisade's one reader of /proc: whether a process still
-// runs, its parent, start time, CPU time, memory and command line. It wraps
-// github.com/prometheus/procfs (which the metrics endpoint already links) so
-// that the kernel's formats are parsed in one place.
+// runs, its parent, start time, CPU time, memory, command line, credentials
+// and cgroup. It wraps github.com/prometheus/procfs (which the metrics
+// endpoint already links) so that the kernel's formats are parsed in one
+// place.
 package procfs
 
 import (
+	"bytes"
+	"fmt"
+	"os"
+	"path"
+	"slices"
+	"strconv"
+	"strings"
+
 	"github.com/prometheus/procfs"
 )
 
@@ -128,4 +137,115 @@ func EffectiveUID(pid int) (uint64, bool) {
 		return 0, false
 	}
 	return st.UIDs[1], true
+}
+
+// Cgroup2 returns pid's path in the cgroup v2 hierarchy (the "0::" line of
+// /proc/PID/cgroup), as seen from the caller's cgroup namespace.
+func Cgroup2(pid int) (string, error) {
+	p, err := procfs.NewProc(pid)
+	if err != nil {
+		return "", err
+	}
+	cgs, err := p.Cgroups()
+	if err != nil {
+		return "", err
+	}
+	for _, c := range cgs {
+		if c.HierarchyID == 0 && len(c.Controllers) == 0 {
+			return path.Clean("/" + strings.TrimSuffix(c.Path, " (deleted)")), nil
+		}
+	}
+	return "", fmt.Errorf("pid %d: no cgroup2 entry in /proc/%d/cgroup", pid, pid)
+}
+
+// Creds is what /proc/PID/status says of a process's credentials
+// (prometheus/procfs leaves out the state and the supplementary groups).
+type Creds struct {
+	Command    string   // Name: the command, at most 15 bytes
+	Zombie     bool     // exited (see Stat.Zombie)
+	UIDs, GIDs []uint32 // real, effective, saved set, filesystem
+	Groups     []uint32 // supplementary groups
+}
+
+// EUID is the effective uid: a new socket's owner.
+func (c Creds) EUID() uint32 { return c.UIDs[1] }
+
+// EGID is the effective gid: a new socket's group.
+func (c Creds) EGID() uint32 { return c.GIDs[1] }
+
+// ReadCreds returns the credentials of pid.
+func ReadCreds(pid int) (Creds, error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		return Creds{}, err
+	}
+	return parseCreds(b)
+}
+
+func parseCreds(b []byte) (Creds, error) {
+	var c Creds
+	for line := range bytes.Lines(b) {
+		key, val, ok := strings.Cut(string(line), ":")
+		if !ok {
+			continue
+		}
+		f := strings.Fields(val)
+		switch key {
+		case "Name":
+			c.Command = strings.TrimSpace(val)
+		case "State":
+			c.Zombie = len(f) > 0 && (f[0] == "Z" || f[0] == "X")
+		case "Uid", "Gid", "Groups":
+			if key != "Groups" && len(f) < 2 {
+				return c, fmt.Errorf("status: malformed %s line %q", key, val)
+			}
+			ids := make([]uint32, 0, len(f))
+			for _, s := range f {
+				v, err := strconv.ParseUint(s, 10, 32)
+				if err != nil {
+					return c, fmt.Errorf("status: %s: %w", key, err)
+				}
+				ids = append(ids, uint32(v))
+			}
+			switch key {
+			case "Uid":
+				c.UIDs = ids
+			case "Gid":
+				c.GIDs = ids
+			default:
+				c.Groups = ids
+			}
+		}
+	}
+	if c.UIDs == nil || c.GIDs == nil {
+		return c, fmt.Errorf("status: no Uid/Gid lines")
+	}
+	return c, nil
+}
+
+// FdinfoIDs lists the distinct non-zero values of key ("map_id", "prog_id")
+// in the fdinfo of pid's descriptors: the BPF objects the process holds (a
+// link's descriptor carries its program's prog_id too).
+func FdinfoIDs(pid int, key string) []uint32 {
+	dir := "/proc/" + strconv.Itoa(pid) + "/fdinfo"
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil
+	}
+	var ids []uint32
+	for _, e := range ents {
+		b, err := os.ReadFile(dir + "/" + e.Name())
+		if err != nil {
+			continue // closed meanwhile
+		}
+		for line := range strings.Lines(string(b)) {
+			if v, ok := strings.CutPrefix(line, key+":"); ok {
+				if id, err := strconv.ParseUint(strings.TrimSpace(v), 10, 32); err == nil && id > 0 {
+					ids = append(ids, uint32(id))
+				}
+			}
+		}
+	}
+	slices.Sort(ids)
+	return slices.Compact(ids)
 }

@@ -5,9 +5,12 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/cilium/ebpf"
 )
 
 func TestAliveAndCmdline(t *testing.T) {
@@ -96,5 +99,79 @@ func TestEffectiveUID(t *testing.T) {
 	}
 	if _, ok := EffectiveUID(1 << 30); ok {
 		t.Errorf("EffectiveUID of a pid that cannot exist succeeded")
+	}
+}
+
+func TestParseCreds(t *testing.T) {
+	status := "Name:\tpython3\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t17793\nPid:\t17793\n" +
+		"Uid:\t2001\t2002\t2002\t2002\nGid:\t2001\t2100\t2100\t2100\nFDSize:\t64\nGroups:\t2001 2100 \n"
+	c, err := parseCreds([]byte(status))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.EUID() != 2002 || c.EGID() != 2100 || !slices.Equal(c.GIDs, []uint32{2001, 2100, 2100, 2100}) || !slices.Equal(c.Groups, []uint32{2001, 2100}) || c.Command != "python3" || c.Zombie {
+		t.Errorf("parsed %+v", c)
+	}
+	c, err = parseCreds([]byte("Name:\tx\nState:\tZ (zombie)\nUid:\t0\t0\t0\t0\nGid:\t0\t0\t0\t0\nGroups:\t\n"))
+	if err != nil || !c.Zombie || len(c.Groups) != 0 {
+		t.Errorf("zombie: %+v %v", c, err)
+	}
+	for _, bad := range []string{"Name:\tx\n", "Uid:\t1\nGid:\t1\t1\n", "Uid:\t1\t1\nGid:\t1\t1\nGroups:\tx\n"} {
+		if _, err := parseCreds([]byte(bad)); err == nil {
+			t.Errorf("parseCreds(%q) accepted", bad)
+		}
+	}
+}
+
+func TestCredsAndCgroup2OfThisProcess(t *testing.T) {
+	c, err := ReadCreds(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	groups, _ := os.Getgroups()
+	var want []uint32
+	for _, g := range groups {
+		want = append(want, uint32(g))
+	}
+	if int(c.EUID()) != os.Geteuid() || int(c.EGID()) != os.Getegid() || !slices.Equal(c.Groups, want) || c.Zombie {
+		t.Errorf("ReadCreds(self) = %+v, want euid %d egid %d groups %v", c, os.Geteuid(), os.Getegid(), want)
+	}
+	cg, err := Cgroup2(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := os.ReadFile("/proc/self/cgroup")
+	if !strings.Contains(string(b), "0::"+cg+"\n") && !(cg == "/" && strings.Contains(string(b), "0::/\n")) {
+		t.Errorf("Cgroup2(self) = %q; /proc/self/cgroup:\n%s", cg, b)
+	}
+	if _, err := ReadCreds(1 << 30); err == nil {
+		t.Error("ReadCreds of a pid that cannot exist succeeded")
+	}
+	if _, err := Cgroup2(1 << 30); err == nil {
+		t.Error("Cgroup2 of a pid that cannot exist succeeded")
+	}
+}
+
+func TestFdinfoIDs(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (creates a BPF map)")
+	}
+	before := FdinfoIDs(os.Getpid(), "map_id")
+	m, err := ebpf.NewMap(&ebpf.MapSpec{Name: "pal_fdinfo", Type: ebpf.Array, KeySize: 4, ValueSize: 4, MaxEntries: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	info, err := m.Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, _ := info.ID()
+	got := FdinfoIDs(os.Getpid(), "map_id")
+	if slices.Contains(before, uint32(id)) || !slices.Contains(got, uint32(id)) || len(got) != len(before)+1 {
+		t.Errorf("map_id: before %v, with map %d open %v", before, id, got)
+	}
+	if ids := FdinfoIDs(os.Getpid(), "prog_id"); len(ids) != 0 {
+		t.Errorf("prog_id of a process holding no program: %v", ids)
 	}
 }

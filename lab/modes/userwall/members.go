@@ -4,15 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"runtime"
 	"time"
 
 	"github.com/palisade-hpc/palisade/internal/config"
 	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/sys/netns"
 	"github.com/palisade-hpc/palisade/lab/check"
 	"github.com/palisade-hpc/palisade/lab/testbed"
-	"github.com/vishvananda/netns"
 )
 
 // SettleCheck (check.Settler of mode userwall) waits until each listener node's agent has loaded the
@@ -45,30 +44,12 @@ func SettleCheck(ctx context.Context, tb *testbed.Testbed, cases []*check.Case) 
 }
 
 // nodeCookie is the netns cookie of a testbed node (its agent's pin dir).
-func nodeCookie(n testbed.Node) (uint64, error) {
-	runtime.LockOSThread()
-	orig, err := netns.Get()
-	if err != nil {
-		runtime.UnlockOSThread()
-		return 0, err
-	}
-	defer orig.Close()
-	target, err := netns.GetFromPath("/run/netns/" + n.NetNS)
-	if err != nil {
-		runtime.UnlockOSThread()
-		return 0, err
-	}
-	defer target.Close()
-	if err := netns.Set(target); err != nil {
-		runtime.UnlockOSThread()
-		return 0, err
-	}
-	c, cerr := uw.NetnsCookie()
-	if err := netns.Set(orig); err != nil {
-		return 0, err // the thread stays locked and dies with its goroutine
-	}
-	runtime.UnlockOSThread()
-	return c, cerr
+func nodeCookie(n testbed.Node) (c uint64, err error) {
+	err = netns.DoPath("/run/netns/"+n.NetNS, func() (err error) {
+		c, err = uw.NetnsCookie()
+		return err
+	})
+	return c, err
 }
 
 // MemberPair is one (uid, gid) entry of the kernel's membership map.

@@ -5,13 +5,11 @@ package userwall
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
@@ -130,24 +128,10 @@ func StopAgent(ctx context.Context, tb *testbed.Testbed, n testbed.Node) error {
 	return nil
 }
 
-func eachNode(tb *testbed.Testbed, f func(testbed.Node) error) error {
-	var wg sync.WaitGroup
-	errs := make([]error, len(tb.Nodes))
-	for i, n := range tb.Nodes {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[i] = f(n)
-		}()
-	}
-	wg.Wait()
-	return errors.Join(errs...)
-}
-
 // StartAgents starts the agent on every node; on failure the ones started
 // are removed again.
 func StartAgents(ctx context.Context, tb *testbed.Testbed) error {
-	err := eachNode(tb, func(n testbed.Node) error {
+	err := testbed.Parallel(tb.Nodes, func(n testbed.Node) error {
 		if !tb.Enforcing(n.Name) {
 			return nil // staged rollout (testbed up --agents): not yet
 		}
@@ -161,7 +145,7 @@ func StartAgents(ctx context.Context, tb *testbed.Testbed) error {
 
 // StopAgents uninstalls the agent on every node.
 func StopAgents(ctx context.Context, tb *testbed.Testbed) error {
-	return eachNode(tb, func(n testbed.Node) error { return StopAgent(ctx, tb, n) })
+	return testbed.Parallel(tb.Nodes, func(n testbed.Node) error { return StopAgent(ctx, tb, n) })
 }
 
 // NodeCommand runs the product binary in a node as the agent's site units
