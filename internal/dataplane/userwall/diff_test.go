@@ -26,6 +26,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/features"
 	"github.com/cilium/ebpf/ringbuf"
@@ -65,7 +67,11 @@ type harness struct {
 	remoteIf int
 }
 
-func newHarness(t *testing.T) *harness {
+func newHarness(t *testing.T) *harness { return newHarnessMode(t, 1) }
+
+// newHarnessMode loads the programs with test_mode set as given: 0 runs
+// them on the real clock (and real sockets).
+func newHarnessMode(t *testing.T, testMode uint32) *harness {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("not root: loading eBPF programs needs CAP_BPF and CAP_NET_ADMIN")
@@ -84,7 +90,7 @@ func newHarness(t *testing.T) *harness {
 			delete(spec.Programs, name)
 		}
 	}
-	if err := spec.Variables["test_mode"].Set(uint32(1)); err != nil {
+	if err := spec.Variables["test_mode"].Set(testMode); err != nil {
 		t.Fatal(err)
 	}
 	coll, err := ebpf.NewCollection(spec)
@@ -1103,6 +1109,61 @@ func TestStampBitFlips(t *testing.T) {
 					t.Errorf("v6=%v: %s bit %d flipped: %s, want off-cluster-denied without identity", v6, f.name, bit, v)
 				}
 			}
+		}
+	}
+}
+
+// TestProgramClock: the programs' clock plus the agent's ClockOffset is the
+// wall clock, within two ticks of the coarse clock. Read through the real
+// code path: uw_tc_egress (real clock, not test mode) seals its window's low
+// bits into the stamp; the offset is shifted so that a window edge falls
+// two ticks after, then two ticks before, the Go side's wall clock, and
+// the stamp must name the window before the edge, then the one after it.
+func TestProgramClock(t *testing.T) {
+	h := newHarnessMode(t, 0)
+	w := worlds()[0]
+	w.apply(t, h)
+	var res unix.Timespec
+	if err := unix.ClockGetres(unix.CLOCK_MONOTONIC_COARSE, &res); err != nil {
+		t.Fatal(err)
+	}
+	tick := res.Nano()
+	src, dst := netip.MustParseAddr("198.18.0.1"), netip.MustParseAddr("198.18.0.2")
+	frame := buildFrame(false, ipUDP, 0, src, dst, 40000, 40001, stNone, nil)
+	// window seals a stamp with the edge shift ns after Go's wall clock and
+	// reports whether the program put it in the window after the edge.
+	window := func(shift int64) (after bool) {
+		t.Helper()
+		wall := time.Now().UnixNano()
+		edge := (wall>>WindowShift + 2) << WindowShift
+		// With offset o the program computes prog + o; the edge is where
+		// prog + ClockOffset() == wall + shift.
+		cfg := uwbpfUwConfig{SystemPortMax: uint32(w.pol.SystemPortMax), Enabled: 1,
+			ClockOffsetNs: ClockOffset() + edge - wall - shift}
+		if err := h.d.Map("settings").Update(uint32(0), cfg, ebpf.UpdateAny); err != nil {
+			t.Fatal(err)
+		}
+		_, out, err := h.egress.Test(frame)
+		if err != nil {
+			t.Fatal(err)
+		}
+		opt, _ := stampAt(t, out, false)
+		if opt == nil {
+			t.Fatalf("unstamped: % x", out)
+		}
+		got := opt[1] & 0xf
+		lo, hi := uint8(edge>>WindowShift-1)&0xf, uint8(edge>>WindowShift)&0xf
+		if got != lo && got != hi {
+			t.Fatalf("window %d: neither %d nor %d (clock off by more than a window)", got, lo, hi)
+		}
+		return got == hi
+	}
+	for i := 0; i < 5; i++ {
+		if window(2 * tick) {
+			t.Errorf("edge 2 ticks (%d ns) after the wall clock: the program sealed the later window: its clock runs ahead", 2*tick)
+		}
+		if !window(-2 * tick) {
+			t.Errorf("edge 2 ticks (%d ns) before the wall clock: the program sealed the earlier window: its clock lags", 2*tick)
 		}
 	}
 }

@@ -110,7 +110,7 @@ var helperSince = map[string]string{
 	"bpf_ringbuf_reserve": "5.8", "bpf_ringbuf_submit": "5.8", "bpf_ringbuf_discard": "5.8",
 	"bpf_skc_to_tcp_sock": "5.9", "bpf_skc_to_udp6_sock": "5.9", "bpf_sock_ops_cb_flags_set": "4.16",
 	"bpf_load_hdr_opt": "5.10", "bpf_store_hdr_opt": "5.10", "bpf_reserve_hdr_opt": "5.10",
-	"bpf_get_current_task_btf": "5.11", "bpf_check_mtu": "5.12", "bpf_loop": "5.17",
+	"bpf_get_current_task_btf": "5.11", "bpf_ktime_get_coarse_ns": "5.11", "bpf_check_mtu": "5.12", "bpf_loop": "5.17",
 	"bpf_skb_cgroup_id": "4.18", "bpf_sk_cgroup_id": "5.8", "bpf_get_current_cgroup_id": "4.18",
 }
 

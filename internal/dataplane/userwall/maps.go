@@ -135,13 +135,14 @@ func (d *Dataplane) ApplyPolicy(p *policy.Policy, audit bool) error {
 	return d.Map("settings").Update(uint32(0), cfg, ebpf.UpdateAny)
 }
 
-// ClockOffset is the wall clock minus the boot clock (what the programs add
-// to bpf_ktime_get_boot_ns to get the time a stamp is sealed for).
+// ClockOffset is the wall clock minus CLOCK_MONOTONIC: what the programs add
+// to their clock (bpf_ktime_get_coarse_ns, CLOCK_MONOTONIC at tick
+// resolution) to get the time a stamp is sealed for.
 func ClockOffset() int64 {
-	var boot, wall unix.Timespec
-	unix.ClockGettime(unix.CLOCK_BOOTTIME, &boot)
+	var mono, wall unix.Timespec
+	unix.ClockGettime(unix.CLOCK_MONOTONIC, &mono)
 	unix.ClockGettime(unix.CLOCK_REALTIME, &wall)
-	return wall.Nano() - boot.Nano()
+	return wall.Nano() - mono.Nano()
 }
 
 // RefreshClock keeps the clock offset current (NTP steps the wall clock).
