@@ -531,6 +531,12 @@ func (m *Manager) attach(st *UserState, pid, holder int) error {
 		}
 	}
 	m.pruneAttachments(st, cg, nil)
+	if m.Srun != (policy.PortRange{}) {
+		// Not fatal: a claim left over only keeps its one port refused.
+		if err := m.sweepSrunClaims(); err != nil {
+			m.logf("uvn: sweep srun port claims: %v", err)
+		}
+	}
 	return m.st.saveUser(st)
 }
 

@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
@@ -409,6 +410,102 @@ func (m *Manager) dropSrunClaims(ifindex int) error {
 		}
 	}
 	return nil
+}
+
+// srunClaimGrace spares young claims from the sweep: a socket bound but not
+// yet listening is missing from sock_diag's dump on kernels before 6.x
+// (bound-only TCP sockets are not in the tables it walks), and Slurm binds
+// and listens at once.
+const srunClaimGrace = 10 * time.Second
+
+// sweepSrunClaims gives back the ports claimed by sockets that no longer
+// exist. A claim is given back by the socket's release program; a socket
+// that outlives its cgroup's programs (srun still closing its listeners when
+// its step's attachment is pruned, a cgroup removed under it) closes without
+// one, and its port would stay refused to everyone until the node's state
+// goes. Runs under the node lock, so two sweeps never race on one port.
+func (m *Manager) sweepSrunClaims() error {
+	ns, found, err := m.st.loadNode()
+	if err != nil || !found || !srunMapAlive(ns.SrunMap) {
+		return err
+	}
+	unlock, err := m.st.lockNode()
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	pm, err := ebpf.NewMapFromID(ebpf.MapID(ns.SrunMap))
+	if err != nil {
+		return nil // the map went with the node's state
+	}
+	defer pm.Close()
+	n, err := sweepClaims(pm, srunClaimGrace, liveTCPCookies)
+	if n > 0 {
+		m.logf("uvn: gave back %d srun port claim(s) of closed sockets", n)
+	}
+	return err
+}
+
+// sweepClaims deletes the entries of pm (pal_srun_ports) older than grace
+// whose socket is not among live's cookies, and returns how many.
+func sweepClaims(pm *ebpf.Map, grace time.Duration, live func() (map[uint64]bool, error)) (int, error) {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_BOOTTIME, &ts); err != nil {
+		return 0, err
+	}
+	now := uint64(ts.Nano())
+	type entry struct{ key, cookie uint64 }
+	var (
+		old   []entry
+		key   uint64
+		owner srunbpfSrunOwner
+	)
+	it := pm.Iterate()
+	for it.Next(&key, &owner) {
+		if owner.Since+uint64(grace) <= now {
+			old = append(old, entry{key, owner.Cookie})
+		}
+	}
+	if err := it.Err(); err != nil || len(old) == 0 {
+		return 0, err
+	}
+	alive, err := live()
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, e := range old {
+		if alive[e.cookie] {
+			continue
+		}
+		// Still the claim that was read: a port given back and claimed
+		// again meanwhile belongs to its new socket.
+		if err := pm.Lookup(e.key, &owner); err != nil || owner.Cookie != e.cookie {
+			continue
+		}
+		if err := pm.Delete(e.key); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return n, err
+		}
+		n++
+	}
+	return n, nil
+}
+
+// liveTCPCookies returns the cookies of every TCP socket of this network
+// namespace. An interrupted dump is an error: a socket missing from it would
+// lose its claim.
+func liveTCPCookies() (map[uint64]bool, error) {
+	live := map[uint64]bool{}
+	for _, fam := range []uint8{unix.AF_INET, unix.AF_INET6} {
+		socks, err := netlink.SocketDiagTCP(fam)
+		if err != nil {
+			return nil, fmt.Errorf("sock_diag dump of TCP sockets: %w", err)
+		}
+		for _, s := range socks {
+			live[uint64(s.ID.Cookie[0])|uint64(s.ID.Cookie[1])<<32] = true
+		}
+	}
+	return live, nil
 }
 
 // srunIntact reports whether the node's Slurm-callback path (if built) is

@@ -115,7 +115,7 @@ func TestSrunClaims(t *testing.T) {
 	ports := coll.Maps[srunbpfMapPalSrunPorts]
 	var cg *cgroup2
 	var home string
-	mk := func(name string, ifindex int) string {
+	mk := func(name string, ifindex int) (string, Attachment) {
 		var path string
 		cg, home, path = scratchCgroup(t, name)
 		spec, err := srunSpec(r)
@@ -133,15 +133,24 @@ func TestSrunClaims(t *testing.T) {
 			t.Fatalf("load claim programs: %v", err)
 		}
 		defer c.Close()
-		for name, at := range map[string]ebpf.AttachType{srunbpfProgPalUvnPbind4: ebpf.AttachCGroupInet4PostBind,
-			srunbpfProgPalUvnPbind6: ebpf.AttachCGroupInet6PostBind, srunbpfProgPalUvnRelease: ebpf.AttachCgroupInetSockRelease} {
-			if _, err := cg.attachProg(path, c.Programs[name], at); err != nil {
+		a := Attachment{Cgroup: path}
+		for name, p := range map[string]struct {
+			at ebpf.AttachType
+			id *uint32
+		}{srunbpfProgPalUvnPbind4: {ebpf.AttachCGroupInet4PostBind, &a.Bind4ID},
+			srunbpfProgPalUvnPbind6:  {ebpf.AttachCGroupInet6PostBind, &a.Bind6ID},
+			srunbpfProgPalUvnRelease: {ebpf.AttachCgroupInetSockRelease, &a.ReleaseID}} {
+			id, err := cg.attachProg(path, c.Programs[name], p.at)
+			if err != nil {
 				t.Fatal(err)
 			}
+			*p.id = id
 		}
-		return path
+		return path, a
 	}
-	a, b := mk("a", 101), mk("b", 102)
+	a, _ := mk("a", 101)
+	b, _ := mk("b", 102)
+	c, progsC := mk("c", 103)
 	enter := func(path string) { enterCgroup(t, cg, path) }
 	owner := func(port int) uint32 {
 		var o srunbpfSrunOwner
@@ -221,5 +230,118 @@ func TestSrunClaims(t *testing.T) {
 		t.Errorf("61777 owner %d, want 102", owner(61777))
 	}
 	lb.Close()
+
+	// Two sockets of one VRF bind one port at once (srun's threads do, with
+	// SO_REUSEADDR, from the same first port; the kernel lets both bind
+	// until one listens): the second is refused, so it moves on to the
+	// next port instead of failing its listen.
+	reuse := func() int {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { unix.Close(fd) })
+		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1); err != nil {
+			t.Fatal(err)
+		}
+		return fd
+	}
+	enter(a)
+	fd1, fd2 := reuse(), reuse()
+	if err := unix.Bind(fd1, &unix.SockaddrInet4{Port: 61800}); err != nil {
+		t.Fatalf("first socket binds 61800: %v", err)
+	}
+	if err := unix.Bind(fd2, &unix.SockaddrInet4{Port: 61800}); !errors.Is(err, unix.EPERM) {
+		t.Errorf("second socket of the same VRF bound the claimed 61800: %v", err)
+	}
+	if err := unix.Bind(fd2, &unix.SockaddrInet4{Port: 61801}); err != nil {
+		t.Errorf("refused socket binds the next port: %v", err)
+	}
+	if err := unix.Listen(fd1, 1); err != nil {
+		t.Errorf("the claiming socket listens: %v", err)
+	}
+	if err := unix.Listen(fd2, 1); err != nil {
+		t.Errorf("the other socket listens on the next port: %v", err)
+	}
+
+	// A socket that outlives its cgroup's programs closes without giving
+	// its claim back; the sweep gives it back, and only it: a live
+	// listener's claim stays however old, a dead socket's young claim
+	// stays (bound-only sockets may be missing from the dump).
+	enter(c)
+	stale, err := listen(61900)
+	if err != nil {
+		t.Fatal(err)
+	}
+	young, err := listen(61901)
+	if err != nil {
+		t.Fatal(err)
+	}
+	live, err := listen(61902)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer live.Close()
+	enter(home)
+	if err := cg.detachAll(progsC); err != nil {
+		t.Fatal(err)
+	}
+	stale.Close()
+	young.Close()
+	for _, p := range []int{61900, 61901, 61902} {
+		if owner(p) != 103 {
+			t.Fatalf("claim of %d gone before the sweep (owner %d)", p, owner(p))
+		}
+	}
+	age := func(port int, since uint64) {
+		var o srunbpfSrunOwner
+		if err := ports.Lookup(uint64(port), &o); err != nil {
+			t.Fatal(err)
+		}
+		// Both of the claim's entries: the port's and its socket's.
+		var (
+			k uint64
+			v srunbpfSrunOwner
+		)
+		var keys []uint64
+		for it := ports.Iterate(); it.Next(&k, &v); {
+			if v.Cookie == o.Cookie {
+				keys = append(keys, k)
+			}
+		}
+		if len(keys) != 2 {
+			t.Fatalf("claim of %d has %d entries, want 2", port, len(keys))
+		}
+		o.Since = since
+		for _, k := range keys {
+			if err := ports.Put(k, o); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	age(61900, 0)
+	age(61902, 0)
+	n, err := sweepClaims(ports, srunClaimGrace, liveTCPCookies)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if owner(61900) != 0 {
+		t.Errorf("the closed socket's old claim survived the sweep")
+	}
+	if owner(61901) != 103 {
+		t.Errorf("a young claim was swept")
+	}
+	if owner(61902) != 103 {
+		t.Errorf("a live listener's claim was swept")
+	}
+	if n != 2 { // 61900's port entry and its socket's entry
+		t.Errorf("sweep removed %d entries, want 2", n)
+	}
+	enter(c)
+	if l, err := listen(61900); err != nil {
+		t.Errorf("swept port not free again: %v", err)
+	} else {
+		l.Close()
+	}
 	enter(home)
 }

@@ -10,12 +10,19 @@
  * (SrunPortRange), never to the user's other listeners.
  *
  *   cgroup/post_bind4, post_bind6  (in each user's VRF cgroup)
- *       A TCP socket bound to a port in SrunPortRange claims the port for its
- *       VRF in pal_srun_ports. A port claimed by another VRF is refused (EPERM;
- *       srun moves on to the next port of the range): a user can never take
- *       the callbacks meant for another user's srun.
+ *       A TCP socket bound to a port in SrunPortRange claims the port, for
+ *       itself and its VRF, in pal_srun_ports. A port some other socket has
+ *       claimed is refused (EPERM; srun moves on to the next port of the
+ *       range): a user can never take the callbacks meant for another
+ *       user's srun, and two sockets never share a claim. (srun's threads
+ *       bind with SO_REUSEADDR from the same first port and listen after
+ *       binding, so two of them could both bind a port; the second listen
+ *       then fails and Slurm, retrying bind on the bound socket, reports
+ *       the whole range exhausted. The refusal moves the second on.)
  *   cgroup/sock_release            (in each user's VRF cgroup)
- *       The claiming socket (by cookie) gives its claim back.
+ *       The claiming socket (by cookie) gives its claim back. Claims of
+ *       sockets that closed where no release program ran (their cgroup's
+ *       programs detached first) are swept by the agent (srun.go).
  *   tc ingress                     (lo and every Ethernet underlay NIC of the node)
  *       A TCP segment from a cluster address to a claimed port is handed to
  *       the claiming VRF device (addressed to its MAC, redirected to its
@@ -43,14 +50,16 @@ char LICENSE[] SEC("license") = "GPL";
 /*
  * pal_srun_ports holds two kinds of entries (one map, so that the tc program
  * keeps it alive for the cgroup programs):
- *   key = port                   value = the VRF device that claimed it
- *   key = CLAIM_BIT | cookie     value = the port that socket claimed
+ *   key = port                   value = the claim: socket, VRF device, time
+ *   key = CLAIM_BIT | cookie     value = the same claim, found by the socket
  * (sock_release may not read a socket's port, but may read its cookie;
  * cookies never reach 2^63.)
  */
 #define CLAIM_BIT (1ULL << 63)
 
 struct srun_owner {
+	__u64 cookie; /* the claiming socket */
+	__u64 since;  /* CLOCK_BOOTTIME of the claim (the sweeper spares young claims) */
 	__u32 ifindex;
 	__u32 port;
 	__u8 mac[6]; /* the VRF device's address: the frame must be for it */
@@ -105,7 +114,7 @@ static __always_inline int in_range(__u32 port)
 
 static __always_inline int claim(struct bpf_sock *sk)
 {
-	struct srun_owner mine = { .ifindex = vrf_ifindex }, *o;
+	struct srun_owner mine = { .ifindex = vrf_ifindex };
 	__u64 key, ck;
 	int i;
 
@@ -115,12 +124,12 @@ static __always_inline int claim(struct bpf_sock *sk)
 	mine.port = sk->src_port;
 	for (i = 0; i < 6; i++)
 		mine.mac[i] = vrf_mac[i];
-	if (bpf_map_update_elem(&pal_srun_ports, &key, &mine, BPF_NOEXIST) != 0) {
-		o = bpf_map_lookup_elem(&pal_srun_ports, &key);
-		if (!o || o->ifindex != vrf_ifindex)
-			return 0; /* another VRF's Slurm port: EPERM */
-	}
-	ck = CLAIM_BIT | bpf_get_socket_cookie(sk);
+	mine.cookie = bpf_get_socket_cookie(sk);
+	mine.since = bpf_ktime_get_boot_ns();
+	/* Atomic: of two sockets binding the port at once, one claims it. */
+	if (bpf_map_update_elem(&pal_srun_ports, &key, &mine, BPF_NOEXIST) != 0)
+		return 0; /* another socket's Slurm port: EPERM */
+	ck = CLAIM_BIT | mine.cookie;
 	bpf_map_update_elem(&pal_srun_ports, &ck, &mine, BPF_ANY);
 	return 1;
 }
@@ -150,7 +159,7 @@ int pal_uvn_release(struct bpf_sock *sk)
 		return 1;
 	key = c->port;
 	o = bpf_map_lookup_elem(&pal_srun_ports, &key);
-	if (o && o->ifindex == vrf_ifindex)
+	if (o && o->cookie == c->cookie)
 		bpf_map_delete_elem(&pal_srun_ports, &key);
 	bpf_map_delete_elem(&pal_srun_ports, &ck);
 	return 1;
