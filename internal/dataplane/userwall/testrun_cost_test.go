@@ -34,6 +34,7 @@ type costFrame struct {
 	frame  []byte
 	sock   uwbpfUwTestSock
 	egress bool // a packet this node sends (else one it receives)
+	stamps bool // tc egress stamps it
 }
 
 func costFrames(w *world) []costFrame {
@@ -56,7 +57,8 @@ func costFrames(w *world) []costFrame {
 		}
 		outp := func(name string, proto, flags uint8) {
 			c := tcase{v6: v6, proto: proto, tcpFlags: flags, src: l, dst: p, sport: 40000, dport: 29203, sock: alice}
-			out = append(out, costFrame{name: name + " " + fam + ", sent", frame: c.frame(w, Key{}), sock: alice, egress: true})
+			stamps := proto == ipUDP || flags == 0x02
+			out = append(out, costFrame{name: name + " " + fam + ", sent", frame: c.frame(w, Key{}), sock: alice, egress: true, stamps: stamps})
 		}
 		in("established TCP data", ipTCP, 0x18, stNone, alice)
 		outp("established TCP data", ipTCP, 0x18)
@@ -167,11 +169,19 @@ func TestRunCosts(t *testing.T) {
 			if strings.Contains(n, "egress") != f.egress {
 				continue
 			}
-			d, _, err := perRun(p, opts, repeat, batches)
+			// A test run repeats on the same skb: once stamped, tc egress
+			// sees a stamped packet and leaves. Its stamping is timed one
+			// run per call (the call's own cost is in the floor, timed
+			// the same way).
+			rep, bat := repeat, batches
+			if n == "uw_tc_egress" && f.stamps {
+				rep, bat = 1, repeat
+			}
+			d, _, err := perRun(p, opts, rep, bat)
 			if err != nil {
 				t.Fatalf("%s on %s: %v", n, f.name, err)
 			}
-			fl, _, err := perRun(floors[info.Type], opts, repeat, batches)
+			fl, _, err := perRun(floors[info.Type], opts, rep, bat)
 			if err != nil {
 				t.Fatalf("floor on %s: %v", f.name, err)
 			}
@@ -179,7 +189,8 @@ func TestRunCosts(t *testing.T) {
 				float64(d.Nanoseconds()-fl.Nanoseconds()))
 		}
 	}
-	t.Logf("BPF_PROG_TEST_RUN, %d runs per call, least of %d calls, ifindex %d:\n%s", repeat, batches, ifindex, b.String())
+	t.Logf("BPF_PROG_TEST_RUN, %d runs per call, least of %d calls (tc egress stamping: one run per call, least of %d), ifindex %d:\n%s",
+		repeat, batches, repeat, ifindex, b.String())
 }
 
 // remoteIfindex is an interface index other than lo (the remote paths); 0
