@@ -279,6 +279,12 @@ func TestVM(t *testing.T) {
 				t.Errorf("%s: objects left after teardown:\n%s", n, out)
 			}
 		}
+		// The claims' release program sits at the cgroup2 root, shared by
+		// the nodes (one VM): every node's must be gone.
+		out := e.run(t, "node1", "", `root=$(findmnt -n -t cgroup2 -o TARGET | head -1); bpftool cgroup show "$root" && echo LISTED`)
+		if !strings.Contains(out, "LISTED") || strings.Contains(out, "pal_uvn_releas") {
+			t.Errorf("release programs left at the cgroup2 root after teardown:\n%s", out)
+		}
 	})
 }
 
