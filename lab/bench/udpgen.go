@@ -11,12 +11,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
-	"strconv"
 	"strings"
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 )
 
 // UDPResult is one UDP measurement of one datagram size.
@@ -209,21 +209,9 @@ type ServeStats struct {
 // procTaskCPU is the CPU time of every thread of pid in ns (schedstat),
 // falling back to /proc/pid/stat (clock ticks).
 func procTaskCPU(pid int) float64 {
-	dir := "/proc/" + strconv.Itoa(pid) + "/task"
-	ents, err := os.ReadDir(dir)
+	t, err := procfs.ThreadsCPU(pid)
 	if err != nil {
-		return 0
-	}
-	t := 0.0
-	for _, e := range ents {
-		b, err := os.ReadFile(dir + "/" + e.Name() + "/schedstat")
-		if err != nil {
-			return procCPU(pid) * 1e9
-		}
-		if f := strings.Fields(string(b)); len(f) > 0 {
-			v, _ := strconv.ParseFloat(f[0], 64)
-			t += v
-		}
+		return procCPU(pid) * 1e9
 	}
 	return t
 }

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 	userwalllab "github.com/palisade-hpc/palisade/lab/modes/userwall"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
@@ -212,10 +213,9 @@ func Measure(ctx context.Context, name string, users, held int, window time.Dura
 	}
 	fig.SearchesPerMin, fig.LoadWindow = float64(n)/window.Minutes(), window
 	pid, _ := os.ReadFile(filepath.Join(tb.RunDir(), "node2", "agent.pid"))
-	st, _ := os.ReadFile("/proc/" + strings.TrimSpace(string(pid)) + "/status")
-	for _, l := range strings.Split(string(st), "\n") {
-		if v, ok := strings.CutPrefix(l, "VmRSS:"); ok {
-			fig.AgentRSSKiB, _ = strconv.Atoi(strings.Fields(v)[0])
+	if p, err := strconv.Atoi(strings.TrimSpace(string(pid))); err == nil {
+		if rss, _, ok := procfs.Memory(p); ok {
+			fig.AgentRSSKiB = int(rss / 1024)
 		}
 	}
 	// A membership change: the connector out of the group.

@@ -25,6 +25,7 @@ import (
 
 	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 	"github.com/palisade-hpc/palisade/lab/check"
+	"github.com/palisade-hpc/palisade/lab/check/vmcheck"
 	userwalllab "github.com/palisade-hpc/palisade/lab/modes/userwall"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 	"github.com/palisade-hpc/palisade/lab/vm"
@@ -120,32 +121,12 @@ func userwallOn(t *testing.T, series string) {
 }
 
 func checkMatrix(t *testing.T, ctx context.Context, tb *testbed.Testbed) {
-	t0 := time.Now()
-	var stdout, stderr bytes.Buffer
-	code, err := vm.RelayCheck(ctx, tb, append([]string{"check", "--mode=userwall", "--json"}, CheckSubset...), &stdout, &stderr)
-	if err != nil {
-		t.Fatalf("relay: %v\n%s", err, stderr.String())
-	}
-	rep, err := check.ParseJSON(stdout.Bytes())
-	if err != nil {
-		t.Fatalf("check exited %d, output is not a report: %v\n%s\n%s", code, err, stdout.String(), stderr.String())
-	}
+	rep := vmcheck.Matrix(t, ctx, tb, 1000, append([]string{"--mode=userwall"}, CheckSubset...)...)
 	paths := map[string]int{}
 	for _, c := range rep.Cases {
 		paths[string(c.Path)]++
 	}
-	t.Logf("check %v: %d passed, %d failed in %v (exit %d); cases by path %v; warnings %v", CheckSubset, rep.Passed, rep.Failed,
-		time.Since(t0).Round(time.Second), code, paths, rep.Warnings)
-	if rep.Failed != 0 || code != 0 || rep.Passed != len(rep.Cases) || rep.Passed < 1000 {
-		t.Errorf("want all of ≥1000 cases passed and exit 0: %d passed, %d failed of %d, exit %d", rep.Passed, rep.Failed, len(rep.Cases), code)
-		n := 0
-		for _, c := range rep.Cases {
-			if !c.Pass && n < 40 {
-				n++
-				t.Log(c)
-			}
-		}
-	}
+	t.Logf("cases by path %v", paths)
 	if paths[string(check.Unix)] == 0 {
 		t.Errorf("no abstract Unix socket cases ran (the agent must enforce them on this kernel)")
 	}

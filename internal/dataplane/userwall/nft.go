@@ -17,8 +17,9 @@ import (
 // that would leave MPI or ssh retrying.
 const (
 	NftTable = "palisade_userwall"
-	MarkRST  = 0x55424600
-	MarkICMP = 0x55424601
+	// The marks tc ingress sets (enum uw_mark in bpf/userwall.c).
+	MarkRST  = uint32(uwbpfUwMarkUW_MARK_RST)
+	MarkICMP = uint32(uwbpfUwMarkUW_MARK_ICMP)
 )
 
 func rejectRules(t *nftables.Table, c *nftables.Chain) []*nftables.Rule {

@@ -214,23 +214,3 @@ func TestDecodeEvent(t *testing.T) {
 		t.Errorf("decoded %+v (connector %+v)", e, e.Connector)
 	}
 }
-
-// TestMarksMatchC holds the nft table's marks to the ones tc ingress sets
-// (#define UW_MARK_* in bpf/userwall.c: a #define is not in the BTF, so
-// bpf2go cannot generate it).
-func TestMarksMatchC(t *testing.T) {
-	src, err := os.ReadFile("bpf/userwall.c")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for name, want := range map[string]uint32{"UW_MARK_RST": MarkRST, "UW_MARK_ICMP": MarkICMP} {
-		m := regexp.MustCompile(`(?m)^#define\s+` + name + `\s+(0x[0-9a-fA-F]+|\d+)\s*$`).FindStringSubmatch(string(src))
-		if m == nil {
-			t.Errorf("bpf/userwall.c defines no %s", name)
-			continue
-		}
-		if v, err := strconv.ParseUint(m[1], 0, 32); err != nil || uint32(v) != want {
-			t.Errorf("%s is %s in the C, %#x in Go", name, m[1], want)
-		}
-	}
-}

@@ -59,6 +59,13 @@ type uwbpfUwLpmKey struct {
 	Addr      [16]uint8
 }
 
+type uwbpfUwMark uint32
+
+const (
+	uwbpfUwMarkUW_MARK_RST  uwbpfUwMark = 1430406656
+	uwbpfUwMarkUW_MARK_ICMP uwbpfUwMark = 1430406657
+)
+
 type uwbpfUwMemberKey struct {
 	_   structs.HostLayout
 	Uid uint32
@@ -195,6 +202,7 @@ const (
 	uwbpfVarNetnsCookie          = "netns_cookie"
 	uwbpfVarTestMode             = "test_mode"
 	uwbpfVarUnusedEvent          = "unused_event"
+	uwbpfVarUnusedMark           = "unused_mark"
 	uwbpfVarUnusedPath           = "unused_path"
 	uwbpfVarUnusedRule           = "unused_rule"
 	uwbpfVarUnusedStamp          = "unused_stamp"
@@ -291,6 +299,7 @@ type uwbpfVariableSpecs struct {
 	NetnsCookie    *ebpf.VariableSpec `ebpf:"netns_cookie"`
 	TestMode       *ebpf.VariableSpec `ebpf:"test_mode"`
 	UnusedEvent    *ebpf.VariableSpec `ebpf:"unused_event"`
+	UnusedMark     *ebpf.VariableSpec `ebpf:"unused_mark"`
 	UnusedPath     *ebpf.VariableSpec `ebpf:"unused_path"`
 	UnusedRule     *ebpf.VariableSpec `ebpf:"unused_rule"`
 	UnusedStamp    *ebpf.VariableSpec `ebpf:"unused_stamp"`
@@ -363,6 +372,7 @@ type uwbpfVariables struct {
 	NetnsCookie    *ebpf.Variable `ebpf:"netns_cookie"`
 	TestMode       *ebpf.Variable `ebpf:"test_mode"`
 	UnusedEvent    *ebpf.Variable `ebpf:"unused_event"`
+	UnusedMark     *ebpf.Variable `ebpf:"unused_mark"`
 	UnusedPath     *ebpf.Variable `ebpf:"unused_path"`
 	UnusedRule     *ebpf.Variable `ebpf:"unused_rule"`
 	UnusedStamp    *ebpf.Variable `ebpf:"unused_stamp"`

@@ -2,9 +2,13 @@ package uvn
 
 import (
 	"net/netip"
+	"os"
+	"path"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 )
 
 var extremeUIDs = []uint32{256, 1000, 2001, 65535, 65536, 1<<22 - 1, 1 << 22, 1<<24 - 1, 1 << 24, 1<<31 + 7, 1<<32 - 2}
@@ -183,5 +187,39 @@ func TestHolders(t *testing.T) {
 	st.pruneHolders(0)
 	if len(st.Holders) != 0 {
 		t.Fatal("dead holder kept")
+	}
+}
+
+// TestCheckNotNested: a session may not start inside another user's
+// attachment (its sockets would be bound to that user's VRF), may start
+// inside its own, and a sibling cgroup whose name extends the attachment's
+// is not inside it.
+func TestCheckNotNested(t *testing.T) {
+	here, err := procfs.Cgroup2(os.Getpid())
+	if err != nil {
+		t.Skipf("no cgroup2 for this process: %v", err)
+	}
+	dir := t.TempDir()
+	s := store{dir}
+	m := &Manager{st: s, cfg: &Config{StateDir: dir}}
+	for _, c := range []struct {
+		name   string
+		cgroup string // uid 3001's attachment
+		uid    uint32 // the session's uid
+		refuse bool
+	}{
+		{"inside another user's attachment", here, 2001, true},
+		{"below another user's attachment", path.Dir(here), 2001, true},
+		{"inside one's own attachment", here, 3001, false},
+		{"a sibling whose name extends it", here + "x", 2001, false},
+		{"elsewhere", "/pal-uvntest-elsewhere", 2001, false},
+	} {
+		if err := s.saveUser(&UserState{UID: 3001, Attach: []Attachment{{Cgroup: c.cgroup}}}); err != nil {
+			t.Fatal(err)
+		}
+		err := m.checkNotNested(c.uid, os.Getpid())
+		if (err != nil) != c.refuse {
+			t.Errorf("%s (%s in %s): err %v, want refused=%v", c.name, here, c.cgroup, err, c.refuse)
+		}
 	}
 }

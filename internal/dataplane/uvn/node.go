@@ -15,6 +15,7 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/internal/sys/nldump"
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
@@ -400,6 +401,8 @@ func undo(u Undo) error {
 		return undoSrunFilter(u.Name)
 	case "clsact":
 		return undoClsact(u.Name)
+	case "srun-release":
+		return undoSrunRelease(u.Prog)
 	default:
 		return fmt.Errorf("unknown journal record %q", u.Kind)
 	}
@@ -494,6 +497,9 @@ func (m *Manager) attach(st *UserState, pid, holder int) error {
 		}
 		h = Holder{PID: holder, Start: start}
 	}
+	if err := m.checkNotNested(st.UID, pid); err != nil {
+		return err
+	}
 	path, created, err := cg.sessionCgroup(pid, st.UID)
 	if err != nil {
 		return err
@@ -531,13 +537,39 @@ func (m *Manager) attach(st *UserState, pid, holder int) error {
 		}
 	}
 	m.pruneAttachments(st, cg, nil)
-	if m.Srun != (policy.PortRange{}) {
-		// Not fatal: a claim left over only keeps its one port refused.
-		if err := m.sweepSrunClaims(); err != nil {
-			m.logf("uvn: sweep srun port claims: %v", err)
+	return m.st.saveUser(st)
+}
+
+// checkNotNested refuses a session of uid whose process is inside another
+// user's attachment (su or sudo to uid from that user's session, with
+// pam_exec in their stack): programs attached above run after the session's
+// own, so its sockets would be bound to the other user's VRF.
+func (m *Manager) checkNotNested(uid uint32, pid int) error {
+	here, err := procfs.Cgroup2(pid)
+	if err != nil {
+		return err
+	}
+	uids, err := m.st.users()
+	if err != nil {
+		return err
+	}
+	for _, u := range uids {
+		if u == uid {
+			continue
+		}
+		// Read without the other user's lock: a stale answer only
+		// refuses or admits this one session, never changes a network.
+		other, found, err := m.st.loadUser(u)
+		if err != nil || !found {
+			continue
+		}
+		for _, a := range other.Attach {
+			if here == a.Cgroup || strings.HasPrefix(here, strings.TrimSuffix(a.Cgroup, "/")+"/") {
+				return fmt.Errorf("pid %d is in uid %d's network (cgroup %s): a session of uid %d cannot start inside another user's session; start it from a fresh login", pid, u, a.Cgroup, uid)
+			}
 		}
 	}
-	return m.st.saveUser(st)
+	return nil
 }
 
 // pruneAttachments removes the attachments whose holder is no longer a live

@@ -7,7 +7,6 @@ import (
 	"net/netip"
 	"strconv"
 	"strings"
-	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
@@ -157,7 +156,6 @@ func (m *Manager) ensureSrunTC(ns *NodeState) error {
 	}
 	delete(spec.Programs, srunbpfProgPalUvnPbind4)
 	delete(spec.Programs, srunbpfProgPalUvnPbind6)
-	delete(spec.Programs, srunbpfProgPalUvnRelease)
 	opts := ebpf.CollectionOptions{}
 	if srunMapAlive(ns.SrunMap) {
 		repl, err := srunSharedMaps(ns)
@@ -182,9 +180,15 @@ func (m *Manager) ensureSrunTC(ns *NodeState) error {
 		return err
 	}
 	id, _ := info.ID()
+	newMap := ns.SrunMap != uint32(id)
 	ns.SrunMap = uint32(id)
 	if err := m.st.saveNode(ns); err != nil {
 		return err
+	}
+	if newMap || !programAlive(ns.SrunRelease) {
+		if err := m.attachSrunRelease(ns, coll.Programs[srunbpfProgPalUvnRelease]); err != nil {
+			return err
+		}
 	}
 	for _, d := range missing {
 		created, err := ensureClsact(d)
@@ -207,6 +211,46 @@ func (m *Manager) ensureSrunTC(ns *NodeState) error {
 		}
 	}
 	return nil
+}
+
+// attachSrunRelease attaches the claims' release program to the cgroup2
+// root (replacing one that uses an older map): there it runs for every
+// socket, whatever became of the programs of the cgroup the socket was made
+// in.
+func (m *Manager) attachSrunRelease(ns *NodeState, prog *ebpf.Program) error {
+	cg, err := openCgroup2()
+	if err != nil {
+		return err
+	}
+	defer cg.Close()
+	if err := m.recordNode(ns, Undo{Kind: "srun-release", Name: "/"}); err != nil {
+		return err
+	}
+	old := ns.SrunRelease
+	id, err := cg.attachProg("/", prog, ebpf.AttachCgroupInetSockRelease)
+	if err != nil {
+		return err
+	}
+	// The id is known only now: the record made before the attach gets it.
+	ns.Undo[len(ns.Undo)-1].Prog = id
+	ns.SrunRelease = id
+	if err := m.st.saveNode(ns); err != nil {
+		return err
+	}
+	if old != 0 && old != id {
+		return cg.detachAs("/", old, ebpf.AttachCgroupInetSockRelease)
+	}
+	return nil
+}
+
+// undoSrunRelease detaches the release program from the cgroup2 root.
+func undoSrunRelease(id uint32) error {
+	cg, err := openCgroup2()
+	if err != nil {
+		return err
+	}
+	defer cg.Close()
+	return cg.detachAs("/", id, ebpf.AttachCgroupInetSockRelease)
 }
 
 // fillSrunSources puts the underlay prefixes (where Slurm's daemons live)
@@ -318,8 +362,8 @@ func undoClsact(dev string) error {
 	return nil
 }
 
-// attachSrun attaches the claiming programs (post_bind4/6, sock_release) to
-// a user's cgroup, sharing the node's port map.
+// attachSrun attaches the claiming programs (post_bind4/6) to a user's
+// cgroup, sharing the node's port map (the release program is the node's).
 func (m *Manager) attachSrun(cg *cgroup2, a *Attachment, vrfIndex int, vrfMAC net.HardwareAddr) error {
 	if m.Srun == (policy.PortRange{}) {
 		return nil
@@ -348,6 +392,7 @@ func (m *Manager) attachSrun(cg *cgroup2, a *Attachment, vrfIndex int, vrfMAC ne
 		return err
 	}
 	delete(spec.Programs, srunbpfProgPalUvnSrunIn)
+	delete(spec.Programs, srunbpfProgPalUvnRelease)
 	delete(spec.Maps, srunbpfMapPalSrunSrc4)
 	delete(spec.Maps, srunbpfMapPalSrunSrc6)
 	repl, err := srunSharedMaps(ns)
@@ -367,7 +412,6 @@ func (m *Manager) attachSrun(cg *cgroup2, a *Attachment, vrfIndex int, vrfMAC ne
 	}{
 		{srunbpfProgPalUvnPbind4, ebpf.AttachCGroupInet4PostBind, &a.Bind4ID},
 		{srunbpfProgPalUvnPbind6, ebpf.AttachCGroupInet6PostBind, &a.Bind6ID},
-		{srunbpfProgPalUvnRelease, ebpf.AttachCgroupInetSockRelease, &a.ReleaseID},
 	} {
 		id, err := cg.attachProg(a.Cgroup, coll.Programs[p.name], p.at)
 		if err != nil {
@@ -412,102 +456,6 @@ func (m *Manager) dropSrunClaims(ifindex int) error {
 	return nil
 }
 
-// srunClaimGrace spares young claims from the sweep: a socket bound but not
-// yet listening is missing from sock_diag's dump on kernels before 6.x
-// (bound-only TCP sockets are not in the tables it walks), and Slurm binds
-// and listens at once.
-const srunClaimGrace = 10 * time.Second
-
-// sweepSrunClaims gives back the ports claimed by sockets that no longer
-// exist. A claim is given back by the socket's release program; a socket
-// that outlives its cgroup's programs (srun still closing its listeners when
-// its step's attachment is pruned, a cgroup removed under it) closes without
-// one, and its port would stay refused to everyone until the node's state
-// goes. Runs under the node lock, so two sweeps never race on one port.
-func (m *Manager) sweepSrunClaims() error {
-	ns, found, err := m.st.loadNode()
-	if err != nil || !found || !srunMapAlive(ns.SrunMap) {
-		return err
-	}
-	unlock, err := m.st.lockNode()
-	if err != nil {
-		return err
-	}
-	defer unlock()
-	pm, err := ebpf.NewMapFromID(ebpf.MapID(ns.SrunMap))
-	if err != nil {
-		return nil // the map went with the node's state
-	}
-	defer pm.Close()
-	n, err := sweepClaims(pm, srunClaimGrace, liveTCPCookies)
-	if n > 0 {
-		m.logf("uvn: gave back %d srun port claim(s) of closed sockets", n)
-	}
-	return err
-}
-
-// sweepClaims deletes the entries of pm (pal_srun_ports) older than grace
-// whose socket is not among live's cookies, and returns how many.
-func sweepClaims(pm *ebpf.Map, grace time.Duration, live func() (map[uint64]bool, error)) (int, error) {
-	var ts unix.Timespec
-	if err := unix.ClockGettime(unix.CLOCK_BOOTTIME, &ts); err != nil {
-		return 0, err
-	}
-	now := uint64(ts.Nano())
-	type entry struct{ key, cookie uint64 }
-	var (
-		old   []entry
-		key   uint64
-		owner srunbpfSrunOwner
-	)
-	it := pm.Iterate()
-	for it.Next(&key, &owner) {
-		if owner.Since+uint64(grace) <= now {
-			old = append(old, entry{key, owner.Cookie})
-		}
-	}
-	if err := it.Err(); err != nil || len(old) == 0 {
-		return 0, err
-	}
-	alive, err := live()
-	if err != nil {
-		return 0, err
-	}
-	n := 0
-	for _, e := range old {
-		if alive[e.cookie] {
-			continue
-		}
-		// Still the claim that was read: a port given back and claimed
-		// again meanwhile belongs to its new socket.
-		if err := pm.Lookup(e.key, &owner); err != nil || owner.Cookie != e.cookie {
-			continue
-		}
-		if err := pm.Delete(e.key); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return n, err
-		}
-		n++
-	}
-	return n, nil
-}
-
-// liveTCPCookies returns the cookies of every TCP socket of this network
-// namespace. An interrupted dump is an error: a socket missing from it would
-// lose its claim.
-func liveTCPCookies() (map[uint64]bool, error) {
-	live := map[uint64]bool{}
-	for _, fam := range []uint8{unix.AF_INET, unix.AF_INET6} {
-		socks, err := netlink.SocketDiagTCP(fam)
-		if err != nil {
-			return nil, fmt.Errorf("sock_diag dump of TCP sockets: %w", err)
-		}
-		for _, s := range socks {
-			live[uint64(s.ID.Cookie[0])|uint64(s.ID.Cookie[1])<<32] = true
-		}
-	}
-	return live, nil
-}
-
 // srunIntact reports whether the node's Slurm-callback path (if built) is
 // whole: its port map and the tc program on every device.
 func (m *Manager) srunIntact() bool {
@@ -515,7 +463,7 @@ func (m *Manager) srunIntact() bool {
 	if err != nil || !found || ns.SrunRange == "" {
 		return err == nil
 	}
-	if !srunMapAlive(ns.SrunMap) {
+	if !srunMapAlive(ns.SrunMap) || !programAlive(ns.SrunRelease) {
 		return false
 	}
 	devs, err := m.srunDevices()

@@ -25,7 +25,7 @@ func srunTestColl(t *testing.T, r policy.PortRange) *ebpf.Collection {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, p := range []string{srunbpfProgPalUvnPbind4, srunbpfProgPalUvnPbind6, srunbpfProgPalUvnRelease} {
+	for _, p := range []string{srunbpfProgPalUvnPbind4, srunbpfProgPalUvnPbind6} {
 		delete(spec.Programs, p)
 	}
 	coll, err := ebpf.NewCollection(spec)
@@ -99,6 +99,31 @@ func TestSrunTCProgram(t *testing.T) {
 			t.Errorf("%s: frame changed", c.name)
 		}
 	}
+
+	// A default-VRF socket on the claimed port (root's srun, or an exempt
+	// account's, sharing it with SO_REUSEADDR) owns the flow: the segment
+	// stays in the default VRF. Control: the same segment before it listens.
+	inScratchNetns(t, []string{"198.18.0.2/24"}, func(int) error {
+		in := frame("198.18.0.1", "198.18.0.2", 40000, 61234)
+		if ret, _, err := prog.Test(in); err != nil || ret != uint32(netlink.TC_ACT_REDIRECT) {
+			t.Errorf("control, no default-VRF socket: verdict %d (%v), want redirect", ret, err)
+		}
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM, 0)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		if err := unix.Bind(fd, &unix.SockaddrInet4{Port: 61234}); err != nil {
+			return err
+		}
+		if err := unix.Listen(fd, 1); err != nil {
+			return err
+		}
+		if ret, _, err := prog.Test(in); err != nil || ret == uint32(netlink.TC_ACT_REDIRECT) {
+			t.Errorf("a default-VRF listener on the claimed port: verdict %d (%v), want no redirect", ret, err)
+		}
+		return nil
+	})
 }
 
 // TestSrunClaims attaches the claiming programs of two "VRFs" to two
@@ -113,11 +138,21 @@ func TestSrunClaims(t *testing.T) {
 	r := policy.PortRange{First: 61000, Last: 62999}
 	coll := srunTestColl(t, r)
 	ports := coll.Maps[srunbpfMapPalSrunPorts]
-	var cg *cgroup2
-	var home string
-	mk := func(name string, ifindex int) (string, Attachment) {
-		var path string
-		cg, home, path = scratchCgroup(t, name)
+	// The node's release program at the top (as at the cgroup2 root),
+	// each VRF's claim programs in a cgroup below it.
+	cg, home, top := scratchCgroup(t, "top")
+	if _, err := cg.attachProg(top, coll.Programs[srunbpfProgPalUvnRelease], ebpf.AttachCgroupInetSockRelease); err != nil {
+		t.Fatal(err)
+	}
+	mk := func(parent, name string, ifindex int) (string, Attachment) {
+		path := parent + "/" + name
+		if err := unix.Mkdirat(cg.root, rel(path), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			cg.writeFile(home, "cgroup.procs", strconv.Itoa(os.Getpid()))
+			unix.Unlinkat(cg.root, rel(path), unix.AT_REMOVEDIR)
+		})
 		spec, err := srunSpec(r)
 		if err != nil {
 			t.Fatal(err)
@@ -126,6 +161,7 @@ func TestSrunClaims(t *testing.T) {
 		spec.Variables[srunbpfVarVrfIfindex].Set(uint32(ifindex))
 		spec.Variables[srunbpfVarVrfMac].Set(mac)
 		delete(spec.Programs, srunbpfProgPalUvnSrunIn)
+		delete(spec.Programs, srunbpfProgPalUvnRelease)
 		delete(spec.Maps, srunbpfMapPalSrunSrc4)
 		delete(spec.Maps, srunbpfMapPalSrunSrc6)
 		c, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{MapReplacements: map[string]*ebpf.Map{srunbpfMapPalSrunPorts: ports}})
@@ -138,8 +174,7 @@ func TestSrunClaims(t *testing.T) {
 			at ebpf.AttachType
 			id *uint32
 		}{srunbpfProgPalUvnPbind4: {ebpf.AttachCGroupInet4PostBind, &a.Bind4ID},
-			srunbpfProgPalUvnPbind6:  {ebpf.AttachCGroupInet6PostBind, &a.Bind6ID},
-			srunbpfProgPalUvnRelease: {ebpf.AttachCgroupInetSockRelease, &a.ReleaseID}} {
+			srunbpfProgPalUvnPbind6: {ebpf.AttachCGroupInet6PostBind, &a.Bind6ID}} {
 			id, err := cg.attachProg(path, c.Programs[name], p.at)
 			if err != nil {
 				t.Fatal(err)
@@ -148,10 +183,21 @@ func TestSrunClaims(t *testing.T) {
 		}
 		return path, a
 	}
-	a, _ := mk("a", 101)
-	b, _ := mk("b", 102)
-	c, progsC := mk("c", 103)
+	a, _ := mk(top, "a", 101)
+	b, _ := mk(top, "b", 102)
+	c, progsC := mk(top, "c", 103)
 	enter := func(path string) { enterCgroup(t, cg, path) }
+	entries := func() int {
+		var (
+			k uint64
+			v srunbpfSrunOwner
+			n int
+		)
+		for it := ports.Iterate(); it.Next(&k, &v); {
+			n++
+		}
+		return n
+	}
 	owner := func(port int) uint32 {
 		var o srunbpfSrunOwner
 		if err := ports.Lookup(uint64(port), &o); err != nil {
@@ -240,7 +286,6 @@ func TestSrunClaims(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(func() { unix.Close(fd) })
 		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1); err != nil {
 			t.Fatal(err)
 		}
@@ -263,85 +308,52 @@ func TestSrunClaims(t *testing.T) {
 	if err := unix.Listen(fd2, 1); err != nil {
 		t.Errorf("the other socket listens on the next port: %v", err)
 	}
+	unix.Close(fd1)
+	unix.Close(fd2)
 
-	// A socket that outlives its cgroup's programs closes without giving
-	// its claim back; the sweep gives it back, and only it: a live
-	// listener's claim stays however old, a dead socket's young claim
-	// stays (bound-only sockets may be missing from the dump).
+	// A socket that outlives its cgroup's programs and its cgroup (srun
+	// still closing its listeners when its step's attachment is pruned)
+	// gives its claim back all the same: the release program is above.
 	enter(c)
-	stale, err := listen(61900)
+	late, err := listen(61900)
 	if err != nil {
 		t.Fatal(err)
 	}
-	young, err := listen(61901)
-	if err != nil {
-		t.Fatal(err)
-	}
-	live, err := listen(61902)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer live.Close()
 	enter(home)
 	if err := cg.detachAll(progsC); err != nil {
 		t.Fatal(err)
 	}
-	stale.Close()
-	young.Close()
-	for _, p := range []int{61900, 61901, 61902} {
-		if owner(p) != 103 {
-			t.Fatalf("claim of %d gone before the sweep (owner %d)", p, owner(p))
-		}
+	if err := unix.Unlinkat(cg.root, rel(c), unix.AT_REMOVEDIR); err != nil {
+		t.Fatalf("remove cgroup c: %v", err)
 	}
-	age := func(port int, since uint64) {
-		var o srunbpfSrunOwner
-		if err := ports.Lookup(uint64(port), &o); err != nil {
-			t.Fatal(err)
-		}
-		// Both of the claim's entries: the port's and its socket's.
-		var (
-			k uint64
-			v srunbpfSrunOwner
-		)
-		var keys []uint64
-		for it := ports.Iterate(); it.Next(&k, &v); {
-			if v.Cookie == o.Cookie {
-				keys = append(keys, k)
-			}
-		}
-		if len(keys) != 2 {
-			t.Fatalf("claim of %d has %d entries, want 2", port, len(keys))
-		}
-		o.Since = since
-		for _, k := range keys {
-			if err := ports.Put(k, o); err != nil {
-				t.Fatal(err)
-			}
-		}
+	if owner(61900) != 103 {
+		t.Fatalf("claim of 61900 gone before its socket closed (owner %d)", owner(61900))
 	}
-	age(61900, 0)
-	age(61902, 0)
-	n, err := sweepClaims(ports, srunClaimGrace, liveTCPCookies)
-	if err != nil {
-		t.Fatal(err)
-	}
+	late.Close()
 	if owner(61900) != 0 {
-		t.Errorf("the closed socket's old claim survived the sweep")
+		t.Errorf("a socket closed after its cgroup's programs and cgroup went kept its claim")
 	}
-	if owner(61901) != 103 {
-		t.Errorf("a young claim was swept")
+	if n := entries(); n != 0 {
+		t.Errorf("%d claim entries left with no socket open", n)
 	}
-	if owner(61902) != 103 {
-		t.Errorf("a live listener's claim was swept")
+
+	// Nested sessions: the claim programs at two levels (a session set up
+	// from inside another of the same user) meet the socket's own claim:
+	// no conflict, one claim.
+	d, _ := mk(top, "d", 104)
+	e, _ := mk(d, "e", 104)
+	enter(e)
+	nested, err := listen(61910)
+	if err != nil {
+		t.Fatalf("bind under nested claim programs: %v", err)
 	}
-	if n != 2 { // 61900's port entry and its socket's entry
-		t.Errorf("sweep removed %d entries, want 2", n)
+	if owner(61910) != 104 {
+		t.Errorf("61910 owner %d, want 104", owner(61910))
 	}
-	enter(c)
-	if l, err := listen(61900); err != nil {
-		t.Errorf("swept port not free again: %v", err)
-	} else {
-		l.Close()
-	}
+	nested.Close()
 	enter(home)
+	if n := entries(); n != 0 {
+		t.Errorf("%d claim entries left after the nested listener closed", n)
+	}
+
 }

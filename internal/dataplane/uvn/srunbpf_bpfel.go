@@ -28,7 +28,6 @@ type srunbpfSrunLpm6 struct {
 type srunbpfSrunOwner struct {
 	_       structs.HostLayout
 	Cookie  uint64
-	Since   uint64
 	Ifindex uint32
 	Port    uint32
 	Mac     [6]uint8

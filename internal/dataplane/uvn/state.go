@@ -33,6 +33,7 @@ type Undo struct {
 	Pref   int    `json:"pref,omitempty"`   // rule preference
 	Dev    string `json:"dev,omitempty"`    // route device
 	Mark   uint32 `json:"mark,omitempty"`   // rule fwmark (full mask)
+	Prog   uint32 `json:"prog,omitempty"`   // program id (srun-release, at the cgroup2 root)
 }
 
 // Holder is a live session or job step keeping a user's network up: a PID and
@@ -88,7 +89,9 @@ type NodeState struct {
 	// ("" = none) and SrunMap the id of its port map (bpf/srun.c).
 	SrunRange string `json:"srun_range,omitempty"`
 	SrunMap   uint32 `json:"srun_map,omitempty"`
-	Undo      []Undo `json:"undo"`
+	// SrunRelease is the id of the claims' release program (cgroup2 root).
+	SrunRelease uint32 `json:"srun_release,omitempty"`
+	Undo        []Undo `json:"undo"`
 }
 
 // store is the state directory with its locks.

@@ -249,3 +249,22 @@ func FdinfoIDs(pid int, key string) []uint32 {
 	slices.Sort(ids)
 	return slices.Compact(ids)
 }
+
+// ThreadsCPU returns the CPU time of every thread of pid in nanoseconds
+// (schedstat: exact, unlike stat's clock ticks); 0 if pid is gone, an error
+// if a thread's schedstat cannot be read (a kernel without schedstats).
+func ThreadsCPU(pid int) (float64, error) {
+	threads, err := procfs.AllThreads(pid)
+	if err != nil {
+		return 0, nil
+	}
+	t := 0.0
+	for _, th := range threads {
+		s, err := th.Schedstat()
+		if err != nil {
+			return 0, err
+		}
+		t += float64(s.RunningNanoseconds)
+	}
+	return t, nil
+}

@@ -175,3 +175,26 @@ func TestFdinfoIDs(t *testing.T) {
 		t.Errorf("prog_id of a process holding no program: %v", ids)
 	}
 }
+
+func TestThreadsCPU(t *testing.T) {
+	// Spend 20 ms of CPU time of our own (by the kernel's count, whatever
+	// the machine's load); threads that exited are in rusage, not in
+	// /proc/PID/task: half of it must show.
+	for {
+		var ru syscall.Rusage
+		syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+		if time.Duration(ru.Utime.Nano()+ru.Stime.Nano()) >= 20*time.Millisecond {
+			break
+		}
+	}
+	ns, err := ThreadsCPU(os.Getpid())
+	if err != nil {
+		t.Skipf("no schedstat here: %v", err)
+	}
+	if ns < 10e6 {
+		t.Errorf("ThreadsCPU(self) = %.0f ns after 20 ms of CPU time", ns)
+	}
+	if ns, err := ThreadsCPU(1 << 30); ns != 0 || err != nil {
+		t.Errorf("ThreadsCPU of a pid that cannot exist = %v, %v", ns, err)
+	}
+}

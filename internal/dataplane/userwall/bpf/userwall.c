@@ -70,9 +70,12 @@ char LICENSE[] SEC("license") = "GPL";
 #define UW_DSTOPT_LEN 24
 #define UW_WINDOW_SHIFT 35 /* 2^35 ns ≈ 34 s */
 
-/* Marks that the nft table turns into a TCP reset / ICMP admin-prohibited. */
-#define UW_MARK_RST 0x55424600
-#define UW_MARK_ICMP 0x55424601
+/* Marks that the nft table turns into a TCP reset / ICMP admin-prohibited
+ * (an enum, so that bpf2go gives the Go side the same numbers). */
+enum uw_mark {
+	UW_MARK_RST = 0x55424600,
+	UW_MARK_ICMP = 0x55424601,
+};
 
 #define MAX_GROUPS 128
 #define PEER_TTL_S 120
@@ -344,6 +347,7 @@ const struct uw_test_sock *unused_test_sock __attribute__((unused));
 const enum uw_rule *unused_rule __attribute__((unused));
 const enum uw_path *unused_path __attribute__((unused));
 const enum uw_stamp *unused_stamp __attribute__((unused));
+const enum uw_mark *unused_mark __attribute__((unused));
 
 /* ---------------------------------------------------------------------------
  * Shared pieces.

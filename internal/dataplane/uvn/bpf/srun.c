@@ -19,12 +19,18 @@
  *       binding, so two of them could both bind a port; the second listen
  *       then fails and Slurm, retrying bind on the bound socket, reports
  *       the whole range exhausted. The refusal moves the second on.)
- *   cgroup/sock_release            (in each user's VRF cgroup)
- *       The claiming socket (by cookie) gives its claim back. Claims of
- *       sockets that closed where no release program ran (their cgroup's
- *       programs detached first) are swept by the agent (srun.go).
+ *       A socket's own claim met again (the same programs attached at two
+ *       levels of nested sessions) is not a conflict.
+ *   cgroup/sock_release            (once, at the cgroup2 root)
+ *       The claiming socket (by cookie) gives its claim back. At the root,
+ *       so that it runs for every socket whatever became of the programs of
+ *       the cgroup it was made in (a step's attachment is pruned while srun
+ *       still closes its listeners; a removed cgroup keeps the programs it
+ *       inherits for as long as its sockets live).
  *   tc ingress                     (lo and every Ethernet underlay NIC of the node)
- *       A TCP segment from a cluster address to a claimed port is handed to
+ *       A TCP segment from a cluster address to a claimed port, for which the
+ *       default VRF has no socket (a default-VRF srun - root's, an exempt
+ *       account's - may share a port a user's socket claimed), is handed to
  *       the claiming VRF device (addressed to its MAC, redirected to its
  *       ingress: the socket lookup then runs in the VRF) and marked srun_mark; with
  *       net.ipv4.tcp_fwmark_accept=1 the accepted socket keeps that mark and
@@ -59,7 +65,6 @@ char LICENSE[] SEC("license") = "GPL";
 
 struct srun_owner {
 	__u64 cookie; /* the claiming socket */
-	__u64 since;  /* CLOCK_BOOTTIME of the claim (the sweeper spares young claims) */
 	__u32 ifindex;
 	__u32 port;
 	__u8 mac[6]; /* the VRF device's address: the frame must be for it */
@@ -114,7 +119,7 @@ static __always_inline int in_range(__u32 port)
 
 static __always_inline int claim(struct bpf_sock *sk)
 {
-	struct srun_owner mine = { .ifindex = vrf_ifindex };
+	struct srun_owner mine = { .ifindex = vrf_ifindex }, *o;
 	__u64 key, ck;
 	int i;
 
@@ -125,12 +130,17 @@ static __always_inline int claim(struct bpf_sock *sk)
 	for (i = 0; i < 6; i++)
 		mine.mac[i] = vrf_mac[i];
 	mine.cookie = bpf_get_socket_cookie(sk);
-	mine.since = bpf_ktime_get_boot_ns();
 	/* Atomic: of two sockets binding the port at once, one claims it. */
-	if (bpf_map_update_elem(&pal_srun_ports, &key, &mine, BPF_NOEXIST) != 0)
-		return 0; /* another socket's Slurm port: EPERM */
+	if (bpf_map_update_elem(&pal_srun_ports, &key, &mine, BPF_NOEXIST) != 0) {
+		o = bpf_map_lookup_elem(&pal_srun_ports, &key);
+		return o && o->cookie == mine.cookie; /* else another socket's port: EPERM */
+	}
 	ck = CLAIM_BIT | mine.cookie;
-	bpf_map_update_elem(&pal_srun_ports, &ck, &mine, BPF_ANY);
+	if (bpf_map_update_elem(&pal_srun_ports, &ck, &mine, BPF_ANY) != 0) {
+		/* A claim its release could not find would never go. */
+		bpf_map_delete_elem(&pal_srun_ports, &key);
+		return 0;
+	}
 	return 1;
 }
 
@@ -165,12 +175,27 @@ int pal_uvn_release(struct bpf_sock *sk)
 	return 1;
 }
 
+/* default_vrf_socket reports whether a socket of the default VRF (listener,
+ * connection, request or time-wait) would take the segment. */
+static __always_inline int default_vrf_socket(struct __sk_buff *skb, int v6, struct bpf_sock_tuple *t)
+{
+	struct bpf_sock *sk;
+
+	sk = bpf_skc_lookup_tcp(skb, t, v6 ? sizeof(t->ipv6) : sizeof(t->ipv4), BPF_F_CURRENT_NETNS, 0);
+	if (!sk)
+		return 0;
+	bpf_sk_release(sk);
+	return 1;
+}
+
 SEC("tc")
 int pal_uvn_srun_in(struct __sk_buff *skb)
 {
+	struct bpf_sock_tuple tuple = {};
 	struct srun_owner *o;
 	__u16 ports[2];
 	__u64 dport;
+	int v6 = 0;
 
 	if (skb->protocol == bpf_htons(ETH_P_IP)) {
 		struct iphdr ip;
@@ -188,6 +213,10 @@ int pal_uvn_srun_in(struct __sk_buff *skb)
 		k.addr = ip.saddr;
 		if (!bpf_map_lookup_elem(&pal_srun_src4, &k))
 			return TC_ACT_OK;
+		tuple.ipv4.saddr = ip.saddr;
+		tuple.ipv4.daddr = ip.daddr;
+		tuple.ipv4.sport = ports[0];
+		tuple.ipv4.dport = ports[1];
 	} else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
 		struct ipv6hdr ip6;
 		struct srun_lpm6 k = { .prefixlen = 128 };
@@ -204,11 +233,20 @@ int pal_uvn_srun_in(struct __sk_buff *skb)
 		__builtin_memcpy(k.addr, &ip6.saddr, sizeof(k.addr));
 		if (!bpf_map_lookup_elem(&pal_srun_src6, &k))
 			return TC_ACT_OK;
+		__builtin_memcpy(tuple.ipv6.saddr, &ip6.saddr, sizeof(tuple.ipv6.saddr));
+		__builtin_memcpy(tuple.ipv6.daddr, &ip6.daddr, sizeof(tuple.ipv6.daddr));
+		tuple.ipv6.sport = ports[0];
+		tuple.ipv6.dport = ports[1];
+		v6 = 1;
 	} else {
 		return TC_ACT_OK;
 	}
 	o = bpf_map_lookup_elem(&pal_srun_ports, &dport);
 	if (!o)
+		return TC_ACT_OK;
+	/* The kernel's own lookup, as the segment arrived (default VRF): a
+	 * socket there owns the flow, claim or not. */
+	if (default_vrf_socket(skb, v6, &tuple))
 		return TC_ACT_OK;
 	/* The VRF device takes the frame as its own (TCP drops any other
 	 * packet type) only if it is addressed to it. Attached to Ethernet
