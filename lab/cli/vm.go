@@ -19,13 +19,17 @@ func vmCommand() *cobra.Command {
 		Short:  "VM plumbing for `testbed up --vm` (hub, agent, exec, kernel)",
 		Hidden: true,
 	}
-	var dir string
+	var (
+		dir   string
+		owner int
+	)
 	hub := &cobra.Command{
-		Use:  "hub --dir DIR",
+		Use:  "hub --dir DIR [--owner PID]",
 		Args: cobra.NoArgs,
-		RunE: func(*cobra.Command, []string) error { return vm.RunHub(dir) },
+		RunE: func(*cobra.Command, []string) error { return vm.RunHub(dir, owner) },
 	}
 	hub.Flags().StringVar(&dir, "dir", "", "VM directory")
+	hub.Flags().IntVar(&owner, "owner", 0, "stop the VM when this process exits (0: run until `testbed down`)")
 	var port string
 	agent := &cobra.Command{
 		Use:                "agent --port DEV [pal.*=...]",

@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"testing"
 	"time"
 
 	"github.com/palisade-hpc/palisade/internal/dataplane/uvn/spank"
@@ -97,7 +98,14 @@ func Start(ctx context.Context, dir, bin string, a AgentArgs) error {
 		return err
 	}
 	os.Remove(filepath.Join(dir, fileReady))
-	hub := exec.Command(bin, "vm", "hub", "--dir", dir)
+	// A test's VM goes with the test process: one killed or timed out
+	// (no cleanup runs then) must not leave a guest holding the machine's
+	// VM lock. From the CLI the VM lives until `testbed down`.
+	owner := 0
+	if testing.Testing() {
+		owner = os.Getpid()
+	}
+	hub := exec.Command(bin, "vm", "hub", "--dir", dir, "--owner", strconv.Itoa(owner))
 	devnull, _ := os.Open(os.DevNull)
 	hl, err := os.OpenFile(filepath.Join(dir, fileHubLog), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {

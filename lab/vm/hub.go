@@ -14,6 +14,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Files of a running VM in its directory on the host.
@@ -32,12 +34,13 @@ const (
 type hub struct {
 	dir    string
 	serial *frameWriter
-	mu     sync.Mutex
+	mu     sync.Mutex // guards next, conns, ready, qemu
 	next   uint32
 	conns  map[uint32]*hubClient
 	ready  *Ready
 	readyC chan struct{}
 	log    *os.File
+	qemu   *os.Process // once started
 }
 
 type hubClient struct {
@@ -53,12 +56,17 @@ func (h *hub) logf(format string, args ...any) {
 // RunHub is `palisade-lab vm hub --dir DIR`: start qemu with the arguments in
 // DIR/qemu.json, connect to its control port and serve clients on
 // DIR/hub.sock until qemu exits.
-func RunHub(dir string) error {
+func RunHub(dir string, owner int) error {
 	lf, err := os.OpenFile(filepath.Join(dir, fileHubLog), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return err
 	}
 	h := &hub{dir: dir, conns: map[uint32]*hubClient{}, readyC: make(chan struct{}), log: lf, next: 1}
+	if owner > 0 {
+		if err := h.exitWithOwner(owner); err != nil {
+			return err
+		}
+	}
 	b, err := os.ReadFile(filepath.Join(dir, fileQemuArgs))
 	if err != nil {
 		return err
@@ -94,6 +102,9 @@ func RunHub(dir string) error {
 	if err := q.Start(); err != nil {
 		return fmt.Errorf("start qemu: %w", err)
 	}
+	h.mu.Lock()
+	h.qemu = q.Process
+	h.mu.Unlock()
 	os.WriteFile(filepath.Join(dir, fileQemuPID), []byte(strconv.Itoa(q.Process.Pid)), 0o644)
 	h.logf("qemu pid %d: %v", q.Process.Pid, argv)
 	qdone := make(chan error, 1)
@@ -146,6 +157,34 @@ func RunHub(dir string) error {
 	h.mu.Unlock()
 	os.Remove(filepath.Join(dir, fileHub))
 	os.Remove(filepath.Join(dir, fileCtl))
+	return nil
+}
+
+// exitWithOwner ends the hub, and its guest, when process owner exits
+// (waiting on a pidfd): before the lock is taken, while waiting for it, or
+// with the guest up. The lock goes with the hub's exit.
+func (h *hub) exitWithOwner(owner int) error {
+	fd, err := unix.PidfdOpen(owner, 0)
+	if err != nil {
+		return fmt.Errorf("owner pid %d: %w", owner, err)
+	}
+	go func() {
+		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+		for {
+			if _, err := unix.Poll(fds, -1); err == nil || !errors.Is(err, unix.EINTR) {
+				break
+			}
+		}
+		h.logf("owner %d exited: stopping the VM", owner)
+		h.mu.Lock()
+		if h.qemu != nil {
+			h.qemu.Kill()
+		}
+		h.mu.Unlock()
+		os.Remove(filepath.Join(h.dir, fileHub))
+		os.Remove(filepath.Join(h.dir, fileCtl))
+		os.Exit(2)
+	}()
 	return nil
 }
 

@@ -1,0 +1,110 @@
+package vm
+
+import (
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestMain lets the test binary act as a hub, as `palisade-lab vm hub`
+// would (PAL_VM_TEST_HUB_DIR, PAL_VM_TEST_HUB_OWNER).
+func TestMain(m *testing.M) {
+	if dir := os.Getenv("PAL_VM_TEST_HUB_DIR"); dir != "" {
+		owner, _ := strconv.Atoi(os.Getenv("PAL_VM_TEST_HUB_OWNER"))
+		if err := RunHub(dir, owner); err != nil {
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+// TestHubGoesWithOwner: a hub whose owner (the test that started the VM)
+// dies stops its guest and exits, whether it holds the machine's VM lock or
+// still waits for it, so a killed test never leaves a guest blocking every
+// later VM test. The "guest" is a sleep; the control: without an owner the
+// hub outlives the process that started it.
+func TestHubGoesWithOwner(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (the VM lock lives in the system cache directory)")
+	}
+	if err := os.MkdirAll(CacheDir(), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	start := func(withOwner bool) (hub *exec.Cmd, guest func() int, ownerProc *exec.Cmd) {
+		dir := t.TempDir()
+		b, _ := json.Marshal([]string{"sleep", "600"})
+		if err := os.WriteFile(filepath.Join(dir, fileQemuArgs), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		ownerProc = exec.Command("sleep", "600")
+		if err := ownerProc.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { ownerProc.Process.Kill(); ownerProc.Wait() })
+		owner := 0
+		if withOwner {
+			owner = ownerProc.Process.Pid
+		}
+		hub = exec.Command(os.Args[0])
+		hub.Env = append(os.Environ(), "PAL_VM_TEST_HUB_DIR="+dir, "PAL_VM_TEST_HUB_OWNER="+strconv.Itoa(owner))
+		if err := hub.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { hub.Process.Kill(); hub.Wait() })
+		guest = func() int {
+			b, err := os.ReadFile(filepath.Join(dir, fileQemuPID))
+			if err != nil {
+				return 0
+			}
+			pid, _ := strconv.Atoi(string(b))
+			return pid
+		}
+		return hub, guest, ownerProc
+	}
+	exited := func(hub *exec.Cmd, within time.Duration) bool {
+		done := make(chan struct{})
+		go func() { hub.Wait(); close(done) }()
+		select {
+		case <-done:
+			return true
+		case <-time.After(within):
+			return false
+		}
+	}
+
+	hub, guest, owner := start(true)
+	// With the lock (another guest may hold it: then the hub waits, which
+	// is the other case this test is about).
+	deadline := time.Now().Add(5 * time.Second)
+	for guest() == 0 && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond) // polling a file the hub writes; no acknowledgement to wait on
+	}
+	g := guest()
+	owner.Process.Kill()
+	owner.Wait()
+	if !exited(hub, 10*time.Second) {
+		t.Fatalf("hub still running 10 s after its owner died (guest pid %d)", g)
+	}
+	if g != 0 {
+		if err := syscall.Kill(g, 0); err == nil {
+			syscall.Kill(g, syscall.SIGKILL)
+			t.Errorf("guest %d outlived its hub", g)
+		}
+	} else {
+		t.Logf("the hub was waiting for the VM lock (another guest up): it left while waiting")
+	}
+
+	// Control: no owner, the starter's death changes nothing.
+	hub, _, owner = start(false)
+	owner.Process.Kill()
+	owner.Wait()
+	if exited(hub, 2*time.Second) {
+		t.Errorf("a hub without an owner exited when an unrelated process did")
+	}
+}
