@@ -6,6 +6,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -36,7 +37,9 @@ func TestHubGoesWithOwner(t *testing.T) {
 	if err := os.MkdirAll(CacheDir(), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	start := func(withOwner bool) (hub *exec.Cmd, guest func() int, ownerProc *exec.Cmd) {
+	// start runs a hub whose "guest" is a sleep; done closes when the hub
+	// has exited (one waiter per process).
+	start := func(withOwner bool) (done chan struct{}, guest func() int, ownerProc *exec.Cmd) {
 		dir := t.TempDir()
 		b, _ := json.Marshal([]string{"sleep", "600"})
 		if err := os.WriteFile(filepath.Join(dir, fileQemuArgs), b, 0o644); err != nil {
@@ -51,12 +54,14 @@ func TestHubGoesWithOwner(t *testing.T) {
 		if withOwner {
 			owner = ownerProc.Process.Pid
 		}
-		hub = exec.Command(os.Args[0])
+		hub := exec.Command(os.Args[0])
 		hub.Env = append(os.Environ(), "PAL_VM_TEST_HUB_DIR="+dir, "PAL_VM_TEST_HUB_OWNER="+strconv.Itoa(owner))
 		if err := hub.Start(); err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(func() { hub.Process.Kill(); hub.Wait() })
+		done = make(chan struct{})
+		go func() { hub.Wait(); close(done) }()
+		t.Cleanup(func() { hub.Process.Kill(); <-done })
 		guest = func() int {
 			b, err := os.ReadFile(filepath.Join(dir, fileQemuPID))
 			if err != nil {
@@ -65,11 +70,9 @@ func TestHubGoesWithOwner(t *testing.T) {
 			pid, _ := strconv.Atoi(string(b))
 			return pid
 		}
-		return hub, guest, ownerProc
+		return done, guest, ownerProc
 	}
-	exited := func(hub *exec.Cmd, within time.Duration) bool {
-		done := make(chan struct{})
-		go func() { hub.Wait(); close(done) }()
+	exited := func(done chan struct{}, within time.Duration) bool {
 		select {
 		case <-done:
 			return true
@@ -92,7 +95,19 @@ func TestHubGoesWithOwner(t *testing.T) {
 		t.Fatalf("hub still running 10 s after its owner died (guest pid %d)", g)
 	}
 	if g != 0 {
-		if err := syscall.Kill(g, 0); err == nil {
+		// Killed, it may linger as a zombie until init reaps it.
+		if gone := func() bool {
+			for end := time.Now().Add(5 * time.Second); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
+				b, err := os.ReadFile("/proc/" + strconv.Itoa(g) + "/stat")
+				if err != nil {
+					return true
+				}
+				if i := strings.LastIndexByte(string(b), ')'); i > 0 && len(b) > i+2 && b[i+2] == 'Z' {
+					return true
+				}
+			}
+			return false
+		}(); !gone {
 			syscall.Kill(g, syscall.SIGKILL)
 			t.Errorf("guest %d outlived its hub", g)
 		}
