@@ -281,7 +281,9 @@ func TestVM(t *testing.T) {
 		}
 		// The claims' release program sits at the cgroup2 root, shared by
 		// the nodes (one VM): every node's must be gone.
-		out := e.run(t, "node1", "", `root=$(findmnt -n -t cgroup2 -o TARGET | head -1); bpftool cgroup show "$root" && echo LISTED`)
+		// cgroup2 is mounted in the guest's first mount namespace, not
+		// necessarily in the node's: look through pid 1's root.
+		out := e.run(t, "node1", "", `root=$(awk '$3=="cgroup2"{print $2; exit}' /proc/1/mounts); bpftool cgroup show "/proc/1/root$root" && echo LISTED`)
 		if !strings.Contains(out, "LISTED") || strings.Contains(out, "pal_uvn_releas") {
 			t.Errorf("release programs left at the cgroup2 root after teardown:\n%s", out)
 		}
