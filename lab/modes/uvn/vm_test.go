@@ -281,9 +281,10 @@ func TestVM(t *testing.T) {
 		}
 		// The claims' release program sits at the cgroup2 root, shared by
 		// the nodes (one VM): every node's must be gone.
-		// cgroup2 is mounted in the guest's first mount namespace, not
-		// necessarily in the node's: look through pid 1's root.
-		out := e.run(t, "node1", "", `root=$(awk '$3=="cgroup2"{print $2; exit}' /proc/1/mounts); bpftool cgroup show "/proc/1/root$root" && echo LISTED`)
+		// The node's mount namespace need not have cgroup2 mounted (ip
+		// netns exec remounts /sys): mount the hierarchy's root privately,
+		// as the product does.
+		out := e.run(t, "node1", "", `d=$(mktemp -d /tmp/pal-cg2.XXXXXX) && mount -t cgroup2 none "$d" && bpftool cgroup show "$d" && echo LISTED; umount "$d"; rmdir "$d"`)
 		if !strings.Contains(out, "LISTED") || strings.Contains(out, "pal_uvn_releas") {
 			t.Errorf("release programs left at the cgroup2 root after teardown:\n%s", out)
 		}
