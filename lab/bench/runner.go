@@ -157,7 +157,7 @@ func Run(ctx context.Context, o Options) (*Results, error) {
 	}
 	res.Finished = time.Now().UTC()
 	if o.Merge && o.Out != "" {
-		mergeInto(res, filepath.Join(o.Out, "results.json"))
+		MergeInto(res, filepath.Join(o.Out, "results.json"))
 	}
 	res.Figures = computeFigures(res.Samples)
 	res.Machine.LoadEnd = loadAvg()
@@ -421,9 +421,9 @@ func (s *session) verifyEnforcement() error {
 	return nil
 }
 
-// mergeInto adds to res the modes of an earlier results file that res did
+// MergeInto adds to res the modes of an earlier results file that res did
 // not run, so one mode can be re-measured without re-running the others.
-func mergeInto(res *Results, path string) {
+func MergeInto(res *Results, path string) {
 	old, err := LoadResults(path)
 	if err != nil {
 		return
