@@ -106,7 +106,7 @@ A mode whose data plane is not available is reported as skipped.`,
 				if _, err := bench.LoadResults(merge); err != nil {
 					return err
 				}
-				bench.MergeInto(r, merge)
+				bench.Remerge(r, merge)
 			}
 			if out == "" {
 				out = filepath.Dir(from)
@@ -116,7 +116,7 @@ A mode whose data plane is not available is reported as skipped.`,
 	}
 	report.Flags().String("from", filepath.Join("docs", "benchmarks", "results.json"), "results file")
 	report.Flags().String("out", "", "output directory (default: the results file's)")
-	report.Flags().String("merge", "", "also keep this results file's modes that --from lacks (two runs landing one after the other)")
+	report.Flags().String("merge", "", "keep only the modes --from's own run measured and take the others from this results file (two runs landing one after the other)")
 
 	cmd.AddCommand(report, benchServeCmd(), benchConnCmd(), benchRRCmd(), benchHoldCmd(), benchUVNSetupCmd(), benchUDPCmd())
 	return cmd
