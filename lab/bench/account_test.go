@@ -135,3 +135,23 @@ func TestFloor(t *testing.T) {
 		t.Errorf("no probes: floored=%v above %v single %v", u.floored, u.above.Median, u.single.Median)
 	}
 }
+
+// TestAccountingPass: when the programs were counted in an accounting pass
+// of their own (AcctOps), every per-operation eBPF figure is divided by that
+// pass's operations, not by the measured pass's.
+func TestAccountingPass(t *testing.T) {
+	progs := []ProgCost{
+		{Node: "node1", Work: true, Name: "p_tc", Type: "SchedCLS", Hook: "TCXEgress", RunNS: 400 * 100, RunCnt: 400},
+		{Node: "node1", Work: true, Name: floorPrefix + "TCXEgress", Type: "SchedCLS", Hook: "TCXEgress", Floor: true, RunNS: 400 * 60, RunCnt: 400},
+	}
+	same := summarizeCosts([]Cost{{Ops: 100, Progs: progs}})
+	apart := summarizeCosts([]Cost{{Ops: 250, AcctOps: 100, Progs: progs}})
+	for _, u := range []unitCost{same, apart} {
+		if math.Abs(u.measured.Median-400) > 1e-9 || math.Abs(u.above.Median-160) > 1e-9 {
+			t.Errorf("as counted %v, above the floor %v: want 400 and 160 ns per operation", u.measured.Median, u.above.Median)
+		}
+	}
+	if (Cost{Ops: 250}).ProgOps() != 250 || (Cost{Ops: 250, AcctOps: 100}).ProgOps() != 100 {
+		t.Error("ProgOps: want AcctOps when set, else Ops")
+	}
+}

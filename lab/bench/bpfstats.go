@@ -59,7 +59,19 @@ type Cost struct {
 	OpUnit  string     `json:"op_unit"` // connection, round trip, datagram, MiB
 	WallSec float64    `json:"wall_seconds"`
 	Progs   []ProgCost `json:"programs,omitempty"`
-	CPU     []ProcCPU  `json:"cpu,omitempty"`
+	// AcctOps are the operations of the accounting pass that Progs were
+	// read around, when that pass was not the measured one (0: Progs
+	// belong to the Ops of the measured pass, as in runs before 2026-11-24).
+	AcctOps float64   `json:"acct_ops,omitempty"`
+	CPU     []ProcCPU `json:"cpu,omitempty"`
+}
+
+// ProgOps is the number of operations Progs were counted over.
+func (c Cost) ProgOps() float64 {
+	if c.AcctOps > 0 {
+		return c.AcctOps
+	}
+	return c.Ops
 }
 
 // WorkNS is the eBPF run time of the data plane on the nodes that did the
@@ -84,7 +96,10 @@ func (c Cost) CPUNS() float64 {
 	return t
 }
 
-// bpfStats keeps the kernel's run-time statistics on while it is open.
+// bpfStats switches the kernel's run-time statistics on for the accounting
+// passes and off again for the measured ones: with them on, the kernel
+// reads the clock twice around every program run, which on this kind of
+// virtual machine costs about as much as a short program (the floor).
 // BPF_ENABLE_STATS is preferred (the statistics stop when our descriptor
 // closes, even if we crash); the sysctl is the fallback and is restored.
 type bpfStats struct {
@@ -96,33 +111,51 @@ type bpfStats struct {
 
 const statsSysctl = "/proc/sys/kernel/bpf_stats_enabled"
 
-func enableBPFStats() *bpfStats {
+// newBPFStats finds out how the statistics can be switched on (Method) or
+// why not (Problem), and leaves them off.
+func newBPFStats() *bpfStats {
 	s := &bpfStats{}
-	fd, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
-	if err == nil {
-		s.fd, s.Method = fd, "BPF_ENABLE_STATS"
-		return s
-	}
-	prev, rerr := os.ReadFile(statsSysctl)
-	if rerr != nil {
-		s.Problem = fmt.Errorf("BPF_ENABLE_STATS: %v; sysctl: %v", err, rerr)
-		return s
-	}
-	if werr := os.WriteFile(statsSysctl, []byte("1\n"), 0o644); werr != nil {
-		s.Problem = fmt.Errorf("BPF_ENABLE_STATS: %v; sysctl: %v", err, werr)
-		return s
-	}
-	s.sysctl, s.Method = strings.TrimSpace(string(prev)), "kernel.bpf_stats_enabled"
+	s.Problem = s.on()
+	s.off()
 	return s
 }
 
-func (s *bpfStats) Close() {
+func (s *bpfStats) on() error {
+	if s.fd != nil || s.sysctl != "" {
+		return nil
+	}
+	fd, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
+	if err == nil {
+		s.fd, s.Method = fd, "BPF_ENABLE_STATS"
+		return nil
+	}
+	prev, rerr := os.ReadFile(statsSysctl)
+	if rerr != nil {
+		return fmt.Errorf("BPF_ENABLE_STATS: %v; sysctl: %v", err, rerr)
+	}
+	if werr := os.WriteFile(statsSysctl, []byte("1\n"), 0o644); werr != nil {
+		return fmt.Errorf("BPF_ENABLE_STATS: %v; sysctl: %v", err, werr)
+	}
+	s.sysctl, s.Method = strings.TrimSpace(string(prev)), "kernel.bpf_stats_enabled"
+	return nil
+}
+
+func (s *bpfStats) off() {
 	if s.fd != nil {
 		s.fd.Close()
+		s.fd = nil
 	}
 	if s.sysctl != "" {
 		_ = os.WriteFile(statsSysctl, []byte(s.sysctl+"\n"), 0o644)
+		s.sysctl = ""
 	}
+}
+
+// statsOn tells whether the kernel's statistics are on (ours or another
+// process's: the switch is machine-wide).
+func statsOn() bool {
+	b, err := os.ReadFile(statsSysctl)
+	return err == nil && strings.TrimSpace(string(b)) == "1"
 }
 
 // progRef is one program of a data-plane process, held open for a set.
@@ -147,10 +180,12 @@ func fullName(info *ebpf.ProgramInfo) string {
 }
 
 // progSet is the programs of a mode's processes during one measured set,
-// and the floor probes attached beside them.
+// and, during an accounting pass, the floor probes attached beside them.
 type progSet struct {
 	refs  []*progRef
 	floor *floorProbes
+	procs []Proc    // the processes (their links give the floor's hooks)
+	stats *bpfStats // switched on for the accounting passes
 }
 
 // progCounters is a snapshot of every program's run time and count.
@@ -238,10 +273,22 @@ func (ps *progSet) close() {
 	ps.floor.close()
 }
 
-// addFloor attaches the floor probes beside the set's programs.
-func (ps *progSet) addFloor(procs []Proc) []string {
-	fp := attachFloor(procs)
+// begin starts an accounting pass: statistics on, floor probes attached.
+// It returns the hooks left without a probe, and why.
+func (ps *progSet) begin() ([]string, error) {
+	if err := ps.stats.on(); err != nil {
+		return nil, err
+	}
+	fp := attachFloor(ps.procs)
 	ps.floor = fp
 	ps.refs = append(ps.refs, fp.refs...)
-	return fp.Problems
+	return fp.Problems, nil
+}
+
+// end ends an accounting pass: probes detached, statistics off.
+func (ps *progSet) end() {
+	ps.refs = slices.DeleteFunc(ps.refs, func(r *progRef) bool { return strings.HasPrefix(r.name, floorPrefix) })
+	ps.floor.close()
+	ps.floor = nil
+	ps.stats.off()
 }

@@ -136,21 +136,21 @@ func singleCopy(c Cost) []progCost {
 	fl := floors(c)
 	var out []progCost
 	for name, a := range by {
-		pc := progCost{name: name, typ: a.typ, hook: a.hook, shared: sharedHook(a.typ), otherNSOp: a.otherNS / c.Ops}
+		pc := progCost{name: name, typ: a.typ, hook: a.hook, shared: sharedHook(a.typ), otherNSOp: a.otherNS / c.ProgOps()}
 		ns, cnt := a.workNS, a.workCnt
 		if pc.shared && a.otherMaxCnt > 0 && a.otherCnt > 0 {
 			exits := math.Max(0, cnt-a.otherMaxCnt)
 			ns = math.Max(0, ns-exits*a.otherNS/a.otherCnt)
 			cnt = a.otherMaxCnt
 		}
-		pc.nsOp, pc.runsOp = ns/c.Ops, cnt/c.Ops
+		pc.nsOp, pc.runsOp = ns/c.ProgOps(), cnt/c.ProgOps()
 		if cnt > 0 {
 			pc.nsRun = ns / cnt
 		}
 		pc.floorRun, pc.aboveOp = math.NaN(), pc.nsOp
 		if f, ok := fl[a.hook]; ok && a.hook != "" {
 			pc.floorRun = f
-			pc.aboveOp = math.Max(0, ns-cnt*f) / c.Ops
+			pc.aboveOp = math.Max(0, ns-cnt*f) / c.ProgOps()
 		}
 		if cnt > 0 || a.otherCnt > 0 {
 			out = append(out, pc)
@@ -243,8 +243,8 @@ func summarizeCosts(cs []Cost) unitCost {
 		u.floored = u.floored && floored
 		single = append(single, s)
 		above = append(above, ab)
-		measured = append(measured, c.WorkNS(false)/c.Ops)
-		other = append(other, c.WorkNS(true)/c.Ops)
+		measured = append(measured, c.WorkNS(false)/c.ProgOps())
+		other = append(other, c.WorkNS(true)/c.ProgOps())
 	}
 	u.single, u.above, u.measured, u.other = Summarize(single), Summarize(above), Summarize(measured), Summarize(other)
 	for name, a := range pa {
@@ -302,11 +302,18 @@ func costTables(r *Results, mode string) string {
 	if len(order) == 0 {
 		return ""
 	}
-	progs := false
+	progs, apart := false, false
 	for _, cs := range by {
 		for _, c := range cs {
 			progs = progs || len(c.Progs) > 0
+			apart = apart || c.AcctOps > 0
 		}
+	}
+	// Where the probes' and the statistics' own time went.
+	probesIn := "(the probes run in the mode's rounds only, so their own time is also in the mode's wall-clock figures); "
+	if apart {
+		probesIn = "(statistics and probes are on only in an accounting pass that runs each unit once more just before its measured pass; " +
+			"the measured pass — wall-clock figures, CPU time — runs without them); "
 	}
 	var b strings.Builder
 	w := func(f string, a ...any) { fmt.Fprintf(&b, f, a...) }
@@ -331,11 +338,14 @@ func costTables(r *Results, mode string) string {
 		"(cgroup and LSM programs are attached once per host, and the testbed's nodes share one host: every operation runs every node's copy, all but one leave at the namespace check) — an upper bound, since the host's other network namespaces (other testbeds) run every copy too; "+
 		"*above the floor*: the same less, for every run, the run time of an empty program the bench attached to the same hook (same interfaces, same cgroup, same attach type) in the same traffic — "+
 		"what the statistics themselves (two clock reads per run) and a program's entry and exit cost; that part is not the data plane's work and vanishes with the statistics off "+
-		"(the probes run in the mode's rounds only, so their own time is also in the mode's wall-clock figures); "+
+		probesIn+
 		"*as counted*: the work nodes' copies including those exits; *other nodes*: the testbed's other nodes' copies. "+
 		"CPU: user + system time of the load generator and the server per operation (baseline → mode, ratio with 95 %% CI).\n\n", orDash(r.Extra["bpf_stats"]))
 	if fl := r.Extra["bpf_floor"]; fl != "" {
 		w("Floor probes: %s.\n\n", fl)
+	}
+	if on := r.Extra["bpf_stats_measured"]; on != "" {
+		w("Statistics: %s.\n\n", on)
 	}
 	w("| suite | series | x | per | eBPF above the floor (ns) | eBPF, one copy per host (ns) | eBPF as counted (ns) | other nodes (ns) | CPU baseline (µs) | CPU mode (µs) | CPU ratio [95 %% CI] |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
 	for _, k := range order {

@@ -6,15 +6,16 @@ package bench
 // and exit, are a good part of what a short program is charged. To know
 // what the data plane's programs really cost, the bench attaches an empty
 // program (one instruction: continue / allow) to every hook a data-plane
-// link uses — same interfaces, same cgroup, same attach type — for the
-// accounted rounds, and reads its run time in the same traffic. Its time
+// link uses — same interfaces, same cgroup, same attach type — for each
+// accounting pass, and reads its run time in the same traffic. Its time
 // per run is the floor of that hook; the report gives each program's time
 // as counted and above the floor.
 //
 // The probes run first on tcx hooks (they must: a data-plane program that
 // passes a packet ends the chain) and in attach order on cgroup hooks
 // (every program there runs). They are the bench's own: closed, and so
-// detached, when the round ends.
+// detached, when the accounting pass ends (progSet.end), before the
+// measured pass.
 
 import (
 	"errors"

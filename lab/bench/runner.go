@@ -75,11 +75,11 @@ func Run(ctx context.Context, o Options) (*Results, error) {
 		o.Opener = OpenTestbed
 	}
 	res := &Results{Started: time.Now().UTC(), Quick: o.Quick, Machine: DescribeMachine(), Plan: plan, Extra: map[string]string{}}
-	// Run-time statistics of eBPF programs for the whole run (they cost two
-	// clock reads per program run, in the mode rounds only: the baseline
-	// has no data-plane programs).
-	stats := enableBPFStats()
-	defer stats.Close()
+	// Run-time statistics of eBPF programs: on only for the accounting
+	// passes of the mode rounds (they cost two clock reads per program run,
+	// which the measured passes must not pay).
+	stats := newBPFStats()
+	defer stats.off()
 	if stats.Problem != nil {
 		res.Extra["bpf_stats"] = "unavailable: " + stats.Problem.Error()
 		fmt.Fprintf(o.Log, "bench: eBPF run-time statistics unavailable: %v\n", stats.Problem)
@@ -136,7 +136,7 @@ func Run(ctx context.Context, o Options) (*Results, error) {
 			err = op.err
 			if err == nil {
 				st.Testbed = op.env.Name
-				err = runMode(ctx, &o, plan, d, mode, op.env, res, mpi)
+				err = runMode(ctx, &o, plan, d, mode, op.env, res, mpi, stats)
 			}
 		}
 		st.Seconds = time.Since(t0).Seconds()
@@ -175,7 +175,7 @@ func Run(ctx context.Context, o Options) (*Results, error) {
 var allSuites = []string{SuiteThroughput, SuiteLatency, SuiteConn, SuiteUDP, SuiteMPI, SuiteScale, SuiteSetup, SuiteEgress}
 
 // runMode runs the interleaved rounds of one mode.
-func runMode(ctx context.Context, o *Options, plan Plan, d Driver, mode string, env *Env, res *Results, mpi map[*Env]string) (err error) {
+func runMode(ctx context.Context, o *Options, plan Plan, d Driver, mode string, env *Env, res *Results, mpi map[*Env]string, stats *bpfStats) (err error) {
 	if err := d.Prepare(ctx, env); err != nil {
 		return err
 	}
@@ -230,14 +230,13 @@ func runMode(ctx context.Context, o *Options, plan Plan, d Driver, mode string, 
 			if v == Enforced {
 				procs := d.Processes(ctx, env)
 				fp = startFootprint(procs)
-				if !env.VM && res.Extra["bpf_stats"] != "" && !strings.HasPrefix(res.Extra["bpf_stats"], "unavailable") {
+				if !env.VM && stats.Problem == nil {
+					// Accounted in a pass of its own before each measured
+					// unit, with the statistics on and empty programs on
+					// the same hooks: the floor (floor.go, measure).
 					if ps := openProgs(procs); len(ps.refs) > 0 {
+						ps.procs, ps.stats = procs, stats
 						s.progs = ps
-						// Empty programs on the same hooks: the floor of
-						// the accounting (floor.go).
-						for _, p := range ps.addFloor(procs) {
-							noteOnce(res, "bpf_floor", p)
-						}
 					}
 				}
 			}

@@ -63,6 +63,7 @@ func TestUVNConfigRejects(t *testing.T) {
 		// uid_max above 2^24: each underlay needs a block of ports.
 		{"[uvn]\nuid_max = 4294967294\n[[uvn.underlay]]\nprefixes = [\"198.18.0.0/24\"]\nport = 4789\n[[uvn.underlay]]\nprefixes = [\"198.19.0.0/24\"]\nport = 4790", "overlap"},
 		{"[uvn]\nbogus = 1", "unknown key"},
+		{"[uvn]\nsrun_ports = \"30000-62768\"", "at most 32768"},
 		// More than the session programs (bpf/vrf.c) hold.
 		{"[uvn]\nunderlay_ports = [\"1\", \"2\", \"3\", \"4\", \"5\", \"6\", \"7\", \"8\", \"9\"]", "at most 8 ranges"},
 		{"[[uvn.underlay]]\nport = 4789\nprefixes = [" + prefixes(65) + "]", "65 IPv4 prefixes in all; at most 64"},
@@ -74,6 +75,9 @@ func TestUVNConfigRejects(t *testing.T) {
 	}
 	// Port blocks that do not overlap are fine; so are the programs' limits.
 	if _, err := parseUVN(t, "[uvn]\nunderlay_ports = [\"1\", \"2\", \"3\", \"4\", \"5\", \"6\", \"7\", \"8\"]\n[[uvn.underlay]]\nport = 4789\nprefixes = ["+prefixes(64)+"]"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := parseUVN(t, "[uvn]\nsrun_ports = \"30000-62767\""); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := parseUVN(t, "[uvn]\nuid_max = 4294967294\n[[uvn.underlay]]\nprefixes = [\"198.18.0.0/24\"]\nport = 4789\n[[uvn.underlay]]\nprefixes = [\"198.19.0.0/24\"]\nport = 5045"); err != nil {
