@@ -157,7 +157,7 @@ func Run(ctx context.Context, o Options) (*Results, error) {
 	}
 	res.Finished = time.Now().UTC()
 	if o.Merge && o.Out != "" {
-		mergeInto(res, filepath.Join(o.Out, "results.json"))
+		MergeInto(res, filepath.Join(o.Out, "results.json"))
 	}
 	res.Figures = computeFigures(res.Samples)
 	res.Machine.LoadEnd = loadAvg()
@@ -421,9 +421,9 @@ func (s *session) verifyEnforcement() error {
 	return nil
 }
 
-// mergeInto adds to res the modes of an earlier results file that res did
+// MergeInto adds to res the modes of an earlier results file that res did
 // not run, so one mode can be re-measured without re-running the others.
-func mergeInto(res *Results, path string) {
+func MergeInto(res *Results, path string) {
 	old, err := LoadResults(path)
 	if err != nil {
 		return
@@ -443,7 +443,7 @@ func mergeInto(res *Results, path string) {
 	var modes []ModeStatus
 	for _, m := range old.Modes {
 		if !now[m.Name] {
-			if !strings.Contains(m.Reason, "measured in the run of") && !strings.Contains(m.Reason, "from the previous committed run") {
+			if !mergedFrom(m) {
 				m.Reason = strings.TrimSpace(m.Reason + " " + from)
 			}
 			modes = append(modes, m)
@@ -488,4 +488,38 @@ func keys(m map[string]bool) []string {
 		out = append(out, k)
 	}
 	return out
+}
+
+// mergedFrom tells whether a mode's status says MergeInto kept it from an
+// earlier run.
+func mergedFrom(m ModeStatus) bool {
+	return strings.Contains(m.Reason, "measured in the run of") || strings.Contains(m.Reason, "from the previous committed run")
+}
+
+// Remerge rebuilds res on top of another results file: res keeps only the
+// modes its own run measured, and takes every other mode from path (for
+// two committed runs of different modes that land one after the other).
+func Remerge(res *Results, path string) {
+	own := map[string]bool{}
+	var modes []ModeStatus
+	for _, m := range res.Modes {
+		if !mergedFrom(m) {
+			own[m.Name] = true
+			modes = append(modes, m)
+		}
+	}
+	res.Modes = modes
+	res.Samples = slices.DeleteFunc(res.Samples, func(s Sample) bool { return !own[s.Mode] })
+	res.Foot = slices.DeleteFunc(res.Foot, func(f Footprint) bool { return !own[f.Mode] })
+	res.Costs = slices.DeleteFunc(res.Costs, func(c Cost) bool { return !own[c.Mode] })
+	res.Errors = slices.DeleteFunc(res.Errors, func(e string) bool {
+		for m := range own {
+			if strings.HasPrefix(e, m+" ") || strings.HasPrefix(e, m+":") {
+				return false
+			}
+		}
+		return true
+	})
+	MergeInto(res, path)
+	res.Figures = computeFigures(res.Samples)
 }

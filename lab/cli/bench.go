@@ -96,9 +96,17 @@ A mode whose data plane is not available is reported as skipped.`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			from, _ := cmd.Flags().GetString("from")
 			out, _ := cmd.Flags().GetString("out")
+			merge, _ := cmd.Flags().GetString("merge")
 			r, err := bench.LoadResults(from)
 			if err != nil {
 				return err
+			}
+			if merge != "" {
+				// Fail on a bad file (MergeInto skips one silently).
+				if _, err := bench.LoadResults(merge); err != nil {
+					return err
+				}
+				bench.Remerge(r, merge)
 			}
 			if out == "" {
 				out = filepath.Dir(from)
@@ -108,6 +116,7 @@ A mode whose data plane is not available is reported as skipped.`,
 	}
 	report.Flags().String("from", filepath.Join("docs", "benchmarks", "results.json"), "results file")
 	report.Flags().String("out", "", "output directory (default: the results file's)")
+	report.Flags().String("merge", "", "keep only the modes --from's own run measured and take the others from this results file (two runs landing one after the other)")
 
 	cmd.AddCommand(report, benchServeCmd(), benchConnCmd(), benchRRCmd(), benchHoldCmd(), benchUVNSetupCmd(), benchUDPCmd())
 	return cmd
