@@ -154,7 +154,7 @@ func slurmSuite(t *testing.T, e *vmEnv) {
 		// VRF after its listener closed. alice accepts, closes the
 		// listener and says so on the connection (the acknowledgement);
 		// root then sends a line, which alice echoes back.
-		e.bg(t, "node1", "alice", `exec python3 -c '
+		srv := e.bg(t, "node1", "alice", `exec python3 -c '
 import socket
 l = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
 l.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -177,7 +177,8 @@ except OSError as e:
     print("error:", e)
 ' 2>&1`)
 		if !hasLine(out, "closed") || !hasLine(out, "got:after-close") {
-			t.Errorf("a connection accepted on alice's srun port did not outlive its listener:\n%s", out)
+			diag := e.run(t, "node1", "", "ip -br link | grep -i pal; ss -Htnae '( sport = :61991 )'; bpftool map dump name pal_srun_ports 2>&1 | head -40; "+e.tb.Binary+" uvn status 2>&1 | head -20")
+			t.Errorf("a connection accepted on alice's srun port did not outlive its listener:\n%s\n--- listener:\n%s\n--- node1:\n%s", out, srv, diag)
 		}
 	})
 
