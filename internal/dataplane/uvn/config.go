@@ -282,17 +282,18 @@ func (u *Config) nets4() []netip.Prefix {
 // another user's traffic to those ports leaves its VRF through the node's
 // address, so it would reach the range's listeners like Slurm's daemons do.
 //
-// It also rejects a range wider than maxSrunPorts: every claim takes two
-// entries of the claim map (bpf/srun.c pal_srun_ports), so a wider range
-// could fill the map, and srun's binds past that point would be refused.
-const maxSrunPorts = 32768 // pal_srun_ports max_entries / 2; TestSrunPortsMap checks it
+// It also rejects a range wider than maxSrunPorts: every port of the range
+// may take three entries of the claim map (bpf/srun.c pal_srun_ports), so
+// a wider range could fill it, and srun's binds past that point would be
+// refused.
+const maxSrunPorts = 32768 // pal_srun_ports max_entries / 3; TestSrunPortsMap checks it
 
 func CheckSrunRange(srun policy.PortRange, underlay []policy.PortRange) error {
 	if srun == (policy.PortRange{}) {
 		return nil
 	}
 	if n := int(srun.Last) - int(srun.First) + 1; n > maxSrunPorts {
-		return fmt.Errorf("srun ports %s: %d ports, at most %d (each srun listener takes two entries of a %d-entry claim map)", srun, n, maxSrunPorts, 2*maxSrunPorts)
+		return fmt.Errorf("srun ports %s: %d ports, at most %d (each port may take three entries of a %d-entry claim map)", srun, n, maxSrunPorts, 3*maxSrunPorts)
 	}
 	for _, r := range underlay {
 		if r.Overlaps(srun) {

@@ -224,14 +224,14 @@ func TestCheckNotNested(t *testing.T) {
 	}
 }
 
-// The widest srun range config accepts must fit the claim map: two entries
-// per claim (port and cookie).
+// The widest srun range config accepts must fit the claim map: three entries
+// per port (its claim, the claiming socket's, a lingering claim).
 func TestSrunPortsMap(t *testing.T) {
 	spec, err := loadSrunbpf()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := spec.Maps[srunbpfMapPalSrunPorts].MaxEntries; got != 2*maxSrunPorts {
-		t.Fatalf("pal_srun_ports holds %d entries; maxSrunPorts = %d needs %d", got, maxSrunPorts, 2*maxSrunPorts)
+	if got := spec.Maps[srunbpfMapPalSrunPorts].MaxEntries; got != 3*maxSrunPorts {
+		t.Fatalf("pal_srun_ports holds %d entries; maxSrunPorts = %d needs %d", got, maxSrunPorts, 3*maxSrunPorts)
 	}
 }

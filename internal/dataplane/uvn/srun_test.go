@@ -42,6 +42,11 @@ func srunTestColl(t *testing.T, r policy.PortRange) *ebpf.Collection {
 
 // frame builds Ethernet + IPv4 + TCP SYN src:sport → dst:dport.
 func frame(src, dst string, sport, dport uint16) []byte {
+	return segment(src, dst, sport, dport, 0x02)
+}
+
+// segment is frame with the given TCP flags.
+func segment(src, dst string, sport, dport uint16, flags byte) []byte {
 	var b bytes.Buffer
 	b.Write([]byte{2, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0, 2, 0x08, 0x00}) // dst MAC, src MAC, IPv4
 	ip := make([]byte, 20)
@@ -54,7 +59,7 @@ func frame(src, dst string, sport, dport uint16) []byte {
 	tcp := make([]byte, 20)
 	binary.BigEndian.PutUint16(tcp[0:], sport)
 	binary.BigEndian.PutUint16(tcp[2:], dport)
-	tcp[12], tcp[13] = 5<<4, 0x02
+	tcp[12], tcp[13] = 5<<4, flags
 	b.Write(tcp)
 	return b.Bytes()
 }
@@ -71,19 +76,43 @@ func TestSrunTCProgram(t *testing.T) {
 	mac := net.HardwareAddr{0x02, 0xaa, 0xbb, 0xcc, 0xdd, 0xee}
 	owner := srunbpfSrunOwner{Ifindex: 1, Port: 61234}
 	copy(owner.Mac[:], mac)
-	if err := coll.Maps[srunbpfMapPalSrunPorts].Put(uint64(61234), owner); err != nil {
+	ports := coll.Maps[srunbpfMapPalSrunPorts]
+	if err := ports.Put(uint64(61234), owner); err != nil {
 		t.Fatal(err)
 	}
+	// Lingering claims (their listener closed): 61240 has only one, 61234
+	// has one of another VRF under its live claim.
+	lingerMac := net.HardwareAddr{0x02, 0x11, 0x22, 0x33, 0x44, 0x55}
+	linger := srunbpfSrunOwner{Ifindex: 1, Port: 61240}
+	copy(linger.Mac[:], lingerMac)
+	for _, p := range []uint64{61240, 61234} {
+		linger.Port = uint32(p)
+		if err := ports.Put(lingerBit|p, linger); err != nil {
+			t.Fatal(err)
+		}
+	}
+	const ack, finAck, synAck = 0x10, 0x11, 0x12
 	prog := coll.Programs[srunbpfProgPalUvnSrunIn]
 	for _, c := range []struct {
 		name     string
 		in       []byte
 		redirect bool
+		to       net.HardwareAddr
 	}{
-		{"cluster source, claimed port", frame("198.18.0.1", "198.18.0.2", 40000, 61234), true},
-		{"cluster source, unclaimed srun port", frame("198.18.0.1", "198.18.0.2", 40000, 61235), false},
-		{"cluster source, port outside the range", frame("198.18.0.1", "198.18.0.2", 40000, 29101), false},
-		{"off-cluster source, claimed port", frame("198.18.200.1", "198.18.0.2", 40000, 61234), false},
+		{"cluster source, claimed port", frame("198.18.0.1", "198.18.0.2", 40000, 61234), true, mac},
+		{"cluster source, unclaimed srun port", frame("198.18.0.1", "198.18.0.2", 40000, 61235), false, nil},
+		{"cluster source, port outside the range", frame("198.18.0.1", "198.18.0.2", 40000, 29101), false, nil},
+		{"off-cluster source, claimed port", frame("198.18.200.1", "198.18.0.2", 40000, 61234), false, nil},
+		// An accepted connection outlives its listener (srun's I/O:
+		// slurmstepd's last output and FIN come after srun closed the
+		// listener): its segments still reach the VRF, but no new
+		// connection is opened there.
+		{"lingering claim, ACK", segment("198.18.0.1", "198.18.0.2", 40000, 61240, ack), true, lingerMac},
+		{"lingering claim, FIN", segment("198.18.0.1", "198.18.0.2", 40000, 61240, finAck), true, lingerMac},
+		{"lingering claim, SYN", frame("198.18.0.1", "198.18.0.2", 40000, 61240), false, nil},
+		{"lingering claim, SYN-ACK", segment("198.18.0.1", "198.18.0.2", 40000, 61240, synAck), true, lingerMac},
+		{"lingering claim, off-cluster source", segment("198.18.200.1", "198.18.0.2", 40000, 61240, ack), false, nil},
+		{"live claim over a lingering one, ACK", segment("198.18.0.1", "198.18.0.2", 40000, 61234, ack), true, mac},
 	} {
 		ret, out, err := prog.Test(c.in)
 		if err != nil {
@@ -92,8 +121,8 @@ func TestSrunTCProgram(t *testing.T) {
 		if got := ret == uint32(netlink.TC_ACT_REDIRECT); got != c.redirect {
 			t.Errorf("%s: verdict %d, want redirect=%v", c.name, ret, c.redirect)
 		}
-		if c.redirect && !bytes.Equal(out[:6], mac) {
-			t.Errorf("%s: destination MAC %x, want the VRF device's %s", c.name, out[:6], mac)
+		if c.redirect && !bytes.Equal(out[:6], c.to) {
+			t.Errorf("%s: destination MAC %x, want the VRF device's %s", c.name, out[:6], c.to)
 		}
 		if !c.redirect && !bytes.Equal(out, c.in) {
 			t.Errorf("%s: frame changed", c.name)
@@ -187,6 +216,8 @@ func TestSrunClaims(t *testing.T) {
 	b, _ := mk(top, "b", 102)
 	c, progsC := mk(top, "c", 103)
 	enter := func(path string) { enterCgroup(t, cg, path) }
+	// entries counts live claims (port and socket entries), not the
+	// lingering ones.
 	entries := func() int {
 		var (
 			k uint64
@@ -194,9 +225,18 @@ func TestSrunClaims(t *testing.T) {
 			n int
 		)
 		for it := ports.Iterate(); it.Next(&k, &v); {
-			n++
+			if k&lingerBit == 0 {
+				n++
+			}
 		}
 		return n
+	}
+	lingering := func(port int) uint32 {
+		var o srunbpfSrunOwner
+		if err := ports.Lookup(lingerBit|uint64(port), &o); err != nil {
+			return 0
+		}
+		return o.Ifindex
 	}
 	owner := func(port int) uint32 {
 		var o srunbpfSrunOwner
@@ -261,11 +301,18 @@ func TestSrunClaims(t *testing.T) {
 		t.Errorf("VRF b took the claim: owner %d", owner(61777))
 	}
 
-	// The listener closes: the claim goes, and b may have the port.
+	// The listener closes: the claim goes (it lingers for its accepted
+	// connections), and b may have the port.
 	enter(a)
+	if lingering(61777) != 0 {
+		t.Errorf("61777 lingers while its listener is open")
+	}
 	la.Close()
 	if owner(61777) != 0 {
 		t.Errorf("claim kept after the listener closed")
+	}
+	if lingering(61777) != 101 {
+		t.Errorf("61777 lingers for %d after its listener closed, want 101", lingering(61777))
 	}
 	enter(b)
 	lb, err := listen(61777)
@@ -274,6 +321,9 @@ func TestSrunClaims(t *testing.T) {
 	}
 	if owner(61777) != 102 {
 		t.Errorf("61777 owner %d, want 102", owner(61777))
+	}
+	if lingering(61777) != 0 {
+		t.Errorf("a's lingering claim of 61777 outlived b's new claim")
 	}
 	lb.Close()
 

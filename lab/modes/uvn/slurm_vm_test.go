@@ -146,6 +146,41 @@ func slurmSuite(t *testing.T, e *vmEnv) {
 		}
 	})
 
+	t.Run("slurm-port-outlives-listener", func(t *testing.T) {
+		// srun closes its I/O listeners when a step ends while
+		// slurmstepd's last output and FIN are still on the way (seen
+		// as srun "Abandoning IO 60 secs after job shutdown initiated"):
+		// a connection accepted on an srun port must keep reaching the
+		// VRF after its listener closed. alice accepts, closes the
+		// listener and says so on the connection (the acknowledgement);
+		// root then sends a line, which alice echoes back.
+		e.bg(t, "node1", "alice", `exec python3 -c '
+import socket
+l = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+l.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+l.bind(("0.0.0.0", 61991)); l.listen(1)
+c, _ = l.accept(); l.close()
+c.sendall(b"closed\n")
+f = c.makefile("rb"); line = f.readline()
+c.sendall(b"got:" + line); c.close()
+'`)
+		waitFor(t, e, "node1", "61991")
+		out := e.run(t, "node2", "", `timeout 60 python3 -c '
+import socket
+c = socket.create_connection(("198.18.0.1", 61991), timeout=20)
+f = c.makefile("rb")
+print(f.readline().decode().strip())
+c.sendall(b"after-close\n")
+try:
+    print(f.readline().decode().strip() or "eof")
+except OSError as e:
+    print("error:", e)
+' 2>&1`)
+		if !hasLine(out, "closed") || !hasLine(out, "got:after-close") {
+			t.Errorf("a connection accepted on alice's srun port did not outlive its listener:\n%s", out)
+		}
+	})
+
 	t.Run("slurm-queued-srun", func(t *testing.T) {
 		out, d := e.queued(t, "alice", "node2", "srun -N1 -w node2 hostname")
 		t.Logf("queued srun finished %v after the node was released", d.Round(time.Second))

@@ -26,9 +26,13 @@
  *       so that it runs for every socket whatever became of the programs of
  *       the cgroup it was made in (a step's attachment is pruned while srun
  *       still closes its listeners; a removed cgroup keeps the programs it
- *       inherits for as long as its sockets live).
+ *       inherits for as long as its sockets live). The claim lingers for
+ *       the connections the listener accepted: they share its port and
+ *       outlive it (srun closes its I/O listeners when the step ends, while
+ *       slurmstepd's last output and FIN are still on the way).
  *   tc ingress                     (lo and every Ethernet underlay NIC of the node)
- *       A TCP segment from a cluster address to a claimed port, for which the
+ *       A TCP segment from a cluster address to a claimed port (or, unless it
+ *       opens a connection, to a lingering claim), for which the
  *       default VRF has no socket (a default-VRF srun - root's, an exempt
  *       account's - may share a port a user's socket claimed), is handed to
  *       the claiming VRF device (addressed to its MAC, redirected to its
@@ -58,10 +62,16 @@ char LICENSE[] SEC("license") = "GPL";
  * keeps it alive for the cgroup programs):
  *   key = port                   value = the claim: socket, VRF device, time
  *   key = CLAIM_BIT | cookie     value = the same claim, found by the socket
+ *   key = LINGER_BIT | port      value = the last claim of a port whose
+ *                                listener has closed: its accepted
+ *                                connections' segments still go to its VRF
+ *                                (never a SYN); the port's next claim, or
+ *                                the VRF's teardown, removes it
  * (sock_release may not read a socket's port, but may read its cookie;
- * cookies never reach 2^63.)
+ * cookies never reach 2^62.)
  */
 #define CLAIM_BIT (1ULL << 63)
+#define LINGER_BIT (1ULL << 62)
 
 struct srun_owner {
 	__u64 cookie; /* the claiming socket */
@@ -73,7 +83,7 @@ struct srun_owner {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 65536);
+	__uint(max_entries, 3 * 32768); /* port, cookie, lingering: at most 32,768 ports (config) */
 	__type(key, __u64);
 	__type(value, struct srun_owner);
 } pal_srun_ports SEC(".maps");
@@ -141,6 +151,9 @@ static __always_inline int claim(struct bpf_sock *sk)
 		bpf_map_delete_elem(&pal_srun_ports, &key);
 		return 0;
 	}
+	/* The live claim takes the port's segments from now on. */
+	key |= LINGER_BIT;
+	bpf_map_delete_elem(&pal_srun_ports, &key);
 	return 1;
 }
 
@@ -169,8 +182,15 @@ int pal_uvn_release(struct bpf_sock *sk)
 		return 1;
 	key = c->port;
 	o = bpf_map_lookup_elem(&pal_srun_ports, &key);
-	if (o && o->cookie == c->cookie)
+	if (o && o->cookie == c->cookie) {
+		/* Linger first, so that no segment of an accepted connection
+		 * finds neither. If the map is full, the claim goes all the
+		 * same: a port is never left claimed by a closed socket. */
+		__u64 lk = LINGER_BIT | key;
+
+		bpf_map_update_elem(&pal_srun_ports, &lk, c, BPF_ANY);
 		bpf_map_delete_elem(&pal_srun_ports, &key);
+	}
 	bpf_map_delete_elem(&pal_srun_ports, &ck);
 	return 1;
 }
@@ -193,7 +213,12 @@ int pal_uvn_srun_in(struct __sk_buff *skb)
 {
 	struct bpf_sock_tuple tuple = {};
 	struct srun_owner *o;
-	__u16 ports[2];
+	struct {
+		__be16 sport, dport;
+		__be32 seq, ack;
+		__u8 off, flags;
+		__u16 win;
+	} th; /* the first 16 bytes of the TCP header */
 	__u64 dport;
 	int v6 = 0;
 
@@ -205,9 +230,9 @@ int pal_uvn_srun_in(struct __sk_buff *skb)
 			return TC_ACT_OK;
 		if (ip.protocol != IPPROTO_TCP || ip.ihl < 5 || (ip.frag_off & bpf_htons(0x1fff)))
 			return TC_ACT_OK;
-		if (bpf_skb_load_bytes_relative(skb, ip.ihl * 4, ports, sizeof(ports), BPF_HDR_START_NET))
+		if (bpf_skb_load_bytes_relative(skb, ip.ihl * 4, &th, sizeof(th), BPF_HDR_START_NET))
 			return TC_ACT_OK;
-		dport = bpf_ntohs(ports[1]);
+		dport = bpf_ntohs(th.dport);
 		if (!in_range(dport))
 			return TC_ACT_OK;
 		k.addr = ip.saddr;
@@ -215,8 +240,8 @@ int pal_uvn_srun_in(struct __sk_buff *skb)
 			return TC_ACT_OK;
 		tuple.ipv4.saddr = ip.saddr;
 		tuple.ipv4.daddr = ip.daddr;
-		tuple.ipv4.sport = ports[0];
-		tuple.ipv4.dport = ports[1];
+		tuple.ipv4.sport = th.sport;
+		tuple.ipv4.dport = th.dport;
 	} else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
 		struct ipv6hdr ip6;
 		struct srun_lpm6 k = { .prefixlen = 128 };
@@ -225,9 +250,9 @@ int pal_uvn_srun_in(struct __sk_buff *skb)
 			return TC_ACT_OK;
 		if (ip6.nexthdr != IPPROTO_TCP) /* Slurm sends no extension headers */
 			return TC_ACT_OK;
-		if (bpf_skb_load_bytes_relative(skb, sizeof(ip6), ports, sizeof(ports), BPF_HDR_START_NET))
+		if (bpf_skb_load_bytes_relative(skb, sizeof(ip6), &th, sizeof(th), BPF_HDR_START_NET))
 			return TC_ACT_OK;
-		dport = bpf_ntohs(ports[1]);
+		dport = bpf_ntohs(th.dport);
 		if (!in_range(dport))
 			return TC_ACT_OK;
 		__builtin_memcpy(k.addr, &ip6.saddr, sizeof(k.addr));
@@ -235,15 +260,23 @@ int pal_uvn_srun_in(struct __sk_buff *skb)
 			return TC_ACT_OK;
 		__builtin_memcpy(tuple.ipv6.saddr, &ip6.saddr, sizeof(tuple.ipv6.saddr));
 		__builtin_memcpy(tuple.ipv6.daddr, &ip6.daddr, sizeof(tuple.ipv6.daddr));
-		tuple.ipv6.sport = ports[0];
-		tuple.ipv6.dport = ports[1];
+		tuple.ipv6.sport = th.sport;
+		tuple.ipv6.dport = th.dport;
 		v6 = 1;
 	} else {
 		return TC_ACT_OK;
 	}
 	o = bpf_map_lookup_elem(&pal_srun_ports, &dport);
-	if (!o)
-		return TC_ACT_OK;
+	if (!o) {
+		/* A lingering claim carries its accepted connections to their
+		 * end, but opens none: a SYN (without ACK) is not taken. */
+		if ((th.flags & 0x12) == 0x02)
+			return TC_ACT_OK;
+		dport |= LINGER_BIT;
+		o = bpf_map_lookup_elem(&pal_srun_ports, &dport);
+		if (!o)
+			return TC_ACT_OK;
+	}
 	/* The kernel's own lookup, as the segment arrived (default VRF): a
 	 * socket there owns the flow, claim or not. */
 	if (default_vrf_socket(skb, v6, &tuple))
