@@ -81,12 +81,13 @@ func TestSrunTCProgram(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Lingering claims (their listener closed): 61240 has only one, 61234
-	// has one of another VRF under its live claim.
+	// has one of another VRF under its live claim, 61250's closed longer
+	// ago than a lingering claim lasts.
 	lingerMac := net.HardwareAddr{0x02, 0x11, 0x22, 0x33, 0x44, 0x55}
-	linger := srunbpfSrunOwner{Ifindex: 1, Port: 61240}
-	copy(linger.Mac[:], lingerMac)
-	for _, p := range []uint64{61240, 61234} {
-		linger.Port = uint32(p)
+	now := monotonicNow(t)
+	for p, released := range map[uint64]uint64{61240: now, 61234: now, 61250: now - 121e9} {
+		linger := srunbpfSrunOwner{Ifindex: 1, Port: uint32(p), Released: released}
+		copy(linger.Mac[:], lingerMac)
 		if err := ports.Put(lingerBit|p, linger); err != nil {
 			t.Fatal(err)
 		}
@@ -110,7 +111,8 @@ func TestSrunTCProgram(t *testing.T) {
 		{"lingering claim, ACK", segment("198.18.0.1", "198.18.0.2", 40000, 61240, ack), true, lingerMac},
 		{"lingering claim, FIN", segment("198.18.0.1", "198.18.0.2", 40000, 61240, finAck), true, lingerMac},
 		{"lingering claim, SYN", frame("198.18.0.1", "198.18.0.2", 40000, 61240), false, nil},
-		{"lingering claim, SYN-ACK", segment("198.18.0.1", "198.18.0.2", 40000, 61240, synAck), true, lingerMac},
+		{"lingering claim, SYN-ACK", segment("198.18.0.1", "198.18.0.2", 40000, 61240, synAck), false, nil},
+		{"expired lingering claim, ACK", segment("198.18.0.1", "198.18.0.2", 40000, 61250, ack), false, nil},
 		{"lingering claim, off-cluster source", segment("198.18.200.1", "198.18.0.2", 40000, 61240, ack), false, nil},
 		{"live claim over a lingering one, ACK", segment("198.18.0.1", "198.18.0.2", 40000, 61234, ack), true, mac},
 	} {
@@ -127,6 +129,13 @@ func TestSrunTCProgram(t *testing.T) {
 		if !c.redirect && !bytes.Equal(out, c.in) {
 			t.Errorf("%s: frame changed", c.name)
 		}
+	}
+	var o srunbpfSrunOwner
+	if err := ports.Lookup(lingerBit|uint64(61250), &o); !errors.Is(err, ebpf.ErrKeyNotExist) {
+		t.Errorf("expired lingering claim of 61250 still in the map (%v)", err)
+	}
+	if err := ports.Lookup(lingerBit|uint64(61240), &o); err != nil {
+		t.Errorf("live lingering claim of 61240 gone: %v", err)
 	}
 
 	// A default-VRF socket on the claimed port (root's srun, or an exempt
@@ -235,6 +244,10 @@ func TestSrunClaims(t *testing.T) {
 		var o srunbpfSrunOwner
 		if err := ports.Lookup(lingerBit|uint64(port), &o); err != nil {
 			return 0
+		}
+		// Stamped by the release program with the programs' clock.
+		if now := monotonicNow(t); o.Released > now || now-o.Released > 10e9 {
+			t.Errorf("lingering claim of %d released at %d, now %d", port, o.Released, now)
 		}
 		return o.Ifindex
 	}
@@ -406,4 +419,13 @@ func TestSrunClaims(t *testing.T) {
 		t.Errorf("%d claim entries left after the nested listener closed", n)
 	}
 
+}
+
+// monotonicNow is bpf_ktime_get_ns()'s clock.
+func monotonicNow(t *testing.T) uint64 {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts); err != nil {
+		t.Fatal(err)
+	}
+	return uint64(ts.Nano())
 }

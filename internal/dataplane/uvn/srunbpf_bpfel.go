@@ -26,12 +26,13 @@ type srunbpfSrunLpm6 struct {
 }
 
 type srunbpfSrunOwner struct {
-	_       structs.HostLayout
-	Cookie  uint64
-	Ifindex uint32
-	Port    uint32
-	Mac     [6]uint8
-	Pad     [2]uint8
+	_        structs.HostLayout
+	Cookie   uint64
+	Ifindex  uint32
+	Port     uint32
+	Mac      [6]uint8
+	Pad      [2]uint8
+	Released uint64
 }
 
 // Names of all BPF objects in the ELF.

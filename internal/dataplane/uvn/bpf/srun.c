@@ -63,10 +63,11 @@ char LICENSE[] SEC("license") = "GPL";
  *   key = port                   value = the claim: socket, VRF device, time
  *   key = CLAIM_BIT | cookie     value = the same claim, found by the socket
  *   key = LINGER_BIT | port      value = the last claim of a port whose
- *                                listener has closed: its accepted
- *                                connections' segments still go to its VRF
- *                                (never a SYN); the port's next claim, or
- *                                the VRF's teardown, removes it
+ *                                listener has closed: for LINGER_NS, its
+ *                                accepted connections' segments still go
+ *                                to its VRF (never one with SYN); the
+ *                                port's next claim, the VRF's teardown or
+ *                                tc once it has expired removes it
  * (sock_release may not read a socket's port, but may read its cookie;
  * cookies never reach 2^62.)
  */
@@ -79,7 +80,15 @@ struct srun_owner {
 	__u32 port;
 	__u8 mac[6]; /* the VRF device's address: the frame must be for it */
 	__u8 pad[2];
+	__u64 released; /* lingering: bpf_ktime_get_ns() when its listener closed */
 };
+
+/* How long a lingering claim carries segments: longer than Slurm waits for
+ * a step's last I/O (EioTimeout, 60 s by default), short enough that it
+ * does not stand for good in front of other flows that meet the port (a
+ * user's masqueraded connection whose source port was remapped into the
+ * range: its replies reach tc before conntrack undoes the NAT). */
+#define LINGER_NS (120ULL * 1000000000ULL)
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -187,8 +196,10 @@ int pal_uvn_release(struct bpf_sock *sk)
 		 * finds neither. If the map is full, the claim goes all the
 		 * same: a port is never left claimed by a closed socket. */
 		__u64 lk = LINGER_BIT | key;
+		struct srun_owner l = *c;
 
-		bpf_map_update_elem(&pal_srun_ports, &lk, c, BPF_ANY);
+		l.released = bpf_ktime_get_ns();
+		bpf_map_update_elem(&pal_srun_ports, &lk, &l, BPF_ANY);
 		bpf_map_delete_elem(&pal_srun_ports, &key);
 	}
 	bpf_map_delete_elem(&pal_srun_ports, &ck);
@@ -269,13 +280,17 @@ int pal_uvn_srun_in(struct __sk_buff *skb)
 	o = bpf_map_lookup_elem(&pal_srun_ports, &dport);
 	if (!o) {
 		/* A lingering claim carries its accepted connections to their
-		 * end, but opens none: a SYN (without ACK) is not taken. */
-		if ((th.flags & 0x12) == 0x02)
+		 * end, but opens none: nothing with SYN is taken. */
+		if (th.flags & 0x02)
 			return TC_ACT_OK;
 		dport |= LINGER_BIT;
 		o = bpf_map_lookup_elem(&pal_srun_ports, &dport);
 		if (!o)
 			return TC_ACT_OK;
+		if (bpf_ktime_get_ns() - o->released > LINGER_NS) {
+			bpf_map_delete_elem(&pal_srun_ports, &dport);
+			return TC_ACT_OK;
+		}
 	}
 	/* The kernel's own lookup, as the segment arrived (default VRF): a
 	 * socket there owns the flow, claim or not. */
