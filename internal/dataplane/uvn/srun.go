@@ -47,9 +47,6 @@ func srunSpec(r policy.PortRange) (*ebpf.CollectionSpec, error) {
 	return spec, nil
 }
 
-// lingerBit marks a lingering claim's key in pal_srun_ports (bpf/srun.c).
-const lingerBit = 1 << 62
-
 // checkSrunRange refuses a range that ephemeral ports or underlay ports
 // overlap: a default-VRF client's reply traffic to its own ephemeral port
 // must never be taken for a callback, and other users' underlay-port

@@ -18,6 +18,10 @@ import (
 	"github.com/palisade-hpc/palisade/internal/policy"
 )
 
+// lingerBit marks a lingering claim's key in pal_srun_ports (bpf/srun.c's
+// enum srun_key, generated).
+const lingerBit = uint64(srunbpfSrunKeySRUN_KEY_LINGER) << srunbpfSrunKeySRUN_KEY_TAG_SHIFT
+
 // srunTestColl loads the node part (tc program + its map) for the range.
 func srunTestColl(t *testing.T, r policy.PortRange) *ebpf.Collection {
 	t.Helper()

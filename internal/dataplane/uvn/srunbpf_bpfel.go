@@ -13,6 +13,14 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type srunbpfSrunKey uint32
+
+const (
+	srunbpfSrunKeySRUN_KEY_TAG_SHIFT srunbpfSrunKey = 62
+	srunbpfSrunKeySRUN_KEY_LINGER    srunbpfSrunKey = 1
+	srunbpfSrunKeySRUN_KEY_CLAIM     srunbpfSrunKey = 2
+)
+
 type srunbpfSrunLpm4 struct {
 	_         structs.HostLayout
 	Prefixlen uint32
@@ -48,6 +56,7 @@ const (
 	srunbpfProgPalUvnSrunIn  = "pal_uvn_srun_in"
 	srunbpfVarPortMax        = "port_max"
 	srunbpfVarPortMin        = "port_min"
+	srunbpfVarSrunKeyBtf     = "srun_key_btf"
 	srunbpfVarSrunMark       = "srun_mark"
 	srunbpfVarVrfIfindex     = "vrf_ifindex"
 	srunbpfVarVrfMac         = "vrf_mac"
@@ -116,6 +125,7 @@ type srunbpfMapSpecs struct {
 type srunbpfVariableSpecs struct {
 	PortMax    *ebpf.VariableSpec `ebpf:"port_max"`
 	PortMin    *ebpf.VariableSpec `ebpf:"port_min"`
+	SrunKeyBtf *ebpf.VariableSpec `ebpf:"srun_key_btf"`
 	SrunMark   *ebpf.VariableSpec `ebpf:"srun_mark"`
 	VrfIfindex *ebpf.VariableSpec `ebpf:"vrf_ifindex"`
 	VrfMac     *ebpf.VariableSpec `ebpf:"vrf_mac"`
@@ -160,6 +170,7 @@ func (m *srunbpfMaps) Close() error {
 type srunbpfVariables struct {
 	PortMax    *ebpf.Variable `ebpf:"port_max"`
 	PortMin    *ebpf.Variable `ebpf:"port_min"`
+	SrunKeyBtf *ebpf.Variable `ebpf:"srun_key_btf"`
 	SrunMark   *ebpf.Variable `ebpf:"srun_mark"`
 	VrfIfindex *ebpf.Variable `ebpf:"vrf_ifindex"`
 	VrfMac     *ebpf.Variable `ebpf:"vrf_mac"`

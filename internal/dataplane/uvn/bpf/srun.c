@@ -71,8 +71,15 @@ char LICENSE[] SEC("license") = "GPL";
  * (sock_release may not read a socket's port, but may read its cookie;
  * cookies never reach 2^62.)
  */
-#define CLAIM_BIT (1ULL << 63)
-#define LINGER_BIT (1ULL << 62)
+enum srun_key {
+	SRUN_KEY_TAG_SHIFT = 62, /* a key's top two bits: its kind */
+	SRUN_KEY_LINGER = 1,
+	SRUN_KEY_CLAIM = 2,
+};
+#define CLAIM_BIT ((__u64)SRUN_KEY_CLAIM << SRUN_KEY_TAG_SHIFT)
+#define LINGER_BIT ((__u64)SRUN_KEY_LINGER << SRUN_KEY_TAG_SHIFT)
+/* Keeps enum srun_key in the BTF, for bpf2go (-type srun_key). */
+const enum srun_key *const srun_key_btf __attribute__((unused)) = 0;
 
 struct srun_owner {
 	__u64 cookie; /* the claiming socket */
