@@ -278,16 +278,17 @@ func (u *Config) nets4() []netip.Prefix {
 	return nets
 }
 
+// maxSrunPorts is the widest srun range: every port of the range may take
+// three entries of the claim map (bpf/srun.c pal_srun_ports: its claim, the
+// claiming socket's, a lingering claim). TestSrunPortsMap checks it against
+// the map's generated spec.
+const maxSrunPorts = 32768
+
 // CheckSrunRange rejects an srun port range that overlaps underlay_ports:
 // another user's traffic to those ports leaves its VRF through the node's
 // address, so it would reach the range's listeners like Slurm's daemons do.
-//
-// It also rejects a range wider than maxSrunPorts: every port of the range
-// may take three entries of the claim map (bpf/srun.c pal_srun_ports), so
-// a wider range could fill it, and srun's binds past that point would be
-// refused.
-const maxSrunPorts = 32768 // pal_srun_ports max_entries / 3; TestSrunPortsMap checks it
-
+// It also rejects a range wider than maxSrunPorts: it could fill the claim
+// map, and srun's binds past that point would be refused.
 func CheckSrunRange(srun policy.PortRange, underlay []policy.PortRange) error {
 	if srun == (policy.PortRange{}) {
 		return nil
