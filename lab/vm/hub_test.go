@@ -6,10 +6,11 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 )
 
 // TestMain lets the test binary act as a hub, as `palisade-lab vm hub`
@@ -98,11 +99,7 @@ func TestHubGoesWithOwner(t *testing.T) {
 		// Killed, it may linger as a zombie until init reaps it.
 		if gone := func() bool {
 			for end := time.Now().Add(5 * time.Second); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
-				b, err := os.ReadFile("/proc/" + strconv.Itoa(g) + "/stat")
-				if err != nil {
-					return true
-				}
-				if i := strings.LastIndexByte(string(b), ')'); i > 0 && len(b) > i+2 && b[i+2] == 'Z' {
+				if !procfs.Alive(g) {
 					return true
 				}
 			}
