@@ -31,6 +31,7 @@ func New() *cobra.Command {
 		explainCommand(),
 		whoCommand(),
 		configCommand(),
+		policyCommand(),
 		identCommand(),
 		uvnCommand(),
 		keyCommand(),
