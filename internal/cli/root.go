@@ -33,6 +33,7 @@ func New() *cobra.Command {
 		flowsCommand(),
 		auditCommand(),
 		configCommand(),
+		policyCommand(),
 		identCommand(),
 		uvnCommand(),
 		keyCommand(),

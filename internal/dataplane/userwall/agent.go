@@ -46,6 +46,30 @@ func (o *AgentOptions) LoadConfig() (*config.Config, error) {
 	if err != nil {
 		return nil, err
 	}
+	o.applyOverrides(cfg)
+	return cfg, nil
+}
+
+// LoadTestedConfig is LoadConfig, refusing a policy whose [[test]] entries
+// fail: what the agent starts and reloads with (and `agent --reload` checks
+// before signalling), so a change that breaks a site's tests never applies.
+func (o *AgentOptions) LoadTestedConfig() (*config.Config, error) {
+	cfg, err := o.LoadConfig()
+	if err != nil {
+		return nil, err
+	}
+	if _, err := cfg.RunTests(nil); err != nil {
+		return nil, fmt.Errorf("policy tests failed:\n%w", err)
+	}
+	if len(cfg.Policy.Rules) > 0 {
+		// Until the programs enforce them: never let explain and the
+		// kernel disagree.
+		return nil, fmt.Errorf("%s: [[rule]]: site rules are not enforced by userwall yet; remove them", cfg.Path)
+	}
+	return cfg, nil
+}
+
+func (o *AgentOptions) applyOverrides(cfg *config.Config) {
 	a := &cfg.Agent
 	if o.PidFile != "" {
 		a.PidFile = o.PidFile
@@ -59,7 +83,6 @@ func (o *AgentOptions) LoadConfig() (*config.Config, error) {
 	if o.IdentSocket != "" {
 		a.IdentSocket = o.IdentSocket
 	}
-	return cfg, nil
 }
 
 // agent is one running agent. Its goroutines: the main loop (RunAgent's
@@ -198,7 +221,7 @@ func newAgent(o AgentOptions) (*agent, error) {
 	v := version.Get()
 	log.Info("palisade agent starting", "version", v.Version, "commit", v.Commit, "built", v.BuildDate,
 		"go", v.GoVersion, "cilium_ebpf", v.EBPF)
-	cfg, err := o.LoadConfig()
+	cfg, err := o.LoadTestedConfig()
 	if err != nil {
 		return nil, err
 	}

@@ -165,7 +165,7 @@ func (a *agent) reload() {
 }
 
 func (a *agent) applyReload() error {
-	cfg, err := a.opts.LoadConfig()
+	cfg, err := a.opts.LoadTestedConfig()
 	if err != nil {
 		a.reopenEvents(a.cfg)
 		return err
@@ -310,7 +310,7 @@ func (a *agent) stopMetrics() {
 // applied, the agent's reason when it refused it. The file is checked here
 // first, so that a bad file is refused with its errors before any signal.
 func SignalReload(o AgentOptions) error {
-	cfg, err := o.LoadConfig()
+	cfg, err := o.LoadTestedConfig()
 	if err != nil {
 		return fmt.Errorf("configuration refused, agent not signalled: %w", err)
 	}
