@@ -144,7 +144,15 @@ choose); root sees every flow, other users the flows they are at one end of.
 
 func runFlows(ctx context.Context, out, errOut io.Writer, sock string, f flowFlags, ff userwall.FlowFilter, follow bool) error {
 	req := userwall.FlowsRequest{Kind: ident.KindFlows, Nodes: f.targets(), Filter: ff, Limit: f.limit, Cursors: map[string]uint64{}}
-	tw := tabwriter.NewWriter(out, 2, 8, 2, ' ', 0)
+	// Followed lines come a few at a time: columns of fixed widths keep
+	// them aligned (a tabwriter aligns only what it sees at once).
+	var tw interface {
+		io.Writer
+		Flush() error
+	} = tabwriter.NewWriter(out, 2, 8, 2, ' ', 0)
+	if follow {
+		tw = &fixedColumns{w: out, widths: []int{12, 7, 16, 5, 30, 22, 2, 34}}
+	}
 	header := f.output == "text"
 	lastErr := map[string]string{}
 	for first := true; ; first = false {
@@ -203,6 +211,36 @@ func runFlows(ctx context.Context, out, errOut io.Writer, sock string, f flowFla
 		}
 	}
 }
+
+// fixedColumns writes tab-separated lines as columns of fixed widths.
+type fixedColumns struct {
+	w      io.Writer
+	widths []int
+}
+
+func (c *fixedColumns) Write(b []byte) (int, error) {
+	for _, line := range strings.SplitAfter(string(b), "\n") {
+		if line == "" {
+			continue
+		}
+		cols := strings.Split(strings.TrimSuffix(line, "\n"), "\t")
+		var sb strings.Builder
+		for i, col := range cols {
+			if i < len(c.widths) && i < len(cols)-1 {
+				fmt.Fprintf(&sb, "%-*s  ", c.widths[i], col)
+			} else {
+				sb.WriteString(col)
+			}
+		}
+		sb.WriteString("\n")
+		if _, err := io.WriteString(c.w, sb.String()); err != nil {
+			return 0, err
+		}
+	}
+	return len(b), nil
+}
+
+func (c *fixedColumns) Flush() error { return nil }
 
 func writeJSONLine(w io.Writer, v any) error {
 	b, err := json.Marshal(v)
