@@ -53,6 +53,21 @@ type uwbpfUwKey struct {
 	Valid uint32
 }
 
+type uwbpfUwLoId struct {
+	_     structs.HostLayout
+	Src   [16]uint8
+	Dst   [16]uint8
+	Sport uint16
+	Dport uint16
+	Proto uint8
+	Pad   [3]uint8
+	Uid   uint32
+	Gid   uint32
+	Mark  uint32
+	_     [4]byte
+	T     uint64
+}
+
 type uwbpfUwLpmKey struct {
 	_         structs.HostLayout
 	Prefixlen uint32
@@ -111,23 +126,25 @@ type uwbpfUwPeers struct {
 type uwbpfUwRule uint32
 
 const (
-	uwbpfUwRuleR_NONE              uwbpfUwRule = 0
-	uwbpfUwRuleR_SAME_USER         uwbpfUwRule = 1
-	uwbpfUwRuleR_SHARED_GROUP      uwbpfUwRule = 2
-	uwbpfUwRuleR_SYSTEM_PORT       uwbpfUwRule = 3
-	uwbpfUwRuleR_EXEMPT_CONNECTOR  uwbpfUwRule = 4
-	uwbpfUwRuleR_EXEMPT_LISTENER   uwbpfUwRule = 5
-	uwbpfUwRuleR_OFFCLUSTER_PORT   uwbpfUwRule = 6
-	uwbpfUwRuleR_OFFCLUSTER_DENIED uwbpfUwRule = 7
-	uwbpfUwRuleR_DENIED            uwbpfUwRule = 8
-	uwbpfUwRuleR_UDP_REPLY         uwbpfUwRule = 9
-	uwbpfUwRuleR_NO_LISTENER       uwbpfUwRule = 10
-	uwbpfUwRuleR_UNIX_REPLY        uwbpfUwRule = 11
-	uwbpfUwRuleR_UNVERIFIED        uwbpfUwRule = 12
-	uwbpfUwRuleR_UNCLASSIFIED      uwbpfUwRule = 13
-	uwbpfUwRuleR_COBIND            uwbpfUwRule = 14
-	uwbpfUwRuleR_FOREIGN_SOURCE    uwbpfUwRule = 15
-	uwbpfUwRuleR_MAX               uwbpfUwRule = 16
+	uwbpfUwRuleR_NONE                   uwbpfUwRule = 0
+	uwbpfUwRuleR_SAME_USER              uwbpfUwRule = 1
+	uwbpfUwRuleR_SHARED_GROUP           uwbpfUwRule = 2
+	uwbpfUwRuleR_SYSTEM_PORT            uwbpfUwRule = 3
+	uwbpfUwRuleR_EXEMPT_CONNECTOR       uwbpfUwRule = 4
+	uwbpfUwRuleR_EXEMPT_LISTENER        uwbpfUwRule = 5
+	uwbpfUwRuleR_OFFCLUSTER_PORT        uwbpfUwRule = 6
+	uwbpfUwRuleR_OFFCLUSTER_DENIED      uwbpfUwRule = 7
+	uwbpfUwRuleR_DENIED                 uwbpfUwRule = 8
+	uwbpfUwRuleR_UDP_REPLY              uwbpfUwRule = 9
+	uwbpfUwRuleR_NO_LISTENER            uwbpfUwRule = 10
+	uwbpfUwRuleR_UNIX_REPLY             uwbpfUwRule = 11
+	uwbpfUwRuleR_UNVERIFIED             uwbpfUwRule = 12
+	uwbpfUwRuleR_UNCLASSIFIED           uwbpfUwRule = 13
+	uwbpfUwRuleR_COBIND                 uwbpfUwRule = 14
+	uwbpfUwRuleR_FOREIGN_SOURCE         uwbpfUwRule = 15
+	uwbpfUwRuleR_UNSTAMPED_FROM_CLUSTER uwbpfUwRule = 16
+	uwbpfUwRuleR_UNSTAMPABLE            uwbpfUwRule = 17
+	uwbpfUwRuleR_MAX                    uwbpfUwRule = 18
 )
 
 type uwbpfUwStamp uint32
@@ -173,6 +190,8 @@ const (
 	uwbpfMapExemptLis            = "exempt_lis"
 	uwbpfMapIfaces               = "ifaces"
 	uwbpfMapKeys                 = "keys"
+	uwbpfMapLoIds                = "lo_ids"
+	uwbpfMapLoSeq                = "lo_seq"
 	uwbpfMapLocalAddrs           = "local_addrs"
 	uwbpfMapMembers              = "members"
 	uwbpfMapOffcPorts            = "offc_ports"
@@ -200,6 +219,7 @@ const (
 	uwbpfProgUwUnixMaySend       = "uw_unix_may_send"
 	uwbpfProgUwUnixStreamConnect = "uw_unix_stream_connect"
 	uwbpfVarNetnsCookie          = "netns_cookie"
+	uwbpfVarPeerTtlS             = "peer_ttl_s"
 	uwbpfVarTestMode             = "test_mode"
 	uwbpfVarUnusedEvent          = "unused_event"
 	uwbpfVarUnusedMark           = "unused_mark"
@@ -281,6 +301,8 @@ type uwbpfMapSpecs struct {
 	ExemptLis      *ebpf.MapSpec `ebpf:"exempt_lis"`
 	Ifaces         *ebpf.MapSpec `ebpf:"ifaces"`
 	Keys           *ebpf.MapSpec `ebpf:"keys"`
+	LoIds          *ebpf.MapSpec `ebpf:"lo_ids"`
+	LoSeq          *ebpf.MapSpec `ebpf:"lo_seq"`
 	LocalAddrs     *ebpf.MapSpec `ebpf:"local_addrs"`
 	Members        *ebpf.MapSpec `ebpf:"members"`
 	OffcPorts      *ebpf.MapSpec `ebpf:"offc_ports"`
@@ -297,6 +319,7 @@ type uwbpfMapSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type uwbpfVariableSpecs struct {
 	NetnsCookie    *ebpf.VariableSpec `ebpf:"netns_cookie"`
+	PeerTtlS       *ebpf.VariableSpec `ebpf:"peer_ttl_s"`
 	TestMode       *ebpf.VariableSpec `ebpf:"test_mode"`
 	UnusedEvent    *ebpf.VariableSpec `ebpf:"unused_event"`
 	UnusedMark     *ebpf.VariableSpec `ebpf:"unused_mark"`
@@ -333,6 +356,8 @@ type uwbpfMaps struct {
 	ExemptLis      *ebpf.Map `ebpf:"exempt_lis"`
 	Ifaces         *ebpf.Map `ebpf:"ifaces"`
 	Keys           *ebpf.Map `ebpf:"keys"`
+	LoIds          *ebpf.Map `ebpf:"lo_ids"`
+	LoSeq          *ebpf.Map `ebpf:"lo_seq"`
 	LocalAddrs     *ebpf.Map `ebpf:"local_addrs"`
 	Members        *ebpf.Map `ebpf:"members"`
 	OffcPorts      *ebpf.Map `ebpf:"offc_ports"`
@@ -353,6 +378,8 @@ func (m *uwbpfMaps) Close() error {
 		m.ExemptLis,
 		m.Ifaces,
 		m.Keys,
+		m.LoIds,
+		m.LoSeq,
 		m.LocalAddrs,
 		m.Members,
 		m.OffcPorts,
@@ -370,6 +397,7 @@ func (m *uwbpfMaps) Close() error {
 // It can be passed to loadUwbpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type uwbpfVariables struct {
 	NetnsCookie    *ebpf.Variable `ebpf:"netns_cookie"`
+	PeerTtlS       *ebpf.Variable `ebpf:"peer_ttl_s"`
 	TestMode       *ebpf.Variable `ebpf:"test_mode"`
 	UnusedEvent    *ebpf.Variable `ebpf:"unused_event"`
 	UnusedMark     *ebpf.Variable `ebpf:"unused_mark"`
