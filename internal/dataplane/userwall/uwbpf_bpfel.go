@@ -13,14 +13,29 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type uwbpfUwBudget struct {
+	_   structs.HostLayout
+	Sec uint64
+	N   uint64
+}
+
 type uwbpfUwConfig struct {
 	_             structs.HostLayout
 	SystemPortMax uint32
 	Enabled       uint32
 	Audit         uint32
-	Pad           uint32
+	AllowSamples  uint32
 	ClockOffsetNs int64
 }
+
+type uwbpfUwEstat uint32
+
+const (
+	uwbpfUwEstatE_LOST      uwbpfUwEstat = 0
+	uwbpfUwEstatE_SAMPLED   uwbpfUwEstat = 1
+	uwbpfUwEstatE_UNSAMPLED uwbpfUwEstat = 2
+	uwbpfUwEstatE_MAX       uwbpfUwEstat = 4
+)
 
 type uwbpfUwEvent struct {
 	_            structs.HostLayout
@@ -183,11 +198,14 @@ type uwbpfUwUnixPeers struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	uwbpfMapAuditCounters        = "audit_counters"
 	uwbpfMapClusterNets          = "cluster_nets"
 	uwbpfMapCounters             = "counters"
+	uwbpfMapEventStats           = "event_stats"
 	uwbpfMapEvents               = "events"
 	uwbpfMapExemptConn           = "exempt_conn"
 	uwbpfMapExemptLis            = "exempt_lis"
+	uwbpfMapFlowBudget           = "flow_budget"
 	uwbpfMapIfaces               = "ifaces"
 	uwbpfMapKeys                 = "keys"
 	uwbpfMapLoIds                = "lo_ids"
@@ -221,6 +239,7 @@ const (
 	uwbpfVarNetnsCookie          = "netns_cookie"
 	uwbpfVarPeerTtlS             = "peer_ttl_s"
 	uwbpfVarTestMode             = "test_mode"
+	uwbpfVarUnusedEstat          = "unused_estat"
 	uwbpfVarUnusedEvent          = "unused_event"
 	uwbpfVarUnusedMark           = "unused_mark"
 	uwbpfVarUnusedPath           = "unused_path"
@@ -294,11 +313,14 @@ type uwbpfProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type uwbpfMapSpecs struct {
+	AuditCounters  *ebpf.MapSpec `ebpf:"audit_counters"`
 	ClusterNets    *ebpf.MapSpec `ebpf:"cluster_nets"`
 	Counters       *ebpf.MapSpec `ebpf:"counters"`
+	EventStats     *ebpf.MapSpec `ebpf:"event_stats"`
 	Events         *ebpf.MapSpec `ebpf:"events"`
 	ExemptConn     *ebpf.MapSpec `ebpf:"exempt_conn"`
 	ExemptLis      *ebpf.MapSpec `ebpf:"exempt_lis"`
+	FlowBudget     *ebpf.MapSpec `ebpf:"flow_budget"`
 	Ifaces         *ebpf.MapSpec `ebpf:"ifaces"`
 	Keys           *ebpf.MapSpec `ebpf:"keys"`
 	LoIds          *ebpf.MapSpec `ebpf:"lo_ids"`
@@ -321,6 +343,7 @@ type uwbpfVariableSpecs struct {
 	NetnsCookie    *ebpf.VariableSpec `ebpf:"netns_cookie"`
 	PeerTtlS       *ebpf.VariableSpec `ebpf:"peer_ttl_s"`
 	TestMode       *ebpf.VariableSpec `ebpf:"test_mode"`
+	UnusedEstat    *ebpf.VariableSpec `ebpf:"unused_estat"`
 	UnusedEvent    *ebpf.VariableSpec `ebpf:"unused_event"`
 	UnusedMark     *ebpf.VariableSpec `ebpf:"unused_mark"`
 	UnusedPath     *ebpf.VariableSpec `ebpf:"unused_path"`
@@ -349,11 +372,14 @@ func (o *uwbpfObjects) Close() error {
 //
 // It can be passed to loadUwbpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type uwbpfMaps struct {
+	AuditCounters  *ebpf.Map `ebpf:"audit_counters"`
 	ClusterNets    *ebpf.Map `ebpf:"cluster_nets"`
 	Counters       *ebpf.Map `ebpf:"counters"`
+	EventStats     *ebpf.Map `ebpf:"event_stats"`
 	Events         *ebpf.Map `ebpf:"events"`
 	ExemptConn     *ebpf.Map `ebpf:"exempt_conn"`
 	ExemptLis      *ebpf.Map `ebpf:"exempt_lis"`
+	FlowBudget     *ebpf.Map `ebpf:"flow_budget"`
 	Ifaces         *ebpf.Map `ebpf:"ifaces"`
 	Keys           *ebpf.Map `ebpf:"keys"`
 	LoIds          *ebpf.Map `ebpf:"lo_ids"`
@@ -371,11 +397,14 @@ type uwbpfMaps struct {
 
 func (m *uwbpfMaps) Close() error {
 	return _UwbpfClose(
+		m.AuditCounters,
 		m.ClusterNets,
 		m.Counters,
+		m.EventStats,
 		m.Events,
 		m.ExemptConn,
 		m.ExemptLis,
+		m.FlowBudget,
 		m.Ifaces,
 		m.Keys,
 		m.LoIds,
@@ -399,6 +428,7 @@ type uwbpfVariables struct {
 	NetnsCookie    *ebpf.Variable `ebpf:"netns_cookie"`
 	PeerTtlS       *ebpf.Variable `ebpf:"peer_ttl_s"`
 	TestMode       *ebpf.Variable `ebpf:"test_mode"`
+	UnusedEstat    *ebpf.Variable `ebpf:"unused_estat"`
 	UnusedEvent    *ebpf.Variable `ebpf:"unused_event"`
 	UnusedMark     *ebpf.Variable `ebpf:"unused_mark"`
 	UnusedPath     *ebpf.Variable `ebpf:"unused_path"`
