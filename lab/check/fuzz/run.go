@@ -35,6 +35,9 @@ type Options struct {
 	// testbed's mode): userwall's is policy.Decide with the listener
 	// node's policy.
 	Mode string
+	// Expect overrides the mode's expectation (tests: a rule taken out of
+	// the judge must show up as findings).
+	Expect check.Expectation
 	// Nodes limits sentinels and attackers to these nodes (default all).
 	Nodes []string
 	// Minimize delta-debugs at most this many findings (default 3): each
@@ -196,6 +199,9 @@ func Run(ctx context.Context, tb *testbed.Testbed, opts Options) (*Report, error
 	expect, err := check.Expect(opts.Mode)
 	if err != nil {
 		return nil, err
+	}
+	if opts.Expect != nil {
+		expect = opts.Expect
 	}
 	f := &fuzzer{tb: tb, ctx: ctx, opts: opts, expect: expect, logf: logf, got: map[string][]receipt{},
 		cond: make(chan struct{}), runs: map[string]*execRun{}, idents: map[string]check.Party{},
