@@ -247,11 +247,7 @@ func printStatus(out io.Writer, s *userwall.Status, verbose bool) {
 	fmt.Fprintln(out, "\ndecisions:")
 	tw := tabwriter.NewWriter(out, 2, 8, 2, ' ', 0)
 	for _, c := range s.Counters {
-		v := "deny"
-		if c.Allowed {
-			v = "allow"
-		}
-		fmt.Fprintf(tw, "  %s\t%s\t%s\t%d\n", c.Path, c.Rule, v, c.Count)
+		fmt.Fprintf(tw, "  %s\t%s\t%s\t%d\n", c.Path, c.Rule, c.Verdict(), c.Count)
 	}
 	tw.Flush()
 	if verbose && s.Kernel != nil {
