@@ -68,6 +68,21 @@ type uwbpfUwKey struct {
 	Valid uint32
 }
 
+type uwbpfUwLoId struct {
+	_     structs.HostLayout
+	Src   [16]uint8
+	Dst   [16]uint8
+	Sport uint16
+	Dport uint16
+	Proto uint8
+	Pad   [3]uint8
+	Uid   uint32
+	Gid   uint32
+	Mark  uint32
+	_     [4]byte
+	T     uint64
+}
+
 type uwbpfUwLpmKey struct {
 	_         structs.HostLayout
 	Prefixlen uint32
@@ -126,23 +141,25 @@ type uwbpfUwPeers struct {
 type uwbpfUwRule uint32
 
 const (
-	uwbpfUwRuleR_NONE              uwbpfUwRule = 0
-	uwbpfUwRuleR_SAME_USER         uwbpfUwRule = 1
-	uwbpfUwRuleR_SHARED_GROUP      uwbpfUwRule = 2
-	uwbpfUwRuleR_SYSTEM_PORT       uwbpfUwRule = 3
-	uwbpfUwRuleR_EXEMPT_CONNECTOR  uwbpfUwRule = 4
-	uwbpfUwRuleR_EXEMPT_LISTENER   uwbpfUwRule = 5
-	uwbpfUwRuleR_OFFCLUSTER_PORT   uwbpfUwRule = 6
-	uwbpfUwRuleR_OFFCLUSTER_DENIED uwbpfUwRule = 7
-	uwbpfUwRuleR_DENIED            uwbpfUwRule = 8
-	uwbpfUwRuleR_UDP_REPLY         uwbpfUwRule = 9
-	uwbpfUwRuleR_NO_LISTENER       uwbpfUwRule = 10
-	uwbpfUwRuleR_UNIX_REPLY        uwbpfUwRule = 11
-	uwbpfUwRuleR_UNVERIFIED        uwbpfUwRule = 12
-	uwbpfUwRuleR_UNCLASSIFIED      uwbpfUwRule = 13
-	uwbpfUwRuleR_COBIND            uwbpfUwRule = 14
-	uwbpfUwRuleR_FOREIGN_SOURCE    uwbpfUwRule = 15
-	uwbpfUwRuleR_MAX               uwbpfUwRule = 16
+	uwbpfUwRuleR_NONE                   uwbpfUwRule = 0
+	uwbpfUwRuleR_SAME_USER              uwbpfUwRule = 1
+	uwbpfUwRuleR_SHARED_GROUP           uwbpfUwRule = 2
+	uwbpfUwRuleR_SYSTEM_PORT            uwbpfUwRule = 3
+	uwbpfUwRuleR_EXEMPT_CONNECTOR       uwbpfUwRule = 4
+	uwbpfUwRuleR_EXEMPT_LISTENER        uwbpfUwRule = 5
+	uwbpfUwRuleR_OFFCLUSTER_PORT        uwbpfUwRule = 6
+	uwbpfUwRuleR_OFFCLUSTER_DENIED      uwbpfUwRule = 7
+	uwbpfUwRuleR_DENIED                 uwbpfUwRule = 8
+	uwbpfUwRuleR_UDP_REPLY              uwbpfUwRule = 9
+	uwbpfUwRuleR_NO_LISTENER            uwbpfUwRule = 10
+	uwbpfUwRuleR_UNIX_REPLY             uwbpfUwRule = 11
+	uwbpfUwRuleR_UNVERIFIED             uwbpfUwRule = 12
+	uwbpfUwRuleR_UNCLASSIFIED           uwbpfUwRule = 13
+	uwbpfUwRuleR_COBIND                 uwbpfUwRule = 14
+	uwbpfUwRuleR_FOREIGN_SOURCE         uwbpfUwRule = 15
+	uwbpfUwRuleR_UNSTAMPED_FROM_CLUSTER uwbpfUwRule = 16
+	uwbpfUwRuleR_UNSTAMPABLE            uwbpfUwRule = 17
+	uwbpfUwRuleR_MAX                    uwbpfUwRule = 18
 )
 
 type uwbpfUwStamp uint32
@@ -191,6 +208,8 @@ const (
 	uwbpfMapFlowBudget           = "flow_budget"
 	uwbpfMapIfaces               = "ifaces"
 	uwbpfMapKeys                 = "keys"
+	uwbpfMapLoIds                = "lo_ids"
+	uwbpfMapLoSeq                = "lo_seq"
 	uwbpfMapLocalAddrs           = "local_addrs"
 	uwbpfMapMembers              = "members"
 	uwbpfMapOffcPorts            = "offc_ports"
@@ -218,6 +237,7 @@ const (
 	uwbpfProgUwUnixMaySend       = "uw_unix_may_send"
 	uwbpfProgUwUnixStreamConnect = "uw_unix_stream_connect"
 	uwbpfVarNetnsCookie          = "netns_cookie"
+	uwbpfVarPeerTtlS             = "peer_ttl_s"
 	uwbpfVarTestMode             = "test_mode"
 	uwbpfVarUnusedEstat          = "unused_estat"
 	uwbpfVarUnusedEvent          = "unused_event"
@@ -303,6 +323,8 @@ type uwbpfMapSpecs struct {
 	FlowBudget     *ebpf.MapSpec `ebpf:"flow_budget"`
 	Ifaces         *ebpf.MapSpec `ebpf:"ifaces"`
 	Keys           *ebpf.MapSpec `ebpf:"keys"`
+	LoIds          *ebpf.MapSpec `ebpf:"lo_ids"`
+	LoSeq          *ebpf.MapSpec `ebpf:"lo_seq"`
 	LocalAddrs     *ebpf.MapSpec `ebpf:"local_addrs"`
 	Members        *ebpf.MapSpec `ebpf:"members"`
 	OffcPorts      *ebpf.MapSpec `ebpf:"offc_ports"`
@@ -319,6 +341,7 @@ type uwbpfMapSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type uwbpfVariableSpecs struct {
 	NetnsCookie    *ebpf.VariableSpec `ebpf:"netns_cookie"`
+	PeerTtlS       *ebpf.VariableSpec `ebpf:"peer_ttl_s"`
 	TestMode       *ebpf.VariableSpec `ebpf:"test_mode"`
 	UnusedEstat    *ebpf.VariableSpec `ebpf:"unused_estat"`
 	UnusedEvent    *ebpf.VariableSpec `ebpf:"unused_event"`
@@ -359,6 +382,8 @@ type uwbpfMaps struct {
 	FlowBudget     *ebpf.Map `ebpf:"flow_budget"`
 	Ifaces         *ebpf.Map `ebpf:"ifaces"`
 	Keys           *ebpf.Map `ebpf:"keys"`
+	LoIds          *ebpf.Map `ebpf:"lo_ids"`
+	LoSeq          *ebpf.Map `ebpf:"lo_seq"`
 	LocalAddrs     *ebpf.Map `ebpf:"local_addrs"`
 	Members        *ebpf.Map `ebpf:"members"`
 	OffcPorts      *ebpf.Map `ebpf:"offc_ports"`
@@ -382,6 +407,8 @@ func (m *uwbpfMaps) Close() error {
 		m.FlowBudget,
 		m.Ifaces,
 		m.Keys,
+		m.LoIds,
+		m.LoSeq,
 		m.LocalAddrs,
 		m.Members,
 		m.OffcPorts,
@@ -399,6 +426,7 @@ func (m *uwbpfMaps) Close() error {
 // It can be passed to loadUwbpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type uwbpfVariables struct {
 	NetnsCookie    *ebpf.Variable `ebpf:"netns_cookie"`
+	PeerTtlS       *ebpf.Variable `ebpf:"peer_ttl_s"`
 	TestMode       *ebpf.Variable `ebpf:"test_mode"`
 	UnusedEstat    *ebpf.Variable `ebpf:"unused_estat"`
 	UnusedEvent    *ebpf.Variable `ebpf:"unused_event"`
