@@ -798,11 +798,41 @@ static __always_inline int parse(struct __sk_buff *skb, __u32 l3, struct pkt *p)
  * this namespace, with the ids of that moment (what sg/newgrp set).
  */
 
-static __always_inline void current_owner(struct uw_owner *o)
+/*
+ * task_owner: THE identity of the current task, the one place it is decided
+ * (docs/userwall.md, "Identity"). It is what the kernel acts with: the
+ * filesystem ids, which the kernel records as a new socket's owner (sk_uid,
+ * the socket inode's i_uid) and checks file access with — the effective ids
+ * unless setfsuid() moved them. Never the real uid: a root daemon acting for
+ * a user after seteuid() (slurmstepd opening a step's I/O connection, sshd's
+ * privilege-separated children) is that user.
+ *
+ * Exemption is all-or-nothing: when the fs uid is an exempt connector (root,
+ * a service) but another uid of the task (real, effective, saved) is not, the
+ * task is that user — a set-uid-root program run by bob, or a daemon half-way
+ * through dropping privileges, is bob, never root.
+ */
+static __always_inline void task_owner(struct uw_owner *o)
 {
-	__u64 ug = bpf_get_current_uid_gid();
-	o->uid = (__u32)ug;
-	o->gid = (__u32)(ug >> 32);
+	struct task_struct *t = bpf_get_current_task_btf();
+	const struct cred *cr = BPF_CORE_READ(t, cred);
+	__u32 uid = BPF_CORE_READ(cr, fsuid.val), gid = BPF_CORE_READ(cr, fsgid.val);
+	if (bpf_map_lookup_elem(&exempt_conn, &uid)) {
+		__u32 ruid = BPF_CORE_READ(cr, uid.val), euid = BPF_CORE_READ(cr, euid.val),
+		      suid = BPF_CORE_READ(cr, suid.val);
+		if (!bpf_map_lookup_elem(&exempt_conn, &ruid)) {
+			uid = ruid;
+			gid = BPF_CORE_READ(cr, gid.val);
+		} else if (!bpf_map_lookup_elem(&exempt_conn, &euid)) {
+			uid = euid;
+			gid = BPF_CORE_READ(cr, egid.val);
+		} else if (!bpf_map_lookup_elem(&exempt_conn, &suid)) {
+			uid = suid;
+			gid = BPF_CORE_READ(cr, sgid.val);
+		}
+	}
+	o->uid = uid;
+	o->gid = gid;
 	o->set = 1;
 	o->pad = 0;
 }
@@ -813,7 +843,7 @@ int uw_sock_create(struct bpf_sock *ctx)
 	if (bpf_get_netns_cookie(ctx) != netns_cookie)
 		return 1;
 	struct uw_owner init;
-	current_owner(&init);
+	task_owner(&init);
 	struct uw_owner *o = bpf_sk_storage_get(&sk_owners, ctx, &init, BPF_SK_STORAGE_GET_F_CREATE);
 	/* A user socket without an owner record would escape the check at
 	 * delivery: refuse it (fail closed) rather than let it be created. */
@@ -829,7 +859,7 @@ static __always_inline int post_bind(struct bpf_sock *ctx)
 	if (bpf_get_netns_cookie(ctx) != netns_cookie)
 		return 1;
 	struct uw_owner init;
-	current_owner(&init);
+	task_owner(&init);
 	bpf_sk_storage_get(&sk_owners, ctx, &init, BPF_SK_STORAGE_GET_F_CREATE);
 	return 1;
 }
@@ -908,7 +938,9 @@ static __always_inline int bind_check(struct bpf_sock_addr *ctx, int v4)
 	__u16 port = bpf_ntohs(ctx->user_port);
 	if (port == 0 || port <= c->system_port_max)
 		return 1;
-	__u32 uid = (__u32)bpf_get_current_uid_gid();
+	struct uw_owner me;
+	task_owner(&me);
+	__u32 uid = me.uid;
 	if (bpf_map_lookup_elem(&exempt_conn, &uid))
 		return 1;
 	struct bpf_sock_tuple t = {};
@@ -1673,13 +1705,6 @@ static __always_inline int current_has_group(__u32 gid)
 	return 0;
 }
 
-static __always_inline void current_ids(__u32 *uid, __u32 *gid)
-{
-	struct task_struct *t = bpf_get_current_task_btf();
-	const struct cred *cred = BPF_CORE_READ(t, cred);
-	*uid = BPF_CORE_READ(cred, euid.val);
-	*gid = BPF_CORE_READ(cred, egid.val);
-}
 
 
 
@@ -1744,7 +1769,10 @@ static __always_inline int check_unix(struct sock *sk, struct sock *other, int s
 	if (so)
 		lgid = BPF_CORE_READ(so, file, f_cred, egid.val);
 	__u32 cuid, cgid;
-	current_ids(&cuid, &cgid);
+	struct uw_owner me;
+	task_owner(&me);
+	cuid = me.uid;
+	cgid = me.gid;
 	__u32 rule = decide_user(cuid, luid, cuid != luid && current_has_group(lgid));
 	/* The answer of a datagram server to a client that wrote to it (the
 	 * client's autobound or named socket belongs to the client, whom the
