@@ -53,6 +53,13 @@ type uwbpfUwKey struct {
 	Valid uint32
 }
 
+type uwbpfUwLoop struct {
+	_      structs.HostLayout
+	Cookie uint64
+	Uid    uint32
+	Gid    uint32
+}
+
 type uwbpfUwLpmKey struct {
 	_         structs.HostLayout
 	Prefixlen uint32
@@ -62,8 +69,11 @@ type uwbpfUwLpmKey struct {
 type uwbpfUwMark uint32
 
 const (
-	uwbpfUwMarkUW_MARK_RST  uwbpfUwMark = 1430406656
-	uwbpfUwMarkUW_MARK_ICMP uwbpfUwMark = 1430406657
+	uwbpfUwMarkUW_MARK_RST        uwbpfUwMark = 1430406656
+	uwbpfUwMarkUW_MARK_ICMP       uwbpfUwMark = 1430406657
+	uwbpfUwMarkUW_MARK_LOOP       uwbpfUwMark = 2768240640
+	uwbpfUwMarkUW_MARK_LOOP_MASK  uwbpfUwMark = 4278190080
+	uwbpfUwMarkUW_MARK_LOOP_TOKEN uwbpfUwMark = 16777215
 )
 
 type uwbpfUwMemberKey struct {
@@ -174,6 +184,7 @@ const (
 	uwbpfMapIfaces               = "ifaces"
 	uwbpfMapKeys                 = "keys"
 	uwbpfMapLocalAddrs           = "local_addrs"
+	uwbpfMapLoopSenders          = "loop_senders"
 	uwbpfMapMembers              = "members"
 	uwbpfMapOffcPorts            = "offc_ports"
 	uwbpfMapSettings             = "settings"
@@ -195,6 +206,7 @@ const (
 	uwbpfProgUwSkbEgress         = "uw_skb_egress"
 	uwbpfProgUwSkbIngress        = "uw_skb_ingress"
 	uwbpfProgUwSockCreate        = "uw_sock_create"
+	uwbpfProgUwSockRelease       = "uw_sock_release"
 	uwbpfProgUwTcEgress          = "uw_tc_egress"
 	uwbpfProgUwTcIngress         = "uw_tc_ingress"
 	uwbpfProgUwUnixMaySend       = "uw_unix_may_send"
@@ -264,6 +276,7 @@ type uwbpfProgramSpecs struct {
 	UwSkbEgress         *ebpf.ProgramSpec `ebpf:"uw_skb_egress"`
 	UwSkbIngress        *ebpf.ProgramSpec `ebpf:"uw_skb_ingress"`
 	UwSockCreate        *ebpf.ProgramSpec `ebpf:"uw_sock_create"`
+	UwSockRelease       *ebpf.ProgramSpec `ebpf:"uw_sock_release"`
 	UwTcEgress          *ebpf.ProgramSpec `ebpf:"uw_tc_egress"`
 	UwTcIngress         *ebpf.ProgramSpec `ebpf:"uw_tc_ingress"`
 	UwUnixMaySend       *ebpf.ProgramSpec `ebpf:"uw_unix_may_send"`
@@ -282,6 +295,7 @@ type uwbpfMapSpecs struct {
 	Ifaces         *ebpf.MapSpec `ebpf:"ifaces"`
 	Keys           *ebpf.MapSpec `ebpf:"keys"`
 	LocalAddrs     *ebpf.MapSpec `ebpf:"local_addrs"`
+	LoopSenders    *ebpf.MapSpec `ebpf:"loop_senders"`
 	Members        *ebpf.MapSpec `ebpf:"members"`
 	OffcPorts      *ebpf.MapSpec `ebpf:"offc_ports"`
 	Settings       *ebpf.MapSpec `ebpf:"settings"`
@@ -334,6 +348,7 @@ type uwbpfMaps struct {
 	Ifaces         *ebpf.Map `ebpf:"ifaces"`
 	Keys           *ebpf.Map `ebpf:"keys"`
 	LocalAddrs     *ebpf.Map `ebpf:"local_addrs"`
+	LoopSenders    *ebpf.Map `ebpf:"loop_senders"`
 	Members        *ebpf.Map `ebpf:"members"`
 	OffcPorts      *ebpf.Map `ebpf:"offc_ports"`
 	Settings       *ebpf.Map `ebpf:"settings"`
@@ -354,6 +369,7 @@ func (m *uwbpfMaps) Close() error {
 		m.Ifaces,
 		m.Keys,
 		m.LocalAddrs,
+		m.LoopSenders,
 		m.Members,
 		m.OffcPorts,
 		m.Settings,
@@ -396,6 +412,7 @@ type uwbpfPrograms struct {
 	UwSkbEgress         *ebpf.Program `ebpf:"uw_skb_egress"`
 	UwSkbIngress        *ebpf.Program `ebpf:"uw_skb_ingress"`
 	UwSockCreate        *ebpf.Program `ebpf:"uw_sock_create"`
+	UwSockRelease       *ebpf.Program `ebpf:"uw_sock_release"`
 	UwTcEgress          *ebpf.Program `ebpf:"uw_tc_egress"`
 	UwTcIngress         *ebpf.Program `ebpf:"uw_tc_ingress"`
 	UwUnixMaySend       *ebpf.Program `ebpf:"uw_unix_may_send"`
@@ -417,6 +434,7 @@ func (p *uwbpfPrograms) Close() error {
 		p.UwSkbEgress,
 		p.UwSkbIngress,
 		p.UwSockCreate,
+		p.UwSockRelease,
 		p.UwTcEgress,
 		p.UwTcIngress,
 		p.UwUnixMaySend,

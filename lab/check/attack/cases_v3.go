@@ -1,6 +1,9 @@
 package attack
 
-import "fmt"
+import (
+	"fmt"
+	"net/netip"
+)
 
 // Cases of round 3 (issue 20): identity is what the kernel acts with.
 func casesV3() []*Case {
@@ -11,6 +14,7 @@ func casesV3() []*Case {
 		}
 	}
 	cs = append(cs, deputy("setuid-root", "tcp", false), deputy("saved-uid", "udp", false))
+	cs = append(cs, loopSpecific("bcast"), loopSpecific("allhosts"), loopSpecific("allnodes"))
 	return cs
 }
 
@@ -47,6 +51,46 @@ func deputy(kind, proto string, local bool) *Case {
 			ctl := ActSpec{Sock: sock(proto, 4), Dst: to, Creds: deputyCreds(kind, victimUID)}
 			r.Attack(e, s, node, "root", proto+" as root acting for bob ("+kind+") → "+to, att)
 			r.Control(e, s, node, "root", proto+" as root acting for alice ("+kind+") → "+to, ctl)
+			return nil
+		}}
+}
+
+// loopSpecific: the sender of a looped multicast/broadcast copy was found by
+// a lookup on its source address and port, which returns the best receiving
+// socket — alice's socket bound to the specific address — not bob's wildcard
+// socket that sent it.
+func loopSpecific(kind string) *Case {
+	fam := 4
+	if kind == "allnodes" {
+		fam = 6
+	}
+	return &Case{Name: "mcast-loop-specific-holder-" + kind + "-local-v" + itoa(fam), Class: "multicast",
+		Why: "alice holds a UDP socket bound to A's own address, port Q, with SO_REUSEADDR; bob co-binds the wildcard on Q and sends to " + kind + " on port P: the looped copy's source (A's address, Q) names alice's socket, so a receive-side lookup credits alice",
+		Run: func(e *Env, r *Run) error {
+			p, q := e.Port, e.Port+1
+			holder, group := ap(e.A.Eth0V4, q), ap(netip.MustParseAddr("198.18.0.255"), p)
+			switch kind {
+			case "allhosts":
+				group = ap(netip.MustParseAddr("224.0.0.1"), p)
+			case "allnodes":
+				ll, err := e.LinkLocal(e.A.Name)
+				if err != nil {
+					return err
+				}
+				holder, group = ap(ll, q), ap(netip.MustParseAddr("ff02::1").WithZone("eth0"), p)
+			}
+			s, err := e.Sink(r, e.A.Name, Victim, SinkSpec{Sock: Sock{Proto: "udp", Family: fam, Bind: ap(wild(fam), p)}})
+			if err != nil {
+				return err
+			}
+			if _, err := e.Sink(r, e.A.Name, Victim, SinkSpec{Sock: Sock{Proto: "udp", Family: fam, Bind: holder, ReuseAddr: true}}); err != nil {
+				return err
+			}
+			send := Sock{Proto: "udp", Family: fam, Broadcast: fam == 4, MulticastIf: "eth0"}
+			att := send
+			att.Bind, att.ReuseAddr = ap(wild(fam), q), true
+			r.Attack(e, s, e.A.Name, Attacker, "udp from *:"+itoa(q)+" (co-bound) → "+group, ActSpec{Sock: att, Dst: group, Count: 3})
+			r.Control(e, s, e.A.Name, Victim, "udp → "+group, ActSpec{Sock: send, Dst: group, Count: 3})
 			return nil
 		}}
 }

@@ -75,6 +75,10 @@ char LICENSE[] SEC("license") = "GPL";
 enum uw_mark {
 	UW_MARK_RST = 0x55424600,
 	UW_MARK_ICMP = 0x55424601,
+	/* A looped copy's sender token: tag in the high byte, token below. */
+	UW_MARK_LOOP = 0xa5000000,
+	UW_MARK_LOOP_MASK = 0xff000000,
+	UW_MARK_LOOP_TOKEN = 0x00ffffff,
 };
 
 #define MAX_GROUPS 128
@@ -291,6 +295,31 @@ struct {
 	__type(key, int);
 	__type(value, struct uw_peers);
 } udp_peers SEC(".maps");
+
+/* The sender of a node's own looped multicast/broadcast copies, known from
+ * the sending socket: its copies carry no stamp (the kernel clones them
+ * before tc egress) and, for IPv4, see no cgroup egress program either (the
+ * clone has no socket). So each user datagram socket gets, at creation, a
+ * token — the low 24 bits of its cookie — as its socket mark, which the
+ * kernel copies into every packet it sends, looped copies included; this map
+ * holds the token's socket and owner from creation to release (exact: no
+ * stale entry can stand for another socket). A token a live socket already
+ * holds (2^24 sockets apart) leaves the new socket without one: its looped
+ * copies are unattributed, refused at user sockets, never credited to
+ * someone else. Users cannot set a socket mark (CAP_NET_ADMIN). */
+struct uw_loop {
+	__u64 cookie;
+	__u32 uid;
+	__u32 gid;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 262144);
+	__type(key, __u32);
+	__type(value, struct uw_loop);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} loop_senders SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -849,6 +878,27 @@ int uw_sock_create(struct bpf_sock *ctx)
 	 * delivery: refuse it (fail closed) rather than let it be created. */
 	if (!o && init.uid != 0)
 		return 0;
+	if (ctx->type == SOCK_DGRAM && dgram_proto(ctx->protocol) && ctx->mark == 0) {
+		/* The looped-copy token (loop_senders). */
+		__u64 ck = bpf_get_socket_cookie(ctx);
+		__u32 tok = ck & UW_MARK_LOOP_TOKEN;
+		struct uw_loop v = {.cookie = ck, .uid = init.uid, .gid = init.gid};
+		if (!bpf_map_update_elem(&loop_senders, &tok, &v, BPF_NOEXIST))
+			ctx->mark = UW_MARK_LOOP | tok;
+	}
+	return 1;
+}
+
+/* A datagram socket's token dies with it (only its own entry is deleted). */
+SEC("cgroup/sock_release")
+int uw_sock_release(struct bpf_sock *ctx)
+{
+	if ((ctx->mark & UW_MARK_LOOP_MASK) != UW_MARK_LOOP)
+		return 1;
+	__u32 tok = ctx->mark & UW_MARK_LOOP_TOKEN;
+	struct uw_loop *e = bpf_map_lookup_elem(&loop_senders, &tok);
+	if (e && e->cookie == bpf_get_socket_cookie(ctx))
+		bpf_map_delete_elem(&loop_senders, &tok);
 	return 1;
 }
 
@@ -1301,37 +1351,21 @@ int uw_skb_ingress(struct __sk_buff *skb)
 	if (st == S_VALID && !lpm_has(&cluster_nets, p.src) && !lpm_has(&local_addrs, p.src) &&
 	    !link_local(p.src))
 		st = S_UNTRUSTED_SOURCE;
-	if (st == S_NONE && !test_mode && skb->pkt_type == PACKET_LOOPBACK && p.proto == IPPROTO_UDP &&
+	if (st == S_NONE && !test_mode && skb->pkt_type == PACKET_LOOPBACK && dgram_proto(p.proto) &&
 	    lpm_has(&local_addrs, p.src)) {
 		/* A multicast/broadcast copy this node looped back to its own
 		 * sockets: it was copied before tc egress and has no stamp. Its
-		 * sender is the socket bound to its source address and port
-		 * (connected, if so, to its destination): no other user can
-		 * hold that port there (uw_bind4/6), nor send from an address
-		 * that is not the node's (uw_skb_egress). */
-		struct bpf_sock_tuple t = {};
-		struct bpf_sock *snd;
-		if (p.v4) {
-			__builtin_memcpy(&t.ipv4.saddr, &p.dst[12], 4);
-			__builtin_memcpy(&t.ipv4.daddr, &p.src[12], 4);
-			t.ipv4.sport = bpf_htons(p.dport);
-			t.ipv4.dport = bpf_htons(p.sport);
-			snd = bpf_sk_lookup_udp(skb, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
-		} else {
-			__builtin_memcpy(t.ipv6.saddr, p.dst, 16);
-			__builtin_memcpy(t.ipv6.daddr, p.src, 16);
-			t.ipv6.sport = bpf_htons(p.dport);
-			t.ipv6.dport = bpf_htons(p.sport);
-			snd = bpf_sk_lookup_udp(skb, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
-		}
-		if (snd) {
-			struct uw_owner *so = owner_of(snd);
-			if (so) {
-				p.uid = so->uid;
-				p.gid = so->gid;
+		 * sender is named by the token its socket marks it with
+		 * (loop_senders), never by a lookup on address and port, which
+		 * returns the best receiving socket: possibly another user's. */
+		if ((skb->mark & UW_MARK_LOOP_MASK) == UW_MARK_LOOP) {
+			__u32 tok = skb->mark & UW_MARK_LOOP_TOKEN;
+			struct uw_loop *snd = bpf_map_lookup_elem(&loop_senders, &tok);
+			if (snd) {
+				p.uid = snd->uid;
+				p.gid = snd->gid;
 				st = S_VALID;
 			}
-			bpf_sk_release(snd);
 		}
 	}
 	__u32 rule = decide(c, &p, st, l, sk);
@@ -1548,6 +1582,10 @@ int uw_tc_ingress(struct __sk_buff *skb)
 SEC("tc")
 int uw_tc_egress(struct __sk_buff *skb)
 {
+	/* A loop token (the socket mark, loop_senders) is for this node's own copies: the packet
+	 * leaves with the mark it had before. */
+	if ((skb->mark & UW_MARK_LOOP_MASK) == UW_MARK_LOOP)
+		skb->mark = 0;
 	int l3 = l3_offset(skb);
 	int look = needs_look(skb, l3);
 	if (!look)
