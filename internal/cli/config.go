@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"strconv"
 
 	"github.com/spf13/cobra"
 
@@ -30,7 +31,8 @@ the effective policy with every default filled in, the file's SHA-256 (the
 configuration hash that status and the metric palisade_config_info show for
 the running agent) and a WARNING for each risky setting (system_port_max above
 1023, empty exemption lists or cluster subnets, a public metrics address, no
-event log, ...). Slurm's accounts (SlurmUser, SlurmdUser in --slurm-conf) must
+event log, ...). The policy's [[test]] entries are run (palisade policy test):
+a failing test is an ERROR. Slurm's accounts (SlurmUser, SlurmdUser in --slurm-conf) must
 be exempt connectors and listeners, or srun and sinfo fail with "Unable to
 contact slurm controller": their absence is an ERROR.
 
@@ -50,6 +52,7 @@ ERROR, 0 otherwise (also with warnings, unless --strict). Nothing is applied.`,
 			if f, ok := keyFinding(cfg); ok {
 				fs = append(fs, f)
 			}
+			fs = append(fs, testFindings(cfg)...)
 			for _, f := range fs {
 				fmt.Fprintf(out, "# %s: %s\n", f.Level, f.String(configPath))
 				if f.Severity == config.Problem {
@@ -92,4 +95,22 @@ func keyFinding(cfg *config.Config) (config.Finding, bool) {
 	return config.Finding{Severity: config.Problem, Level: config.Problem.String(), Key: "cluster.key_file", Line: cfg.KeyLine("cluster.key_file"),
 		Msg: fmt.Sprintf("%v: identity from other nodes is not trusted, users' cross-node traffic is refused "+
 			"(make one: (umask 077; openssl rand -hex 16 > %s), the same on every node)", err, path)}, true
+}
+
+// testFindings runs the policy's tests: each failure is an ERROR (the
+// agent refuses such a policy), each site rule no test covers a WARNING.
+func testFindings(cfg *config.Config) []config.Finding {
+	var out []config.Finding
+	results, _ := cfg.RunTests(nil)
+	for i, r := range results {
+		if r.Err != nil {
+			out = append(out, config.Finding{Severity: config.Problem, Level: config.Problem.String(), Key: fmt.Sprintf("test %q", r.Name),
+				Line: r.Line, Msg: fmt.Sprintf("failed (%s, test %d): %v", r.Where(), i+1, r.Err)})
+		}
+	}
+	for _, r := range cfg.Uncovered() {
+		out = append(out, config.Finding{Severity: config.Warning, Level: config.Warning.String(), Key: "rule " + strconv.Quote(r.Name),
+			Line: r.Line, Msg: fmt.Sprintf("no [[test]] expects this rule to decide (%s)", r.Where())})
+	}
+	return out
 }

@@ -63,7 +63,7 @@ func TestParseGood(t *testing.T) {
 	if !slices.Equal(p.OffClusterPorts, []policy.PortRange{{First: 8443, Last: 8443}, {First: 9000, Last: 9100}, {First: 10000, Last: 10000}}) {
 		t.Errorf("ports = %v", p.OffClusterPorts)
 	}
-	if len(c.Nodes) != 2 || c.Nodes[1] != (Node{"node2", netip.MustParseAddr("198.18.0.2")}) {
+	if len(c.Nodes) != 2 || c.Nodes[1].Name != "node2" || c.Nodes[1].Addr != netip.MustParseAddr("198.18.0.2") {
 		t.Errorf("nodes = %v", c.Nodes)
 	}
 	// Describe's output is itself a valid configuration with the same policy.
@@ -71,7 +71,7 @@ func TestParseGood(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Describe output does not parse: %v\n%s", err, c.Describe(users))
 	}
-	if !equalPolicy(c.Policy, c2.Policy) || !slices.Equal(c.Nodes, c2.Nodes) {
+	if !equalPolicy(c.Policy, c2.Policy) || !reflect.DeepEqual(c.Nodes, c2.Nodes) {
 		t.Errorf("Describe round trip: %+v != %+v", c2.Policy, c.Policy)
 	}
 }
@@ -303,10 +303,18 @@ func FuzzParse(f *testing.F) {
 	f.Add([]byte("[offcluster]\nallow_ports = [\"9-1\", 0, \"65535\"]\n[x.y]\nz=1"))
 	f.Add([]byte("[cluster]\nnodes = [\"a=::ffff:1.2.3.4\"]\nsubnets = [\"::/0\"]"))
 	f.Add([]byte("[[uvn.underlay]]\nprefixes = [\"198.18.0.0/24\"]\nport = 4789"))
+	f.Add([]byte(sitePolicy))
+	f.Add([]byte("[[rule]]\nname=\"a\"\naction=\"deny\"\nfrom_nodes=[\"n[01-10]x[1-2],m\"]\non_nodes=[\"a[1-2,5]\"]\nfrom=[\"@proj1\",2001]\n[[test]]\nfrom=\"bob\"\nto=\"alice\"\nport=5000\nexpect=\"deny\"\nrule=\"a\"\n"))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		c, err := Parse("fuzz.toml", data, users)
 		if (c == nil) == (err == nil) {
 			t.Fatalf("Parse returned config %v and error %v", c, err)
+		}
+		if err == nil {
+			// Tests run or fail with an error, never panic; rule order holds.
+			if _, terr := c.RunTests(users); terr != nil && !strings.Contains(terr.Error(), "test[") {
+				t.Fatalf("RunTests: %v", terr)
+			}
 		}
 		if err == nil {
 			// A valid config describes itself as a valid config.

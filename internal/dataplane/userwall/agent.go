@@ -46,6 +46,30 @@ func (o *AgentOptions) LoadConfig() (*config.Config, error) {
 	if err != nil {
 		return nil, err
 	}
+	o.applyOverrides(cfg)
+	return cfg, nil
+}
+
+// LoadTestedConfig is LoadConfig, refusing a policy whose [[test]] entries
+// fail: what the agent starts and reloads with (and `agent --reload` checks
+// before signalling), so a change that breaks a site's tests never applies.
+func (o *AgentOptions) LoadTestedConfig() (*config.Config, error) {
+	cfg, err := o.LoadConfig()
+	if err != nil {
+		return nil, err
+	}
+	if _, err := cfg.RunTests(nil); err != nil {
+		return nil, fmt.Errorf("policy tests failed:\n%w", err)
+	}
+	if len(cfg.Policy.Rules) > 0 {
+		// Until the programs enforce them: never let explain and the
+		// kernel disagree.
+		return nil, fmt.Errorf("%s: [[rule]]: site rules are not enforced by userwall yet; remove them", cfg.Path)
+	}
+	return cfg, nil
+}
+
+func (o *AgentOptions) applyOverrides(cfg *config.Config) {
 	a := &cfg.Agent
 	if o.PidFile != "" {
 		a.PidFile = o.PidFile
@@ -59,7 +83,6 @@ func (o *AgentOptions) LoadConfig() (*config.Config, error) {
 	if o.IdentSocket != "" {
 		a.IdentSocket = o.IdentSocket
 	}
-	return cfg, nil
 }
 
 // agent is one running agent. Its goroutines: the main loop (RunAgent's
@@ -78,13 +101,21 @@ type agent struct {
 	attached map[string]int // interface → ifindex
 	cgroup   string
 	sink     *eventSink
+	flows    *flowRecorder
 	ident    *ident.Server
+	// flowCfg is what the flows socket's goroutines read of the running
+	// configuration (set by the main loop); localAddrs are this node's
+	// addresses as last synced (syncAddrs).
+	flowCfg    atomic.Pointer[flowConfig]
+	localAddrs atomic.Pointer[map[netip.Addr]bool]
 	// keyErr says why the cluster key is not in use (nil: it is);
 	// noKeyWarned keeps the log from repeating it.
 	keyErr      error
 	noKeyWarned string
 	// nftRepairs counts restorations of the nft table (metrics).
 	nftRepairs atomic.Int64
+	// stateWriteErrors counts state files not written (metrics).
+	stateWriteErrors atomic.Uint64
 
 	// Set by newAgent, read-only after: the kernel's features, how the tc
 	// programs attach and why, why the LSM programs are left out.
@@ -190,7 +221,7 @@ func newAgent(o AgentOptions) (*agent, error) {
 	v := version.Get()
 	log.Info("palisade agent starting", "version", v.Version, "commit", v.Commit, "built", v.BuildDate,
 		"go", v.GoVersion, "cilium_ebpf", v.EBPF)
-	cfg, err := o.LoadConfig()
+	cfg, err := o.LoadTestedConfig()
 	if err != nil {
 		return nil, err
 	}
@@ -349,7 +380,17 @@ func (a *agent) startServices(ctx context.Context, svc *services) error {
 		return err
 	}
 	a.sink.seen = a.members.Seen
+	a.flows = a.newFlows()
+	a.sink.flows = a.flows
+	flowCtx, stopFlows := context.WithCancel(ctx)
+	svc.add(goJoined(func() { a.flows.run(flowCtx) }, stopFlows, a.flows.close))
 	svc.add(goJoined(func() { a.sink.run(rd) }, func() { rd.Close() }, a.sink.close))
+	if stop, err := a.serveFlows(ctx); err != nil {
+		a.log.Warn("flows socket not served (palisade flows, audit report)", "err", err)
+		a.notes = append(a.notes, "flows socket not served: "+err.Error())
+	} else {
+		svc.add(stop)
+	}
 
 	nftCtx, cancel := context.WithCancel(ctx)
 	svc.add(goJoined(func() { WatchNft(nftCtx, a.repairNft) }, cancel, nil))
@@ -471,6 +512,7 @@ func (a *agent) install(cgroupRoot string) error {
 	if err := a.loadKeys(); err != nil {
 		return err
 	}
+	a.dp.AllowSamples = uint32(a.cfg.Agent.FlowSamples)
 	if err := a.dp.ApplyPolicy(a.exempt.withUIDs(a.cfg.Policy), a.cfg.Agent.Audit); err != nil {
 		return err
 	}
@@ -525,11 +567,14 @@ func (a *agent) syncAddrs() error {
 	// Unicast addresses only: broadcast and multicast datagrams go to many
 	// sockets and are decided at each of them, never early.
 	var addrs []netip.Addr
+	set := map[netip.Addr]bool{}
 	for _, x := range list {
 		if ip, ok := netip.AddrFromSlice(x.IP); ok {
 			addrs = append(addrs, ip)
+			set[ip.Unmap()] = true
 		}
 	}
+	a.localAddrs.Store(&set)
 	return a.dp.SetLocalAddrs(addrs)
 }
 
@@ -637,7 +682,7 @@ func (a *agent) startIdent(ctx context.Context) (stop func()) {
 	srv, err := ident.NewServer(ident.ServerConfig{
 		UDPPort: uint16(c.IdentPort), DisableUDP: c.IdentPort == 0,
 		SocketPath: c.IdentSocket, DisableUnix: c.IdentSocket == "", SocketGroup: c.IdentSocketGroup,
-		Policy: a.cfg.Policy, Logger: a.log, Report: a.report,
+		Policy: a.cfg.Policy, Logger: a.log, Report: a.report, Data: a.flows.answerData,
 	})
 	if err != nil {
 		a.log.Warn("ident service not started", "err", err)

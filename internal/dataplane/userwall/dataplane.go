@@ -77,8 +77,15 @@ type Dataplane struct {
 	// Load, ended by Commit or Rollback, driver goroutine only.
 	mig *migration
 
+	// AllowSamples is how many allowed verdicts a second each CPU reports
+	// (the flows); ApplyPolicy writes it. Driver goroutine only.
+	AllowSamples uint32
+
 	mu    sync.Mutex
 	links map[string]link.Link // by pin name
+	// sizes are the entries the set maps hold after the last write that
+	// succeeded (metrics read them instead of walking the maps).
+	sizes map[string]int
 	// lsmErr says why abstract Unix sockets are not enforced (nil: they are).
 	lsmErr error
 }

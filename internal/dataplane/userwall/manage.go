@@ -208,8 +208,13 @@ func getStatus(o AgentOptions, probe bool) (*Status, error) {
 		s.KeyError = err.Error()
 	}
 	if m, err := ebpf.LoadPinnedMap(filepath.Join(pins, "counters"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
-		s.Counters, _ = readCounters(m)
+		// audit_counters is absent under programs older than it.
+		am, _ := ebpf.LoadPinnedMap(filepath.Join(pins, "audit_counters"), &ebpf.LoadPinOptions{ReadOnly: true})
+		s.Counters, _ = readCounters(m, am)
 		m.Close()
+		if am != nil {
+			am.Close()
+		}
 	}
 	if len(names) > 0 || len(tcs) > 0 {
 		s.Mode = "userwall"

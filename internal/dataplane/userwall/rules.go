@@ -85,10 +85,45 @@ type Counter struct {
 	Path    string `json:"path"`
 	Rule    string `json:"rule"`
 	Allowed bool   `json:"allowed"`
-	Count   uint64 `json:"count"`
+	// Audit: refusals audit mode let through (never counted as refused).
+	Audit bool   `json:"audit,omitempty"`
+	Count uint64 `json:"count"`
 }
 
-// ReadCounters sums the per-CPU decision counters.
+// Verdict is "allow", "deny" or "audit" (a refusal audit mode let through).
+func (c Counter) Verdict() string {
+	switch {
+	case c.Audit:
+		return "audit"
+	case c.Allowed:
+		return "allow"
+	}
+	return "deny"
+}
+
+// ReadCounters sums the per-CPU decision counters, the audit ones included.
 func (d *Dataplane) ReadCounters() ([]Counter, error) {
-	return readCounters(d.Map("counters"))
+	return readCounters(d.Map("counters"), d.Map("audit_counters"))
+}
+
+// EventStats are the programs' counts of reports and allowed samples.
+type EventStats struct {
+	Lost, Sampled, Unsampled uint64
+}
+
+// ReadEventStats sums the per-CPU event statistics.
+func (d *Dataplane) ReadEventStats() (EventStats, error) {
+	m := d.Map("event_stats")
+	var st EventStats
+	for k, dst := range map[uwbpfUwEstat]*uint64{uwbpfUwEstatE_LOST: &st.Lost, uwbpfUwEstatE_SAMPLED: &st.Sampled,
+		uwbpfUwEstatE_UNSAMPLED: &st.Unsampled} {
+		var per []uint64
+		if err := m.Lookup(uint32(k), &per); err != nil {
+			return st, err
+		}
+		for _, v := range per {
+			*dst += v
+		}
+	}
+	return st, nil
 }

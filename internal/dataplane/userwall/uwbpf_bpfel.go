@@ -13,14 +13,29 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type uwbpfUwBudget struct {
+	_   structs.HostLayout
+	Sec uint64
+	N   uint64
+}
+
 type uwbpfUwConfig struct {
 	_             structs.HostLayout
 	SystemPortMax uint32
 	Enabled       uint32
 	Audit         uint32
-	Pad           uint32
+	AllowSamples  uint32
 	ClockOffsetNs int64
 }
+
+type uwbpfUwEstat uint32
+
+const (
+	uwbpfUwEstatE_LOST      uwbpfUwEstat = 0
+	uwbpfUwEstatE_SAMPLED   uwbpfUwEstat = 1
+	uwbpfUwEstatE_UNSAMPLED uwbpfUwEstat = 2
+	uwbpfUwEstatE_MAX       uwbpfUwEstat = 4
+)
 
 type uwbpfUwEvent struct {
 	_            structs.HostLayout
@@ -176,11 +191,14 @@ type uwbpfUwUnixPeers struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	uwbpfMapAuditCounters        = "audit_counters"
 	uwbpfMapClusterNets          = "cluster_nets"
 	uwbpfMapCounters             = "counters"
+	uwbpfMapEventStats           = "event_stats"
 	uwbpfMapEvents               = "events"
 	uwbpfMapExemptConn           = "exempt_conn"
 	uwbpfMapExemptLis            = "exempt_lis"
+	uwbpfMapFlowBudget           = "flow_budget"
 	uwbpfMapIfaces               = "ifaces"
 	uwbpfMapKeys                 = "keys"
 	uwbpfMapLocalAddrs           = "local_addrs"
@@ -213,6 +231,7 @@ const (
 	uwbpfProgUwUnixStreamConnect = "uw_unix_stream_connect"
 	uwbpfVarNetnsCookie          = "netns_cookie"
 	uwbpfVarTestMode             = "test_mode"
+	uwbpfVarUnusedEstat          = "unused_estat"
 	uwbpfVarUnusedEvent          = "unused_event"
 	uwbpfVarUnusedMark           = "unused_mark"
 	uwbpfVarUnusedPath           = "unused_path"
@@ -287,11 +306,14 @@ type uwbpfProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type uwbpfMapSpecs struct {
+	AuditCounters  *ebpf.MapSpec `ebpf:"audit_counters"`
 	ClusterNets    *ebpf.MapSpec `ebpf:"cluster_nets"`
 	Counters       *ebpf.MapSpec `ebpf:"counters"`
+	EventStats     *ebpf.MapSpec `ebpf:"event_stats"`
 	Events         *ebpf.MapSpec `ebpf:"events"`
 	ExemptConn     *ebpf.MapSpec `ebpf:"exempt_conn"`
 	ExemptLis      *ebpf.MapSpec `ebpf:"exempt_lis"`
+	FlowBudget     *ebpf.MapSpec `ebpf:"flow_budget"`
 	Ifaces         *ebpf.MapSpec `ebpf:"ifaces"`
 	Keys           *ebpf.MapSpec `ebpf:"keys"`
 	LocalAddrs     *ebpf.MapSpec `ebpf:"local_addrs"`
@@ -312,6 +334,7 @@ type uwbpfMapSpecs struct {
 type uwbpfVariableSpecs struct {
 	NetnsCookie    *ebpf.VariableSpec `ebpf:"netns_cookie"`
 	TestMode       *ebpf.VariableSpec `ebpf:"test_mode"`
+	UnusedEstat    *ebpf.VariableSpec `ebpf:"unused_estat"`
 	UnusedEvent    *ebpf.VariableSpec `ebpf:"unused_event"`
 	UnusedMark     *ebpf.VariableSpec `ebpf:"unused_mark"`
 	UnusedPath     *ebpf.VariableSpec `ebpf:"unused_path"`
@@ -340,11 +363,14 @@ func (o *uwbpfObjects) Close() error {
 //
 // It can be passed to loadUwbpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type uwbpfMaps struct {
+	AuditCounters  *ebpf.Map `ebpf:"audit_counters"`
 	ClusterNets    *ebpf.Map `ebpf:"cluster_nets"`
 	Counters       *ebpf.Map `ebpf:"counters"`
+	EventStats     *ebpf.Map `ebpf:"event_stats"`
 	Events         *ebpf.Map `ebpf:"events"`
 	ExemptConn     *ebpf.Map `ebpf:"exempt_conn"`
 	ExemptLis      *ebpf.Map `ebpf:"exempt_lis"`
+	FlowBudget     *ebpf.Map `ebpf:"flow_budget"`
 	Ifaces         *ebpf.Map `ebpf:"ifaces"`
 	Keys           *ebpf.Map `ebpf:"keys"`
 	LocalAddrs     *ebpf.Map `ebpf:"local_addrs"`
@@ -361,11 +387,14 @@ type uwbpfMaps struct {
 
 func (m *uwbpfMaps) Close() error {
 	return _UwbpfClose(
+		m.AuditCounters,
 		m.ClusterNets,
 		m.Counters,
+		m.EventStats,
 		m.Events,
 		m.ExemptConn,
 		m.ExemptLis,
+		m.FlowBudget,
 		m.Ifaces,
 		m.Keys,
 		m.LocalAddrs,
@@ -387,6 +416,7 @@ func (m *uwbpfMaps) Close() error {
 type uwbpfVariables struct {
 	NetnsCookie    *ebpf.Variable `ebpf:"netns_cookie"`
 	TestMode       *ebpf.Variable `ebpf:"test_mode"`
+	UnusedEstat    *ebpf.Variable `ebpf:"unused_estat"`
 	UnusedEvent    *ebpf.Variable `ebpf:"unused_event"`
 	UnusedMark     *ebpf.Variable `ebpf:"unused_mark"`
 	UnusedPath     *ebpf.Variable `ebpf:"unused_path"`

@@ -136,8 +136,18 @@ struct uw_config {
 	__u32 system_port_max;
 	__u32 enabled;
 	__u32 audit;   /* decide and report, never refuse */
-	__u32 pad;
+	/* Allowed verdicts reported per second and CPU (the flows of
+	 * `palisade flows`); the rest are only counted. 0: none. */
+	__u32 allow_samples;
 	__s64 clock_offset_ns; /* wall clock minus CLOCK_MONOTONIC, kept by the agent */
+};
+
+/* Slots of event_stats: what became of the reports and allowed samples. */
+enum uw_estat {
+	E_LOST = 0,      /* a report the ring buffer had no room for */
+	E_SAMPLED = 1,   /* an allowed verdict reported */
+	E_UNSAMPLED = 2, /* an allowed verdict over the second's budget */
+	E_MAX = 4,
 };
 
 /* A cluster key: slot 0 stamps, slots 0 and 1 verify (rotation). */
@@ -328,6 +338,36 @@ struct {
 	__type(value, __u64);
 } counters SEC(".maps");
 
+/* Refusals that audit mode let through, indexed as counters: kept apart so
+ * that metrics never count a would-be refusal as a refusal. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, P_MAX * R_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} audit_counters SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, E_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} event_stats SEC(".maps");
+
+/* This CPU's budget of allowed samples: the second it counts, and how many
+ * were reported in it. */
+struct uw_budget {
+	__u64 sec;
+	__u64 n;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct uw_budget);
+} flow_budget SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
 	__uint(max_entries, 256 * 1024);
@@ -377,6 +417,7 @@ const enum uw_rule *unused_rule __attribute__((unused));
 const enum uw_path *unused_path __attribute__((unused));
 const enum uw_stamp *unused_stamp __attribute__((unused));
 const enum uw_mark *unused_mark __attribute__((unused));
+const enum uw_estat *unused_estat __attribute__((unused));
 
 /* ---------------------------------------------------------------------------
  * Shared pieces.
@@ -403,6 +444,27 @@ static __always_inline int allows(__u32 rule)
 {
 	return rule != R_DENIED && rule != R_OFFCLUSTER_DENIED && rule != R_UNCLASSIFIED &&
 	       rule != R_COBIND && rule != R_FOREIGN_SOURCE;
+}
+
+static __always_inline void estat(__u32 k)
+{
+	__u64 *v = bpf_map_lookup_elem(&event_stats, &k);
+	if (v)
+		*v += 1;
+}
+
+/* count, except that a refusal audit mode lets through goes to
+ * audit_counters. */
+static __always_inline void tally(const struct uw_config *c, __u32 path, __u32 rule)
+{
+	if (!c->audit || allows(rule)) {
+		count(path, rule);
+		return;
+	}
+	__u32 k = path * R_MAX + rule;
+	__u64 *v = bpf_map_lookup_elem(&audit_counters, &k);
+	if (v)
+		*v += 1;
 }
 
 static __always_inline int lpm_has(void *map, const __u8 *addr)
@@ -513,8 +575,10 @@ static __always_inline __u32 decide_ids(__u32 cuid, __u32 cgid, __u32 luid, __u3
 static __always_inline void emit(struct uw_event *tmpl)
 {
 	struct uw_event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
-	if (!e)
+	if (!e) {
+		estat(E_LOST);
 		return;
+	}
 	__builtin_memcpy(e, tmpl, sizeof(*e));
 	e->ts = bpf_ktime_get_ns();
 	bpf_ringbuf_submit(e, 0);
@@ -1032,9 +1096,7 @@ static __always_inline int bind_check(struct bpf_sock_addr *ctx, int v4)
 	if (other == uid)
 		return 1;
 refuse:
-	count(P_BIND, R_COBIND);
-	if (c->audit)
-		return 1;
+	tally(c, P_BIND, R_COBIND);
 	struct uw_event e = {};
 	e.cuid = uid;
 	e.luid = other;
@@ -1045,10 +1107,11 @@ refuse:
 	e.rule = R_COBIND;
 	e.path = P_BIND;
 	e.has_connector = 1;
+	e.audit = c->audit != 0;
 	e.pid = bpf_get_current_pid_tgid() >> 32;
 	bpf_get_current_comm(e.comm, sizeof(e.comm));
 	emit(&e);
-	return 0;
+	return c->audit ? 1 : 0;
 }
 
 SEC("cgroup/bind4")
@@ -1217,6 +1280,30 @@ static __always_inline __u32 path_of(struct __sk_buff *skb, __u8 proto)
 	return local ? P_LOCAL_OTHER : P_REMOTE_OTHER;
 }
 
+/* One more allowed verdict to report, if this CPU's budget for the current
+ * second has room (a per-CPU array: no lock, no atomics). */
+static __always_inline int sample_allowed(const struct uw_config *c)
+{
+	if (!c->allow_samples)
+		return 0;
+	__u32 z = 0;
+	struct uw_budget *b = bpf_map_lookup_elem(&flow_budget, &z);
+	if (!b)
+		return 0;
+	__u64 sec = now_ns() >> 30;
+	if (b->sec != sec) {
+		b->sec = sec;
+		b->n = 0;
+	}
+	if (b->n >= c->allow_samples) {
+		estat(E_UNSAMPLED);
+		return 0;
+	}
+	b->n++;
+	estat(E_SAMPLED);
+	return 1;
+}
+
 static __always_inline void report(struct pkt *p, __u32 rule, __u32 path, __u8 st, struct uw_owner *l,
 				   __u8 audit, __u8 polite)
 {
@@ -1325,7 +1412,7 @@ int uw_skb_ingress(struct __sk_buff *skb)
 		/* Cannot classify: only exempt listeners (root) receive it. */
 		if (bpf_map_lookup_elem(&exempt_lis, &l->uid))
 			return 1;
-		count(P_REMOTE_OTHER, R_UNCLASSIFIED);
+		tally(c, P_REMOTE_OTHER, R_UNCLASSIFIED);
 		return c->audit ? 1 : 0;
 	}
 	if (p.proto == IPPROTO_TCP) {
@@ -1337,7 +1424,7 @@ int uw_skb_ingress(struct __sk_buff *skb)
 	} else if (!port_proto(p.proto)) {
 		if (bpf_map_lookup_elem(&exempt_lis, &l->uid))
 			return 1;
-		count(path_of(skb, p.proto), R_UNCLASSIFIED);
+		tally(c, path_of(skb, p.proto), R_UNCLASSIFIED);
 		report(&p, R_UNCLASSIFIED, path_of(skb, p.proto), S_NONE, l, c->audit, 0);
 		return c->audit ? 1 : 0;
 	}
@@ -1370,14 +1457,13 @@ int uw_skb_ingress(struct __sk_buff *skb)
 	}
 	__u32 rule = decide(c, &p, st, l, sk);
 	__u32 path = path_of(skb, p.proto);
-	count(path, rule);
-	if (allows(rule)) {
-		if (rule == R_UNVERIFIED)
-			report(&p, rule, path, st, l, 0, 0);
-		return 1;
-	}
-	report(&p, rule, path, st, l, c->audit, 0);
-	return c->audit ? 1 : 0;
+	tally(c, path, rule);
+	/* Refusals and unverified admissions are always reported; other
+	 * allowed verdicts within this CPU's budget (the flows). */
+	int ok = allows(rule);
+	if (!ok || rule == R_UNVERIFIED || sample_allowed(c))
+		report(&p, rule, path, st, l, ok ? 0 : c->audit, 0);
+	return ok || c->audit;
 }
 
 /*
@@ -1432,7 +1518,7 @@ int uw_skb_egress(struct __sk_buff *skb)
 	struct uw_config *c = uw_cfg();
 	if (!c)
 		return 1;
-	count(P_SOURCE, R_FOREIGN_SOURCE);
+	tally(c, P_SOURCE, R_FOREIGN_SOURCE);
 	return c->audit ? 1 : 0;
 }
 
@@ -1794,7 +1880,8 @@ static __always_inline int check_unix(struct sock *sk, struct sock *other, int s
 {
 	if (BPF_CORE_READ(sk, __sk_common.skc_net.net, net_cookie) != netns_cookie)
 		return 0;
-	if (!uw_cfg())
+	struct uw_config *c = uw_cfg();
+	if (!c)
 		return 0;
 	if (!abstract_unix(other))
 		return 0;
@@ -1817,7 +1904,7 @@ static __always_inline int check_unix(struct sock *sk, struct sock *other, int s
 	 * server may not otherwise reach, e.g. with a shared group). */
 	if (!stream && !allows(rule) && sent_to(other, sock_ino(sk)))
 		rule = R_UNIX_REPLY;
-	count(P_UNIX, rule);
+	tally(c, P_UNIX, rule);
 	if (allows(rule)) {
 		if (!stream)
 			note_sent(sk, sock_ino(other));
@@ -1833,6 +1920,7 @@ static __always_inline int check_unix(struct sock *sk, struct sock *other, int s
 	e.rule = rule;
 	e.path = P_UNIX;
 	e.has_connector = 1;
+	e.audit = c->audit != 0;
 	e.pid = bpf_get_current_pid_tgid() >> 32;
 	bpf_get_current_comm(e.comm, sizeof(e.comm));
 	/* The abstract name (without the leading NUL) goes in daddr. */
@@ -1840,7 +1928,7 @@ static __always_inline int check_unix(struct sock *sk, struct sock *other, int s
 	bpf_probe_read_kernel(e.daddr, sizeof(e.daddr),
 			      (void *)a + bpf_core_field_offset(struct unix_address, name) + 3);
 	emit(&e);
-	return -EPERM;
+	return c->audit ? 0 : -EPERM;
 }
 
 SEC("lsm/unix_stream_connect")
