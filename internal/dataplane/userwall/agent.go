@@ -668,6 +668,15 @@ func (a *agent) syncInterfaces() error {
 			a.log.Info("tc programs detached", "interface", name)
 		}
 	}
+	// The stamp's room, reserved in what the stack computes (routemtu.go).
+	changed, err := syncRouteMTU(a.cfg.Policy.ClusterSubnets, l2, false)
+	for _, ch := range changed {
+		a.log.Info("route MTU lowered to leave room for the identity stamp", "route", ch.Dst, "dev", ch.Dev,
+			"mtu", ch.To, "was", ch.From)
+	}
+	if err != nil {
+		errs = append(errs, err)
+	}
 	return errors.Join(errs...)
 }
 

@@ -68,6 +68,21 @@ type uwbpfUwKey struct {
 	Valid uint32
 }
 
+type uwbpfUwLoId struct {
+	_     structs.HostLayout
+	Src   [16]uint8
+	Dst   [16]uint8
+	Sport uint16
+	Dport uint16
+	Proto uint8
+	Pad   [3]uint8
+	Uid   uint32
+	Gid   uint32
+	Mark  uint32
+	_     [4]byte
+	T     uint64
+}
+
 type uwbpfUwLoop struct {
 	_      structs.HostLayout
 	Cookie uint64
@@ -86,7 +101,7 @@ type uwbpfUwMark uint32
 const (
 	uwbpfUwMarkUW_MARK_RST        uwbpfUwMark = 1430406656
 	uwbpfUwMarkUW_MARK_ICMP       uwbpfUwMark = 1430406657
-	uwbpfUwMarkUW_MARK_LOOP       uwbpfUwMark = 2768240640
+	uwbpfUwMarkUW_MARK_LOOP       uwbpfUwMark = 973078528
 	uwbpfUwMarkUW_MARK_LOOP_MASK  uwbpfUwMark = 4278190080
 	uwbpfUwMarkUW_MARK_LOOP_TOKEN uwbpfUwMark = 16777215
 )
@@ -136,23 +151,25 @@ type uwbpfUwPeers struct {
 type uwbpfUwRule uint32
 
 const (
-	uwbpfUwRuleR_NONE              uwbpfUwRule = 0
-	uwbpfUwRuleR_SAME_USER         uwbpfUwRule = 1
-	uwbpfUwRuleR_SHARED_GROUP      uwbpfUwRule = 2
-	uwbpfUwRuleR_SYSTEM_PORT       uwbpfUwRule = 3
-	uwbpfUwRuleR_EXEMPT_CONNECTOR  uwbpfUwRule = 4
-	uwbpfUwRuleR_EXEMPT_LISTENER   uwbpfUwRule = 5
-	uwbpfUwRuleR_OFFCLUSTER_PORT   uwbpfUwRule = 6
-	uwbpfUwRuleR_OFFCLUSTER_DENIED uwbpfUwRule = 7
-	uwbpfUwRuleR_DENIED            uwbpfUwRule = 8
-	uwbpfUwRuleR_UDP_REPLY         uwbpfUwRule = 9
-	uwbpfUwRuleR_NO_LISTENER       uwbpfUwRule = 10
-	uwbpfUwRuleR_UNIX_REPLY        uwbpfUwRule = 11
-	uwbpfUwRuleR_UNVERIFIED        uwbpfUwRule = 12
-	uwbpfUwRuleR_UNCLASSIFIED      uwbpfUwRule = 13
-	uwbpfUwRuleR_COBIND            uwbpfUwRule = 14
-	uwbpfUwRuleR_FOREIGN_SOURCE    uwbpfUwRule = 15
-	uwbpfUwRuleR_MAX               uwbpfUwRule = 16
+	uwbpfUwRuleR_NONE                   uwbpfUwRule = 0
+	uwbpfUwRuleR_SAME_USER              uwbpfUwRule = 1
+	uwbpfUwRuleR_SHARED_GROUP           uwbpfUwRule = 2
+	uwbpfUwRuleR_SYSTEM_PORT            uwbpfUwRule = 3
+	uwbpfUwRuleR_EXEMPT_CONNECTOR       uwbpfUwRule = 4
+	uwbpfUwRuleR_EXEMPT_LISTENER        uwbpfUwRule = 5
+	uwbpfUwRuleR_OFFCLUSTER_PORT        uwbpfUwRule = 6
+	uwbpfUwRuleR_OFFCLUSTER_DENIED      uwbpfUwRule = 7
+	uwbpfUwRuleR_DENIED                 uwbpfUwRule = 8
+	uwbpfUwRuleR_UDP_REPLY              uwbpfUwRule = 9
+	uwbpfUwRuleR_NO_LISTENER            uwbpfUwRule = 10
+	uwbpfUwRuleR_UNIX_REPLY             uwbpfUwRule = 11
+	uwbpfUwRuleR_UNVERIFIED             uwbpfUwRule = 12
+	uwbpfUwRuleR_UNCLASSIFIED           uwbpfUwRule = 13
+	uwbpfUwRuleR_COBIND                 uwbpfUwRule = 14
+	uwbpfUwRuleR_FOREIGN_SOURCE         uwbpfUwRule = 15
+	uwbpfUwRuleR_UNSTAMPED_FROM_CLUSTER uwbpfUwRule = 16
+	uwbpfUwRuleR_UNSTAMPABLE            uwbpfUwRule = 17
+	uwbpfUwRuleR_MAX                    uwbpfUwRule = 18
 )
 
 type uwbpfUwStamp uint32
@@ -201,6 +218,8 @@ const (
 	uwbpfMapFlowBudget           = "flow_budget"
 	uwbpfMapIfaces               = "ifaces"
 	uwbpfMapKeys                 = "keys"
+	uwbpfMapLoIds                = "lo_ids"
+	uwbpfMapLoSeq                = "lo_seq"
 	uwbpfMapLocalAddrs           = "local_addrs"
 	uwbpfMapLoopSenders          = "loop_senders"
 	uwbpfMapMembers              = "members"
@@ -230,6 +249,7 @@ const (
 	uwbpfProgUwUnixMaySend       = "uw_unix_may_send"
 	uwbpfProgUwUnixStreamConnect = "uw_unix_stream_connect"
 	uwbpfVarNetnsCookie          = "netns_cookie"
+	uwbpfVarPeerTtlS             = "peer_ttl_s"
 	uwbpfVarTestMode             = "test_mode"
 	uwbpfVarUnusedEstat          = "unused_estat"
 	uwbpfVarUnusedEvent          = "unused_event"
@@ -316,6 +336,8 @@ type uwbpfMapSpecs struct {
 	FlowBudget     *ebpf.MapSpec `ebpf:"flow_budget"`
 	Ifaces         *ebpf.MapSpec `ebpf:"ifaces"`
 	Keys           *ebpf.MapSpec `ebpf:"keys"`
+	LoIds          *ebpf.MapSpec `ebpf:"lo_ids"`
+	LoSeq          *ebpf.MapSpec `ebpf:"lo_seq"`
 	LocalAddrs     *ebpf.MapSpec `ebpf:"local_addrs"`
 	LoopSenders    *ebpf.MapSpec `ebpf:"loop_senders"`
 	Members        *ebpf.MapSpec `ebpf:"members"`
@@ -333,6 +355,7 @@ type uwbpfMapSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type uwbpfVariableSpecs struct {
 	NetnsCookie    *ebpf.VariableSpec `ebpf:"netns_cookie"`
+	PeerTtlS       *ebpf.VariableSpec `ebpf:"peer_ttl_s"`
 	TestMode       *ebpf.VariableSpec `ebpf:"test_mode"`
 	UnusedEstat    *ebpf.VariableSpec `ebpf:"unused_estat"`
 	UnusedEvent    *ebpf.VariableSpec `ebpf:"unused_event"`
@@ -373,6 +396,8 @@ type uwbpfMaps struct {
 	FlowBudget     *ebpf.Map `ebpf:"flow_budget"`
 	Ifaces         *ebpf.Map `ebpf:"ifaces"`
 	Keys           *ebpf.Map `ebpf:"keys"`
+	LoIds          *ebpf.Map `ebpf:"lo_ids"`
+	LoSeq          *ebpf.Map `ebpf:"lo_seq"`
 	LocalAddrs     *ebpf.Map `ebpf:"local_addrs"`
 	LoopSenders    *ebpf.Map `ebpf:"loop_senders"`
 	Members        *ebpf.Map `ebpf:"members"`
@@ -397,6 +422,8 @@ func (m *uwbpfMaps) Close() error {
 		m.FlowBudget,
 		m.Ifaces,
 		m.Keys,
+		m.LoIds,
+		m.LoSeq,
 		m.LocalAddrs,
 		m.LoopSenders,
 		m.Members,
@@ -415,6 +442,7 @@ func (m *uwbpfMaps) Close() error {
 // It can be passed to loadUwbpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type uwbpfVariables struct {
 	NetnsCookie    *ebpf.Variable `ebpf:"netns_cookie"`
+	PeerTtlS       *ebpf.Variable `ebpf:"peer_ttl_s"`
 	TestMode       *ebpf.Variable `ebpf:"test_mode"`
 	UnusedEstat    *ebpf.Variable `ebpf:"unused_estat"`
 	UnusedEvent    *ebpf.Variable `ebpf:"unused_event"`
