@@ -950,15 +950,21 @@ func (f *fuzzer) sweep() {
 }
 
 // attributeBytes judges data without a whole nonce line (a stream cut
-// short) by the run whose socket had its source address.
+// short, the tail segment of a GSO send) by the run whose socket sent it:
+// the same port on the sender's node, and the same address unless the
+// socket was bound to the wildcard (getsockname then names no address).
 func (f *fuzzer) attributeBytes() {
+	type sender struct {
+		er    *execRun
+		local netip.AddrPort
+	}
 	f.mu.Lock()
-	byLocal := map[string]*execRun{}
+	byPort := map[uint16][]sender{}
 	for _, er := range f.runs {
 		for _, rs := range [][]StepResult{er.res.Steps, er.peerRes.Steps} {
 			for _, st := range rs {
-				if st.Local != "" {
-					byLocal[st.Local] = er
+				if a, err := netip.ParseAddrPort(st.Local); err == nil {
+					byPort[a.Port()] = append(byPort[a.Port()], sender{er, a})
 				}
 			}
 		}
@@ -966,14 +972,22 @@ func (f *fuzzer) attributeBytes() {
 	lines := f.bytes
 	f.mu.Unlock()
 	for _, b := range lines {
-		er := byLocal[b.from]
+		from, _ := netip.ParseAddrPort(b.from)
+		var er *execRun
+		for _, c := range byPort[from.Port()] {
+			la, fa := c.local.Addr().Unmap().WithZone(""), from.Addr().Unmap().WithZone("")
+			if la == fa || (la.IsUnspecified() && (fa.IsLoopback() || f.world.addrOf(c.er.runNode, fa))) {
+				er = c.er
+			}
+		}
 		if er == nil {
 			f.report.Unattributed = append(f.report.Unattributed, fmt.Sprintf("%s: %d bytes from %s without a nonce", b.tag, b.n, b.from))
 			continue
 		}
 		if l, bad := f.judge(er, StepResult{I: -1}, receipt{b.tag, b.from}); bad {
 			fd := &Finding{Round: er.round, Program: er.prog,
-				Leaks: []Leak{{Sentinel: l.Sentinel, Step: -1, From: l.From, Rule: l.Rule + fmt.Sprintf(", %d bytes without a nonce", b.n)}}}
+				Leaks: []Leak{{Sentinel: l.Sentinel, Step: -1, From: l.From, Rule: l.Rule + fmt.Sprintf(", %d bytes without a nonce", b.n),
+					InClusterAllowed: l.InClusterAllowed, Count: 1}}}
 			fd.Known = knownFinding(f.world, fd)
 			f.report.Findings = append(f.report.Findings, fd)
 		}
