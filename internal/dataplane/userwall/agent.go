@@ -61,11 +61,6 @@ func (o *AgentOptions) LoadTestedConfig() (*config.Config, error) {
 	if _, err := cfg.RunTests(nil); err != nil {
 		return nil, fmt.Errorf("policy tests failed:\n%w", err)
 	}
-	if len(cfg.Policy.Rules) > 0 {
-		// Until the programs enforce them: never let explain and the
-		// kernel disagree.
-		return nil, fmt.Errorf("%s: [[rule]]: site rules are not enforced by userwall yet; remove them", cfg.Path)
-	}
 	return cfg, nil
 }
 

@@ -75,6 +75,14 @@ type Dataplane struct {
 	// Load, ended by Commit or Rollback, driver goroutine only.
 	mig *migration
 
+	// Node is the node name site rules' on_nodes are matched against
+	// ("": the host name).
+	Node string
+	// siteMu guards site: the site rules' compiled maps are written by the
+	// main loop (ApplyPolicy) and the membership tracker (SetMembers).
+	siteMu sync.Mutex
+	site   siteState
+
 	mu    sync.Mutex
 	links map[string]link.Link // by pin name
 	// lsmErr says why abstract Unix sockets are not enforced (nil: they are).

@@ -20,6 +20,10 @@ var ruleNames = map[uwbpfUwRule]string{
 	uwbpfUwRuleR_UNCLASSIFIED:      "unclassified",
 	uwbpfUwRuleR_COBIND:            "co-bind",
 	uwbpfUwRuleR_FOREIGN_SOURCE:    "foreign-source",
+	// A site rule ([[rule]]) decided; which one, policy.Decide says (the
+	// event names it: events.go).
+	uwbpfUwRuleR_SITE_ALLOW: "site-allow",
+	uwbpfUwRuleR_SITE_DENY:  "site-deny",
 }
 
 // numRules is the stride of the counters array (R_MAX).
@@ -60,7 +64,7 @@ func ruleName(r uint8) string {
 func ruleAllows(r uint8) bool {
 	switch uwbpfUwRule(r) {
 	case uwbpfUwRuleR_DENIED, uwbpfUwRuleR_OFFCLUSTER_DENIED, uwbpfUwRuleR_UNCLASSIFIED, uwbpfUwRuleR_COBIND,
-		uwbpfUwRuleR_FOREIGN_SOURCE:
+		uwbpfUwRuleR_FOREIGN_SOURCE, uwbpfUwRuleR_SITE_DENY:
 		return false
 	}
 	return true

@@ -10,22 +10,30 @@ package userwall
 //
 //	PALISADE_TESTRUN_COSTS=1 go test -run TestRunCosts -v ./internal/dataplane/userwall
 //
+// PALISADE_TESTRUN_SITE_RULES=0,1000 (the default: 0) runs the table once per
+// number of site rules: random rules none of the canonical packets match,
+// so site_decide scans every mask word (its worst case).
+//
 // `palisade-lab bench` reports the same programs' cost under real traffic
 // (run-time statistics); docs/benchmarks puts both side by side.
 
 import (
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/netip"
 	"os"
 	"sort"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
+
+	"github.com/palisade-hpc/palisade/internal/policy"
 )
 
 // costFrame is one canonical packet.
@@ -125,9 +133,32 @@ func TestRunCosts(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer coll.Close()
-	h := &harness{d: &Dataplane{coll: coll}, testSock: coll.Maps["test_sock"]}
-	w := worlds()[0]
-	w.apply(t, h)
+	h := &harness{d: &Dataplane{coll: coll, Node: diffNode}, testSock: coll.Maps["test_sock"]}
+	counts := []int{0}
+	if v := os.Getenv("PALISADE_TESTRUN_SITE_RULES"); v != "" {
+		counts = nil
+		for _, f := range strings.Split(v, ",") {
+			n, err := strconv.Atoi(f)
+			if err != nil || n < 0 || n > policy.MaxSiteRules {
+				t.Fatalf("PALISADE_TESTRUN_SITE_RULES: bad count %q", f)
+			}
+			counts = append(counts, n)
+		}
+	}
+	for _, n := range counts {
+		w := worlds()[0]
+		rules := randomSiteRules(rand.New(rand.NewPCG(uint64(n), 7)), n)
+		for i := range rules {
+			rules[i].From, rules[i].FromGroups = []uint32{uCarol}, nil // alice sends every packet: none matches
+		}
+		w.pol.Rules = rules
+		w.apply(t, h)
+		t.Logf("%d site rules:", n)
+		runCosts(t, h, coll, w)
+	}
+}
+
+func runCosts(t *testing.T, h *harness, coll *ebpf.Collection, w *world) {
 	ifindex := remoteIfindex()
 	// The tc programs find the IP header through the interface's L2
 	// length: the test runs' interface is a managed Ethernet one.
