@@ -242,7 +242,15 @@ func (tb *Testbed) policyConfig(n Node) string {
 		subnets = append(subnets, p.String())
 	}
 	for _, m := range tb.Nodes {
-		nodes = append(nodes, m.Name+"="+m.Eth0V4.String())
+		// Every address a node sends from (site rules' from_nodes); the
+		// first is the one tools use.
+		addrs := []string{m.Eth0V4.String()}
+		for _, a := range []netip.Addr{m.Eth0V6, m.IBV4, m.IBV6} {
+			if a.IsValid() {
+				addrs = append(addrs, a.String())
+			}
+		}
+		nodes = append(nodes, m.Name+"="+strings.Join(addrs, ","))
 	}
 	return fmt.Sprintf(`# Palisade policy for %s of testbed %s (written by palisade-lab testbed up)
 [policy]
@@ -263,8 +271,77 @@ key_file = "%[7]s"
 pid_file = "%[5]s/%[1]s/agent.pid"
 ident_socket = "%[5]s/%[1]s/ident.sock"
 event_log = "%[6]s/%[1]s-userwall.jsonl"
-%[9]s`, n.Name, tb.Name, q(subnets), q(nodes), tb.RunDir(), tb.LogDir(), tb.ClusterKeyPath(), tb.unenforcedConfig(), tb.auditConfig(), tb.directoryExempt()) + tb.directoryPolicy()
+%[9]s`, n.Name, tb.Name, q(subnets), q(nodes), tb.RunDir(), tb.LogDir(), tb.ClusterKeyPath(), tb.unenforcedConfig(), tb.auditConfig(), tb.directoryExempt()) + tb.directoryPolicy() + policyTests
 }
+
+// policyTests are the testbed policy's [[test]] entries, one per rule it
+// uses (the agent refuses the policy if one fails; docs/policy.md).
+const policyTests = `
+# Policy tests: palisade policy test (the agent refuses a policy that fails one).
+[[test]]
+name = "system ports from anywhere"
+from = "carol"
+source = "198.18.200.1"
+to = "alice"
+port = 22
+expect = "allow"
+rule = "system-port"
+
+[[test]]
+name = "a user's own listener across nodes"
+from = "alice"
+from_node = "node1"
+to = "alice"
+port = 29101
+expect = "allow"
+rule = "same-user"
+
+[[test]]
+name = "a listener started under sg proj1"
+from = "bob"
+from_node = "node1"
+to = "alice"
+to_group = "proj1"
+port = 29105
+expect = "allow"
+rule = "shared-group"
+
+[[test]]
+name = "a private listener"
+from = "bob"
+from_node = "node1"
+to = "alice"
+port = 29101
+expect = "deny"
+rule = "default-deny"
+
+[[test]]
+name = "slurmctld calls srun back"
+from = "slurm"
+from_node = "node1"
+to = "alice"
+port = 40000
+expect = "allow"
+rule = "exempt-connector"
+
+[[test]]
+name = "svc's services are open to the cluster"
+from = "carol"
+from_node = "node1"
+to = "svc"
+port = 29104
+expect = "allow"
+rule = "exempt-listener"
+
+[[test]]
+name = "nothing of a user from off-cluster"
+from = "alice"
+source = "198.18.200.1"
+to = "alice"
+port = 29101
+expect = "deny"
+rule = "off-cluster-denied"
+`
 
 // auditConfig is testbed up --audit's part of [agent].
 func (tb *Testbed) auditConfig() string {

@@ -187,6 +187,7 @@ func (a *agent) applyReload() error {
 	}
 	old := a.cfg
 	a.cfg = cfg
+	a.sitePolicy.Store(cfg.Policy)
 	a.notes = nil
 	if err := a.loadKeys(); err != nil {
 		a.log.Error("cluster keys not loaded", "err", err)

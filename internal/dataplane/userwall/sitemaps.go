@@ -389,3 +389,11 @@ func writePortClasses(m *ebpf.Map, classes []uint32) error {
 	}
 	return nil
 }
+
+// SiteMembers returns the groups uid is a member of, as the site rules'
+// compiled masks know them.
+func (d *Dataplane) SiteMembers(uid uint32) []uint32 {
+	d.siteMu.Lock()
+	defer d.siteMu.Unlock()
+	return slices.Clone(d.site.members[uid])
+}
