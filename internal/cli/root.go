@@ -30,6 +30,8 @@ func New() *cobra.Command {
 		doctorCommand(),
 		explainCommand(),
 		whoCommand(),
+		flowsCommand(),
+		auditCommand(),
 		configCommand(),
 		policyCommand(),
 		identCommand(),

@@ -218,11 +218,7 @@ func printStatus(out io.Writer, s *userwall.Status) {
 	fmt.Fprintln(out, "\ndecisions:")
 	tw = tabwriter.NewWriter(out, 2, 8, 2, ' ', 0)
 	for _, c := range s.Counters {
-		v := "deny"
-		if c.Allowed {
-			v = "allow"
-		}
-		fmt.Fprintf(tw, "  %s\t%s\t%s\t%d\n", c.Path, c.Rule, v, c.Count)
+		fmt.Fprintf(tw, "  %s\t%s\t%s\t%d\n", c.Path, c.Rule, c.Verdict(), c.Count)
 	}
 	tw.Flush()
 	if s.Kernel != nil {

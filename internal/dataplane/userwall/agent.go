@@ -97,13 +97,21 @@ type agent struct {
 	attached map[string]int // interface → ifindex
 	cgroup   string
 	sink     *eventSink
+	flows    *flowRecorder
 	ident    *ident.Server
+	// flowCfg is what the flows socket's goroutines read of the running
+	// configuration (set by the main loop); localAddrs are this node's
+	// addresses as last synced (syncAddrs).
+	flowCfg    atomic.Pointer[flowConfig]
+	localAddrs atomic.Pointer[map[netip.Addr]bool]
 	// keyErr says why the cluster key is not in use (nil: it is);
 	// noKeyWarned keeps the log from repeating it.
 	keyErr      error
 	noKeyWarned string
 	// nftRepairs counts restorations of the nft table (metrics).
 	nftRepairs atomic.Int64
+	// stateWriteErrors counts state files not written (metrics).
+	stateWriteErrors atomic.Uint64
 
 	// Set by newAgent, read-only after: the kernel's features, how the tc
 	// programs attach and why, why the LSM programs are left out.
@@ -372,7 +380,17 @@ func (a *agent) startServices(ctx context.Context, svc *services) error {
 	}
 	a.sink.seen = a.members.Seen
 	a.sink.site = a.siteVerdict
+	a.flows = a.newFlows()
+	a.sink.flows = a.flows
+	flowCtx, stopFlows := context.WithCancel(ctx)
+	svc.add(goJoined(func() { a.flows.run(flowCtx) }, stopFlows, a.flows.close))
 	svc.add(goJoined(func() { a.sink.run(rd) }, func() { rd.Close() }, a.sink.close))
+	if stop, err := a.serveFlows(ctx); err != nil {
+		a.log.Warn("flows socket not served (palisade flows, audit report)", "err", err)
+		a.notes = append(a.notes, "flows socket not served: "+err.Error())
+	} else {
+		svc.add(stop)
+	}
 
 	nftCtx, cancel := context.WithCancel(ctx)
 	svc.add(goJoined(func() { WatchNft(nftCtx, a.repairNft) }, cancel, nil))
@@ -494,6 +512,7 @@ func (a *agent) install(cgroupRoot string) error {
 	if err := a.loadKeys(); err != nil {
 		return err
 	}
+	a.dp.AllowSamples = uint32(a.cfg.Agent.FlowSamples)
 	if err := a.dp.ApplyPolicy(a.exempt.withUIDs(a.cfg.Policy), a.cfg.Agent.Audit); err != nil {
 		return err
 	}
@@ -549,11 +568,14 @@ func (a *agent) syncAddrs() error {
 	// Unicast addresses only: broadcast and multicast datagrams go to many
 	// sockets and are decided at each of them, never early.
 	var addrs []netip.Addr
+	set := map[netip.Addr]bool{}
 	for _, x := range list {
 		if ip, ok := netip.AddrFromSlice(x.IP); ok {
 			addrs = append(addrs, ip)
+			set[ip.Unmap()] = true
 		}
 	}
+	a.localAddrs.Store(&set)
 	return a.dp.SetLocalAddrs(addrs)
 }
 
@@ -647,6 +669,15 @@ func (a *agent) syncInterfaces() error {
 			a.log.Info("tc programs detached", "interface", name)
 		}
 	}
+	// The stamp's room, reserved in what the stack computes (routemtu.go).
+	changed, err := syncRouteMTU(a.cfg.Policy.ClusterSubnets, l2, false)
+	for _, ch := range changed {
+		a.log.Info("route MTU lowered to leave room for the identity stamp", "route", ch.Dst, "dev", ch.Dev,
+			"mtu", ch.To, "was", ch.From)
+	}
+	if err != nil {
+		errs = append(errs, err)
+	}
 	return errors.Join(errs...)
 }
 
@@ -661,7 +692,7 @@ func (a *agent) startIdent(ctx context.Context) (stop func()) {
 	srv, err := ident.NewServer(ident.ServerConfig{
 		UDPPort: uint16(c.IdentPort), DisableUDP: c.IdentPort == 0,
 		SocketPath: c.IdentSocket, DisableUnix: c.IdentSocket == "", SocketGroup: c.IdentSocketGroup,
-		Policy: a.cfg.Policy, Logger: a.log, Report: a.report,
+		Policy: a.cfg.Policy, Logger: a.log, Report: a.report, Data: a.flows.answerData,
 	})
 	if err != nil {
 		a.log.Warn("ident service not started", "err", err)

@@ -3,6 +3,7 @@ package userwall
 import (
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"sort"
@@ -12,6 +13,8 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"github.com/palisade-hpc/palisade/internal/config"
+	"github.com/palisade-hpc/palisade/internal/sys/nldump"
+	"github.com/vishvananda/netlink"
 )
 
 // Uninstall stops the namespace's running agent (if any) and removes every
@@ -54,7 +57,27 @@ func Uninstall(o AgentOptions) error {
 	}
 	errs = append(errs, removeTCFilters())
 	errs = append(errs, RemoveNft())
+	if cfg != nil {
+		errs = append(errs, restoreRouteMTU(cfg.Policy.ClusterSubnets))
+	}
 	return errors.Join(errs...)
+}
+
+// restoreRouteMTU removes the MTU the agent gave the routes to stamped
+// destinations (syncRouteMTU), on every device it could have managed.
+func restoreRouteMTU(cluster []netip.Prefix) error {
+	links, err := nldump.Retry(netlink.LinkList)
+	if err != nil {
+		return err
+	}
+	l2 := map[int]int{}
+	for _, l := range links {
+		if n, ok := l2HeaderLen(l.Attrs().EncapType); ok {
+			l2[l.Attrs().Index] = n
+		}
+	}
+	_, err = syncRouteMTU(cluster, l2, true)
+	return err
 }
 
 // LinkStatus is one pinned attachment.
@@ -208,8 +231,13 @@ func getStatus(o AgentOptions, probe bool) (*Status, error) {
 		s.KeyError = err.Error()
 	}
 	if m, err := ebpf.LoadPinnedMap(filepath.Join(pins, "counters"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
-		s.Counters, _ = readCounters(m)
+		// audit_counters is absent under programs older than it.
+		am, _ := ebpf.LoadPinnedMap(filepath.Join(pins, "audit_counters"), &ebpf.LoadPinOptions{ReadOnly: true})
+		s.Counters, _ = readCounters(m, am)
 		m.Close()
+		if am != nil {
+			am.Close()
+		}
 	}
 	if len(names) > 0 || len(tcs) > 0 {
 		s.Mode = "userwall"

@@ -78,11 +78,14 @@ func (a *agent) setState(update func(*AgentState)) {
 	b, _ := json.MarshalIndent(&a.state, "", "  ")
 	path := StatePath(a.cfg.Agent.PidFile)
 	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, append(b, '\n'), 0o644); err == nil {
+	err := os.WriteFile(tmp, append(b, '\n'), 0o644)
+	if err == nil {
 		err = os.Rename(tmp, path)
-		if err != nil {
-			a.log.Warn("agent state not written", "path", path, "err", err)
-		}
+	}
+	if err != nil {
+		// status, reload acknowledgements and monitoring read this file.
+		n := a.stateWriteErrors.Add(1)
+		a.log.Error("agent state not written", "path", path, "err", err, "write_errors_total", n)
 	}
 }
 
@@ -177,8 +180,10 @@ func (a *agent) applyReload() error {
 		a.reopenEvents(a.cfg)
 		return err
 	}
+	a.dp.AllowSamples = uint32(cfg.Agent.FlowSamples)
 	if err := a.dp.ApplyPolicy(a.exempt.withUIDs(cfg.Policy), cfg.Agent.Audit); err != nil {
 		// Half-applied maps: put the running policy back.
+		a.dp.AllowSamples = uint32(a.cfg.Agent.FlowSamples)
 		if rerr := a.dp.ApplyPolicy(a.exempt.withUIDs(a.cfg.Policy), a.cfg.Agent.Audit); rerr != nil {
 			a.log.Error("running policy not restored", "err", rerr)
 		}
@@ -189,6 +194,7 @@ func (a *agent) applyReload() error {
 	a.cfg = cfg
 	a.sitePolicy.Store(cfg.Policy)
 	a.notes = nil
+	a.setFlowConfig()
 	if err := a.loadKeys(); err != nil {
 		a.log.Error("cluster keys not loaded", "err", err)
 	}
@@ -226,29 +232,6 @@ func (a *agent) reopenEvents(cfg *config.Config) {
 		a.log.Error("event log not reopened; still writing to the old one", "err", err)
 		a.notes = append(a.notes, "event log not reopened: "+err.Error())
 	}
-}
-
-// reopen replaces the sink's outputs; on error the old ones stay.
-func (s *eventSink) reopen(path string, useSyslog bool, rate int) error {
-	n, err := newEventSink(path, useSyslog, rate, s.log)
-	if err != nil {
-		return err
-	}
-	s.mu.Lock()
-	oldFile, oldSys := s.file, s.sys
-	s.file, s.sys = n.file, n.sys
-	// A new limiter only for a new rate: a reopen keeps the budget.
-	if n.limit == nil || s.limit == nil || n.limit.Limit() != s.limit.Limit() {
-		s.limit = n.limit
-	}
-	s.mu.Unlock()
-	if oldFile != nil {
-		oldFile.Close()
-	}
-	if oldSys != nil {
-		oldSys.Close()
-	}
-	return nil
 }
 
 // startMetrics serves the metrics on [agent] metrics_address.
