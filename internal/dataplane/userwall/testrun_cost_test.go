@@ -13,6 +13,7 @@ package userwall
 // PALISADE_TESTRUN_SITE_RULES=0,1000 (the default: 0) runs the table once per
 // number of site rules: random rules none of the canonical packets match,
 // so site_decide scans every mask word (its worst case).
+// PALISADE_TESTRUN_SAMPLES=N sets flow_samples (default 0 here: none).
 //
 // `palisade-lab bench` reports the same programs' cost under real traffic
 // (run-time statistics); docs/benchmarks puts both side by side.
@@ -148,6 +149,11 @@ func TestRunCosts(t *testing.T) {
 	for _, n := range counts {
 		w := worlds()[0]
 		w.samples = 0 // no allowed verdict reported
+		// PALISADE_TESTRUN_SAMPLES=N: the cost with [agent] flow_samples = N
+		// (runs beyond the budget take the over-budget path).
+		if n, err := strconv.Atoi(os.Getenv("PALISADE_TESTRUN_SAMPLES")); err == nil {
+			w.samples = uint32(n)
+		}
 		rules := randomSiteRules(rand.New(rand.NewPCG(uint64(n), 7)), n)
 		for i := range rules {
 			rules[i].From, rules[i].FromGroups = []uint32{uCarol}, nil // alice sends every packet: none matches
