@@ -30,6 +30,10 @@ var (
 		"1 if the node is in audit mode (decides and logs, refuses nothing).", nil, nil)
 	descFindings = prometheus.NewDesc("palisade_config_findings",
 		"Findings of config check for the running configuration, by level (WARNING, ERROR).", []string{"level"}, nil)
+	descKeyLoaded = prometheus.NewDesc("palisade_cluster_key_loaded",
+		"1 if the configured cluster key is in force; 0: the node seals with a random key and trusts no identity from other nodes (users' cross-node traffic is refused).", nil, nil)
+	descUnresolved = prometheus.NewDesc("palisade_config_unresolved_names",
+		"Exempt names of the running configuration that NSS cannot resolve (not exempt until they do; retried at every group refresh).", nil, nil)
 	descDecisions = prometheus.NewDesc("palisade_userwall_decisions_total",
 		"Connection decisions taken in the kernel, by path and rule; verdict allow, deny, or audit (refused by the rules, let through by audit mode).", []string{"path", "rule", "verdict"}, nil)
 	descLinks = prometheus.NewDesc("palisade_userwall_programs_attached",
@@ -58,7 +62,7 @@ const topN = 10
 type collector struct{ a *agent }
 
 func (c collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descConfigInfo, descConfigShared, descConfigGen, descConfigReload, descConfigReloadOK, descAudit, descFindings, descBuildInfo, descDecisions, descLinks, descLSM, descEntries, descEvents, descSamples, descFlows, descFlowProcs, descTop, descWriteErrors} {
+	for _, d := range []*prometheus.Desc{descConfigInfo, descConfigShared, descConfigGen, descConfigReload, descConfigReloadOK, descAudit, descFindings, descKeyLoaded, descUnresolved, descBuildInfo, descDecisions, descLinks, descLSM, descEntries, descEvents, descSamples, descFlows, descFlowProcs, descTop, descWriteErrors} {
 		ch <- d
 	}
 }
@@ -101,6 +105,12 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 	for level, v := range n {
 		ch <- prometheus.MustNewConstMetric(descFindings, prometheus.GaugeValue, v, level)
 	}
+	key := 0.0
+	if st.KeyLoaded {
+		key = 1
+	}
+	ch <- prometheus.MustNewConstMetric(descKeyLoaded, prometheus.GaugeValue, key)
+	ch <- prometheus.MustNewConstMetric(descUnresolved, prometheus.GaugeValue, float64(st.Unresolved))
 	d := c.a.dp
 	if cs, err := d.ReadCounters(); err == nil {
 		for _, x := range cs {
