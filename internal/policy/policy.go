@@ -39,6 +39,11 @@ type Identity struct {
 	GID uint32
 	// Groups are the supplementary groups (the connector's; ignored for listeners).
 	Groups []uint32
+	// GroupsKnown: Groups are every group the directory gives the user now
+	// (a remote connector whose groups the deciding node looked up). GID,
+	// carried from another node, is then only a claim: a user removed from
+	// a group is refused however long his process has run with it.
+	GroupsKnown bool
 }
 
 // NoGID is the gid of an owner whose group is not known (a socket adopted
@@ -46,9 +51,16 @@ type Identity struct {
 // that carries it.
 const NoGID = ^uint32(0)
 
-// HasGroup reports whether gid is the effective gid or a supplementary group.
+// HasGroup reports whether gid is the effective gid or a supplementary group
+// (only the latter when the groups are known: see GroupsKnown).
 func (id Identity) HasGroup(gid uint32) bool {
-	return gid != NoGID && (id.GID == gid || slices.Contains(id.Groups, gid))
+	if gid == NoGID {
+		return false
+	}
+	if id.GroupsKnown {
+		return slices.Contains(id.Groups, gid)
+	}
+	return id.GID == gid || slices.Contains(id.Groups, gid)
 }
 
 // Conn is one connection attempt as a data plane sees it.
