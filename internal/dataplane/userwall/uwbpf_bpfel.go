@@ -57,7 +57,9 @@ type uwbpfUwEvent struct {
 	Audit        uint8
 	Stamp        uint8
 	Polite       uint8
+	Claim        uint8
 	Comm         [16]int8
+	_            [7]byte
 }
 
 type uwbpfUwKey struct {
@@ -105,6 +107,11 @@ const (
 	uwbpfUwMarkUW_MARK_LOOP_MASK  uwbpfUwMark = 4278190080
 	uwbpfUwMarkUW_MARK_LOOP_TOKEN uwbpfUwMark = 16777215
 )
+
+type uwbpfUwMask struct {
+	_ structs.HostLayout
+	W [16]uint64
+}
 
 type uwbpfUwMemberKey struct {
 	_   structs.HostLayout
@@ -169,7 +176,35 @@ const (
 	uwbpfUwRuleR_FOREIGN_SOURCE         uwbpfUwRule = 15
 	uwbpfUwRuleR_UNSTAMPED_FROM_CLUSTER uwbpfUwRule = 16
 	uwbpfUwRuleR_UNSTAMPABLE            uwbpfUwRule = 17
-	uwbpfUwRuleR_MAX                    uwbpfUwRule = 18
+	uwbpfUwRuleR_SITE_ALLOW             uwbpfUwRule = 18
+	uwbpfUwRuleR_SITE_DENY              uwbpfUwRule = 19
+	uwbpfUwRuleR_MAX                    uwbpfUwRule = 20
+)
+
+type uwbpfUwSite struct {
+	_        structs.HostLayout
+	N        uint32
+	Updating uint32
+}
+
+type uwbpfUwSiteMask uint32
+
+const (
+	uwbpfUwSiteMaskSM_ZERO      uwbpfUwSiteMask = 0
+	uwbpfUwSiteMaskSM_HERE      uwbpfUwSiteMask = 1
+	uwbpfUwSiteMaskSM_ANYNODE   uwbpfUwSiteMask = 2
+	uwbpfUwSiteMaskSM_ALLOW     uwbpfUwSiteMask = 3
+	uwbpfUwSiteMaskSM_ANY_FROM  uwbpfUwSiteMask = 4
+	uwbpfUwSiteMaskSM_ANY_TO    uwbpfUwSiteMask = 5
+	uwbpfUwSiteMaskSM_ANY_SRC   uwbpfUwSiteMask = 6
+	uwbpfUwSiteMaskSM_UNTRUSTED uwbpfUwSiteMask = 7
+	uwbpfUwSiteMaskSM_TCP       uwbpfUwSiteMask = 8
+	uwbpfUwSiteMaskSM_UDP       uwbpfUwSiteMask = 9
+	uwbpfUwSiteMaskSM_OTHER     uwbpfUwSiteMask = 10
+	uwbpfUwSiteMaskSM_NOREL     uwbpfUwSiteMask = 11
+	uwbpfUwSiteMaskSM_SAMEUSER  uwbpfUwSiteMask = 12
+	uwbpfUwSiteMaskSM_SHARED    uwbpfUwSiteMask = 13
+	uwbpfUwSiteMaskSM_MAX       uwbpfUwSiteMask = 14
 )
 
 type uwbpfUwStamp uint32
@@ -218,6 +253,7 @@ const (
 	uwbpfMapFlowBudget           = "flow_budget"
 	uwbpfMapIfaces               = "ifaces"
 	uwbpfMapKeys                 = "keys"
+	uwbpfMapKnownUsers           = "known_users"
 	uwbpfMapLoIds                = "lo_ids"
 	uwbpfMapLoSeq                = "lo_seq"
 	uwbpfMapLocalAddrs           = "local_addrs"
@@ -225,6 +261,15 @@ const (
 	uwbpfMapMembers              = "members"
 	uwbpfMapOffcPorts            = "offc_ports"
 	uwbpfMapSettings             = "settings"
+	uwbpfMapSiteCfg              = "site_cfg"
+	uwbpfMapSiteCgid             = "site_cgid"
+	uwbpfMapSiteCuid             = "site_cuid"
+	uwbpfMapSiteLgid             = "site_lgid"
+	uwbpfMapSiteLuid             = "site_luid"
+	uwbpfMapSiteMasks            = "site_masks"
+	uwbpfMapSitePortClass        = "site_port_class"
+	uwbpfMapSitePortMask         = "site_port_mask"
+	uwbpfMapSiteSrc              = "site_src"
 	uwbpfMapSkOwners             = "sk_owners"
 	uwbpfMapTestSock             = "test_sock"
 	uwbpfMapUdpPeers             = "udp_peers"
@@ -256,6 +301,7 @@ const (
 	uwbpfVarUnusedMark           = "unused_mark"
 	uwbpfVarUnusedPath           = "unused_path"
 	uwbpfVarUnusedRule           = "unused_rule"
+	uwbpfVarUnusedSiteMask       = "unused_site_mask"
 	uwbpfVarUnusedStamp          = "unused_stamp"
 	uwbpfVarUnusedTestSock       = "unused_test_sock"
 )
@@ -336,6 +382,7 @@ type uwbpfMapSpecs struct {
 	FlowBudget     *ebpf.MapSpec `ebpf:"flow_budget"`
 	Ifaces         *ebpf.MapSpec `ebpf:"ifaces"`
 	Keys           *ebpf.MapSpec `ebpf:"keys"`
+	KnownUsers     *ebpf.MapSpec `ebpf:"known_users"`
 	LoIds          *ebpf.MapSpec `ebpf:"lo_ids"`
 	LoSeq          *ebpf.MapSpec `ebpf:"lo_seq"`
 	LocalAddrs     *ebpf.MapSpec `ebpf:"local_addrs"`
@@ -343,6 +390,15 @@ type uwbpfMapSpecs struct {
 	Members        *ebpf.MapSpec `ebpf:"members"`
 	OffcPorts      *ebpf.MapSpec `ebpf:"offc_ports"`
 	Settings       *ebpf.MapSpec `ebpf:"settings"`
+	SiteCfg        *ebpf.MapSpec `ebpf:"site_cfg"`
+	SiteCgid       *ebpf.MapSpec `ebpf:"site_cgid"`
+	SiteCuid       *ebpf.MapSpec `ebpf:"site_cuid"`
+	SiteLgid       *ebpf.MapSpec `ebpf:"site_lgid"`
+	SiteLuid       *ebpf.MapSpec `ebpf:"site_luid"`
+	SiteMasks      *ebpf.MapSpec `ebpf:"site_masks"`
+	SitePortClass  *ebpf.MapSpec `ebpf:"site_port_class"`
+	SitePortMask   *ebpf.MapSpec `ebpf:"site_port_mask"`
+	SiteSrc        *ebpf.MapSpec `ebpf:"site_src"`
 	SkOwners       *ebpf.MapSpec `ebpf:"sk_owners"`
 	TestSock       *ebpf.MapSpec `ebpf:"test_sock"`
 	UdpPeers       *ebpf.MapSpec `ebpf:"udp_peers"`
@@ -362,6 +418,7 @@ type uwbpfVariableSpecs struct {
 	UnusedMark     *ebpf.VariableSpec `ebpf:"unused_mark"`
 	UnusedPath     *ebpf.VariableSpec `ebpf:"unused_path"`
 	UnusedRule     *ebpf.VariableSpec `ebpf:"unused_rule"`
+	UnusedSiteMask *ebpf.VariableSpec `ebpf:"unused_site_mask"`
 	UnusedStamp    *ebpf.VariableSpec `ebpf:"unused_stamp"`
 	UnusedTestSock *ebpf.VariableSpec `ebpf:"unused_test_sock"`
 }
@@ -396,6 +453,7 @@ type uwbpfMaps struct {
 	FlowBudget     *ebpf.Map `ebpf:"flow_budget"`
 	Ifaces         *ebpf.Map `ebpf:"ifaces"`
 	Keys           *ebpf.Map `ebpf:"keys"`
+	KnownUsers     *ebpf.Map `ebpf:"known_users"`
 	LoIds          *ebpf.Map `ebpf:"lo_ids"`
 	LoSeq          *ebpf.Map `ebpf:"lo_seq"`
 	LocalAddrs     *ebpf.Map `ebpf:"local_addrs"`
@@ -403,6 +461,15 @@ type uwbpfMaps struct {
 	Members        *ebpf.Map `ebpf:"members"`
 	OffcPorts      *ebpf.Map `ebpf:"offc_ports"`
 	Settings       *ebpf.Map `ebpf:"settings"`
+	SiteCfg        *ebpf.Map `ebpf:"site_cfg"`
+	SiteCgid       *ebpf.Map `ebpf:"site_cgid"`
+	SiteCuid       *ebpf.Map `ebpf:"site_cuid"`
+	SiteLgid       *ebpf.Map `ebpf:"site_lgid"`
+	SiteLuid       *ebpf.Map `ebpf:"site_luid"`
+	SiteMasks      *ebpf.Map `ebpf:"site_masks"`
+	SitePortClass  *ebpf.Map `ebpf:"site_port_class"`
+	SitePortMask   *ebpf.Map `ebpf:"site_port_mask"`
+	SiteSrc        *ebpf.Map `ebpf:"site_src"`
 	SkOwners       *ebpf.Map `ebpf:"sk_owners"`
 	TestSock       *ebpf.Map `ebpf:"test_sock"`
 	UdpPeers       *ebpf.Map `ebpf:"udp_peers"`
@@ -422,6 +489,7 @@ func (m *uwbpfMaps) Close() error {
 		m.FlowBudget,
 		m.Ifaces,
 		m.Keys,
+		m.KnownUsers,
 		m.LoIds,
 		m.LoSeq,
 		m.LocalAddrs,
@@ -429,6 +497,15 @@ func (m *uwbpfMaps) Close() error {
 		m.Members,
 		m.OffcPorts,
 		m.Settings,
+		m.SiteCfg,
+		m.SiteCgid,
+		m.SiteCuid,
+		m.SiteLgid,
+		m.SiteLuid,
+		m.SiteMasks,
+		m.SitePortClass,
+		m.SitePortMask,
+		m.SiteSrc,
 		m.SkOwners,
 		m.TestSock,
 		m.UdpPeers,
@@ -449,6 +526,7 @@ type uwbpfVariables struct {
 	UnusedMark     *ebpf.Variable `ebpf:"unused_mark"`
 	UnusedPath     *ebpf.Variable `ebpf:"unused_path"`
 	UnusedRule     *ebpf.Variable `ebpf:"unused_rule"`
+	UnusedSiteMask *ebpf.Variable `ebpf:"unused_site_mask"`
 	UnusedStamp    *ebpf.Variable `ebpf:"unused_stamp"`
 	UnusedTestSock *ebpf.Variable `ebpf:"unused_test_sock"`
 }
