@@ -74,7 +74,8 @@ with --quiet prints nothing and exits 1 unless the connection is allowed.`,
 			ctx, cancel := context.WithTimeout(cmd.Context(), timeout+time.Second)
 			defer cancel()
 			lis, answered, lerr := ia.ownerOf(ctx, netip.Addr{}, target, proto)
-			c := policy.Conn{Source: src, Connector: conn, Listener: lis.Identity(), Port: target.Port(), Proto: proto}
+			c := policy.Conn{Source: src, Connector: conn, Listener: lis.Identity(), Port: target.Port(), Proto: proto,
+				Node: listenerNode(cfg, target.Addr())}
 			v := pol.Decide(c)
 			// Without the listener's owner only the identity-free rules
 			// (system port, off-cluster) can decide; without its group, a
@@ -246,6 +247,9 @@ func callerIdentity() policy.Identity {
 // sg), or start a new session when the directory has a group the
 // connector's session lacks.
 func fixes(res identity.Resolver, c policy.Conn, v policy.Verdict, lis ident.Owner) []string {
+	if r := policy.Rule(v.Rule); v.Rule != policy.RuleDenied && !slices.Contains(policy.BuiltinRules, r) {
+		return []string{fmt.Sprintf("site rule %s refuses it on purpose: ask the administrators (palisade policy test shows the site's tests)", r)}
+	}
 	if v.Rule != policy.RuleDenied {
 		if v.Rule == policy.RuleOffClusterDenied {
 			return []string{"connect from a cluster node (ssh to a login node first), or ask the administrators to open the port to off-cluster sources ([offcluster] allow_ports)"}
@@ -296,4 +300,20 @@ func fixes(res identity.Resolver, c policy.Conn, v policy.Verdict, lis ident.Own
 		out = append(out, fmt.Sprintf("%s and %s share no group: a project group both belong to would let %s share it (sg GROUP), or ask the administrators", owner, cname, owner))
 	}
 	return out
+}
+
+// listenerNode names the listener's node for site rules limited to some
+// nodes: this host for a local address, else the [cluster] nodes entry
+// holding the address ("" if none).
+func listenerNode(cfg *config.Config, addr netip.Addr) string {
+	if ident.IsLocalAddr(addr) {
+		h, _ := os.Hostname()
+		return h
+	}
+	for _, n := range cfg.Nodes {
+		if slices.Contains(n.Addrs, addr.Unmap()) {
+			return n.Name
+		}
+	}
+	return ""
 }

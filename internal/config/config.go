@@ -48,6 +48,12 @@ type Config struct {
 	Policy *policy.Policy
 	// Nodes is [cluster] nodes, parsed (may be empty).
 	Nodes []Node
+	// Unresolved are the exempt names NSS could not resolve (an unknown
+	// account, or the directory unreachable): ERROR findings, left out of
+	// Policy (which only makes fewer things exempt: nothing opens). A
+	// daemon runs with the rest and resolves them again (Resolve) instead
+	// of refusing to start over one name.
+	Unresolved []Finding
 
 	Rules      PolicyConfig       `toml:"policy"`
 	Cluster    ClusterConfig      `toml:"cluster"`
@@ -55,6 +61,10 @@ type Config struct {
 	Agent      agentconfig.Config `toml:"agent"`
 	UVN        uvn.Config         `toml:"uvn"`
 	Egress     egress.Config      `toml:"egress"`
+	// SiteRules and Tests are the [[rule]] and [[test]] entries of the file
+	// and of the files [policy] include names, in order.
+	SiteRules []RuleConfig `toml:"rule"`
+	Tests     []TestConfig `toml:"test"`
 }
 
 // PolicyConfig is the [policy] table as written.
@@ -66,6 +76,9 @@ type PolicyConfig struct {
 	// "@group" (the group's members).
 	ExemptConnectors []policy.Principal `toml:"exempt_connectors"`
 	ExemptListeners  []policy.Principal `toml:"exempt_listeners"`
+	// Include names files (globs, relative to this file's directory) whose
+	// [[rule]] and [[test]] entries follow this file's, e.g. "policy.d/*.toml".
+	Include []string `toml:"include,omitempty"`
 }
 
 // ClusterConfig is the [cluster] table as written.
@@ -97,7 +110,11 @@ type OffClusterConfig struct {
 // Node is one entry of [cluster] nodes.
 type Node struct {
 	Name string
-	Addr netip.Addr
+	// Addr is the node's first address (peers, tools); Addrs all of them
+	// ("name=addr,addr,...": every address its traffic may come from, for
+	// the site rules' from_nodes).
+	Addr  netip.Addr
+	Addrs []netip.Addr
 }
 
 // ConfigError is one problem in a configuration file. Error() reads
@@ -150,6 +167,7 @@ func (c *Config) sections() []struct {
 	}{
 		{"policy", &c.Rules}, {"cluster", &c.Cluster}, {"offcluster", &c.OffCluster},
 		{"agent", &c.Agent}, {"uvn", &c.UVN}, {"egress", &c.Egress},
+		{"rule", &c.SiteRules}, {"test", &c.Tests},
 	}
 }
 
@@ -250,7 +268,7 @@ func Parse(name string, data []byte, res identity.Resolver) (cfg *Config, err er
 	}
 	slices.SortFunc(unknown, func(a, b string) int { return loc.line(a, "") - loc.line(b, "") })
 	for _, k := range unknown {
-		fail(loc.line(k, ""), k, "unknown section or key (known sections: policy, cluster, offcluster, agent, uvn, egress)")
+		fail(loc.line(k, ""), k, "unknown section or key (known sections: policy, cluster, offcluster, agent, uvn, egress, rule, test)")
 	}
 	if len(errs) > 0 {
 		// Values failed to decode: validating the rest would only add noise.
@@ -269,8 +287,11 @@ func Parse(name string, data []byte, res identity.Resolver) (cfg *Config, err er
 	c.Policy = &policy.Policy{SystemPortMax: 1023}
 	c.buildPolicy(res, func(key, value string, err error) {
 		blame(strings.Split(key, ".")[0], &policy.KeyError{Key: strings.SplitN(key, ".", 2)[1], Value: value, Err: err})
+	}, func(key, value string, err error) {
+		c.Unresolved = append(c.Unresolved, Finding{Severity: Problem, Level: Problem.String(), Key: key, Line: loc.line(key, value),
+			Msg: fmt.Sprintf("%v: not exempt until it resolves (the agent retries at every group refresh, [agent] group_refresh)", err)})
 	})
-	for _, s := range c.sections()[3:] {
+	for _, s := range c.planeSections() {
 		var err error
 		switch v := s.v.(type) {
 		case clusterSection:
@@ -285,12 +306,64 @@ func Parse(name string, data []byte, res identity.Resolver) (cfg *Config, err er
 	if len(errs) > 0 {
 		return nil, joinByLine(errs)
 	}
+	// Site rules and tests: this file's, then the included files'.
+	for i := range c.SiteRules {
+		c.SiteRules[i].file, c.SiteRules[i].line = name, loc.arrayLine("rule", i, "", "")
+	}
+	for i := range c.Tests {
+		c.Tests[i].file, c.Tests[i].line = name, loc.arrayLine("test", i, "", "")
+	}
+	failAt := func(file string, line int, key, format string, args ...any) {
+		errs = append(errs, &ConfigError{File: file, Line: line, Key: key, Msg: fmt.Sprintf(format, args...)})
+	}
+	if incl := c.loadIncludes(failAt); len(incl) > 0 {
+		// The configuration's identity covers the included files too.
+		h := sha256.New()
+		h.Write(data)
+		for _, d := range incl {
+			h.Write(d)
+		}
+		c.SHA256 = hex.EncodeToString(h.Sum(nil))
+	}
+	if len(errs) == 0 {
+		c.buildRules(res, failAt)
+	}
+	if len(errs) > 0 {
+		return nil, errors.Join(errs...)
+	}
 	return c, nil
 }
 
+// Resolve resolves the file's names again (Unresolved ones may resolve
+// now): the policy built from it and the names that still do not resolve.
+// The file is not read again: this is the configuration in force.
+func (c *Config) Resolve(res identity.Resolver) (*policy.Policy, []Finding, error) {
+	n, err := Parse(c.Path, c.data, res)
+	if err != nil {
+		return nil, nil, err
+	}
+	return n.Policy, n.Unresolved, nil
+}
+
+// isName: a principal to look up in NSS (not a number, not empty); a
+// lookup failure of a name is "unresolved", not invalid.
+func isName(s string) bool {
+	s = strings.TrimPrefix(s, "@")
+	return s != "" && strings.ContainsFunc(s, func(r rune) bool { return r < '0' || r > '9' })
+}
+
+// planeSections are the data planes' tables.
+func (c *Config) planeSections() []struct {
+	name string
+	v    any
+} {
+	return c.sections()[3:6]
+}
+
 // buildPolicy validates the three policy tables into c.Policy and c.Nodes,
-// reporting each problem through bad (key is "section.key").
-func (c *Config) buildPolicy(res identity.Resolver, bad func(key, value string, err error)) {
+// reporting each problem through bad and each exempt name NSS cannot
+// resolve through unresolved (key is "section.key").
+func (c *Config) buildPolicy(res identity.Resolver, bad, unresolved func(key, value string, err error)) {
 	p := c.Policy
 	if v := c.Rules.SystemPortMax; v != nil {
 		if *v < 0 || *v > 65535 {
@@ -305,6 +378,10 @@ func (c *Config) buildPolicy(res identity.Resolver, bad func(key, value string, 
 		for _, pr := range list {
 			if g, ok := strings.CutPrefix(string(pr), "@"); ok {
 				gid, err := identity.GID(res, g)
+				if err != nil && isName(g) {
+					unresolved(key, string(pr), err)
+					continue
+				}
 				if err != nil {
 					bad(key, string(pr), err)
 					continue
@@ -318,6 +395,10 @@ func (c *Config) buildPolicy(res identity.Resolver, bad func(key, value string, 
 				continue
 			}
 			uid, err := identity.UID(res, string(pr))
+			if err != nil && isName(string(pr)) {
+				unresolved(key, string(pr), err)
+				continue
+			}
 			if err != nil {
 				bad(key, string(pr), err)
 				continue
@@ -362,14 +443,22 @@ func (c *Config) buildPolicy(res identity.Resolver, bad func(key, value string, 
 			err = fmt.Errorf("duplicate node name %q", n.Name)
 		case addrs[n.Addr] != "":
 			err = fmt.Errorf("duplicate address %s (also %s)", n.Addr, addrs[n.Addr])
-		case len(p.ClusterSubnets) > 0 && !p.InCluster(n.Addr):
-			err = fmt.Errorf("node %s address %s is outside cluster.subnets", n.Name, n.Addr)
+		case len(p.ClusterSubnets) > 0 && slices.ContainsFunc(n.Addrs, func(a netip.Addr) bool { return !p.InCluster(a) }):
+			out := n.Addrs[slices.IndexFunc(n.Addrs, func(a netip.Addr) bool { return !p.InCluster(a) })]
+			err = fmt.Errorf("node %s address %s is outside cluster.subnets", n.Name, out)
 		}
 		if err != nil {
 			bad("cluster.nodes", s, err)
 			continue
 		}
-		names[n.Name], addrs[n.Addr] = true, n.Name
+		if a := slices.IndexFunc(n.Addrs, func(a netip.Addr) bool { return addrs[a] != "" }); a >= 0 && err == nil {
+			bad("cluster.nodes", s, fmt.Errorf("duplicate address %s (also %s)", n.Addrs[a], addrs[n.Addrs[a]]))
+			continue
+		}
+		names[n.Name] = true
+		for _, a := range n.Addrs {
+			addrs[a] = n.Name
+		}
 		c.Nodes = append(c.Nodes, n)
 	}
 
@@ -419,16 +508,26 @@ func parseSubnet(s string) (netip.Prefix, error) {
 var nodeName = regexp.MustCompile(`^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$`)
 
 func parseNode(s string) (Node, error) {
-	name, addr, ok := strings.Cut(s, "=")
-	name, addr = strings.TrimSpace(name), strings.TrimSpace(addr)
+	name, list, ok := strings.Cut(s, "=")
+	name = strings.TrimSpace(name)
 	if !ok || !nodeName.MatchString(name) {
-		return Node{}, fmt.Errorf("bad node %q: want name=address", s)
+		return Node{}, fmt.Errorf("bad node %q: want name=address[,address...]", s)
 	}
-	a, err := netip.ParseAddr(addr)
-	if err != nil || a.Zone() != "" {
-		return Node{}, fmt.Errorf("bad node %q: %q is not an IP address", s, addr)
+	n := Node{Name: name}
+	for _, addr := range strings.Split(list, ",") {
+		addr = strings.TrimSpace(addr)
+		a, err := netip.ParseAddr(addr)
+		if err != nil || a.Zone() != "" {
+			return Node{}, fmt.Errorf("bad node %q: %q is not an IP address", s, addr)
+		}
+		a = a.Unmap()
+		if slices.Contains(n.Addrs, a) {
+			return Node{}, fmt.Errorf("bad node %q: %s listed twice", s, a)
+		}
+		n.Addrs = append(n.Addrs, a)
 	}
-	return Node{Name: name, Addr: a.Unmap()}, nil
+	n.Addr = n.Addrs[0]
+	return n, nil
 }
 
 // decodeErrLine matches the plain errors toml returns for type mismatches.

@@ -51,7 +51,11 @@ func (c *Config) Describe(res identity.Resolver) string {
 		subnets = append(subnets, s.String())
 	}
 	for _, n := range c.Nodes {
-		nodes = append(nodes, n.Name+"="+n.Addr.String())
+		var as []string
+		for _, a := range n.Addrs {
+			as = append(as, a.String())
+		}
+		nodes = append(nodes, n.Name+"="+strings.Join(as, ","))
 	}
 	for _, r := range p.OffClusterPorts {
 		ports = append(ports, r.String())
@@ -65,7 +69,7 @@ func (c *Config) Describe(res identity.Resolver) string {
 	}
 	fmt.Fprintf(&b, "\n[offcluster]\nallow_ports = %s\n", quoted(ports))
 	// The data planes' tables, defaults filled in, as their owners typed them.
-	for _, s := range c.sections()[3:] {
+	for _, s := range c.planeSections() {
 		// Encoded under its name, so that nested tables read
 		// [[uvn.underlay]], as the file has them.
 		var t strings.Builder
@@ -76,6 +80,25 @@ func (c *Config) Describe(res identity.Resolver) string {
 			continue
 		}
 		fmt.Fprintf(&b, "\n%s", t.String())
+	}
+	// Site rules and tests, the included files' too (no include key: they
+	// are here already).
+	for _, t := range []struct {
+		name string
+		v    any
+		n    int
+	}{{"rule", c.SiteRules, len(c.SiteRules)}, {"test", c.Tests, len(c.Tests)}} {
+		if t.n == 0 {
+			continue
+		}
+		var tb strings.Builder
+		enc := toml.NewEncoder(&tb)
+		enc.Indent = ""
+		if err := enc.Encode(map[string]any{t.name: t.v}); err != nil {
+			fmt.Fprintf(&b, "\n# [[%s]]: cannot render: %v\n", t.name, err)
+			continue
+		}
+		fmt.Fprintf(&b, "\n%s", tb.String())
 	}
 	return b.String()
 }

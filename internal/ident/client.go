@@ -82,7 +82,7 @@ func bindPrivileged(family netip.Addr) (*net.UDPConn, error) {
 // given) on node.
 func (c Client) Query(ctx context.Context, node netip.Addr, target, peer netip.AddrPort, proto policy.Proto) (Owner, error) {
 	id := rand.Uint32()
-	a, err := c.exchange(ctx, node, id, encodeQuery(parsedQuery{ID: id, Proto: proto, Addr: target, Peer: peer}))
+	a, err := c.exchange(ctx, node, id, encodeQuery(parsedQuery{ID: id, Proto: proto, Addr: target, Peer: peer}), maxAnswer)
 	if err != nil {
 		return Owner{}, err
 	}
@@ -94,7 +94,7 @@ func (c Client) Query(ctx context.Context, node netip.Addr, target, peer netip.A
 func (c Client) Status(ctx context.Context, node netip.Addr) (json.RawMessage, error) {
 	id := rand.Uint32()
 	q, _ := json.Marshal(Query{V: Version, ID: id, Kind: KindStatus})
-	a, err := c.exchange(ctx, node, id, q)
+	a, err := c.exchange(ctx, node, id, q, maxAnswer)
 	if err != nil {
 		return nil, err
 	}
@@ -107,10 +107,32 @@ func (c Client) Status(ctx context.Context, node netip.Addr) (json.RawMessage, e
 	return a.Report, nil
 }
 
+// Data asks node's agent a data query (KindFlows, KindAudit) with args,
+// over the ident service. Root only, like Query.
+func (c Client) Data(ctx context.Context, node netip.Addr, kind string, args json.RawMessage) (json.RawMessage, error) {
+	id := rand.Uint32()
+	q, _ := json.Marshal(Query{V: Version, ID: id, Kind: kind, Args: args})
+	if len(q) > maxQuery {
+		return nil, fmt.Errorf("ident: %s query of %d bytes exceeds %d", kind, len(q), maxQuery)
+	}
+	a, err := c.exchange(ctx, node, id, q, MaxDataAnswer)
+	if err != nil {
+		return nil, err
+	}
+	if a.Status == StatusBadQuery {
+		return nil, fmt.Errorf("ident: %s does not understand %s queries (an older version?): %s", node, kind, a.Error)
+	}
+	if a.Status != StatusOK || len(a.Data) == 0 {
+		return nil, fmt.Errorf("ident: %s: %s: %s", node, a.Status, a.Error)
+	}
+	return a.Data, nil
+}
+
 // exchange sends query q (with id) to node's service from a privileged
-// port and returns its answer: one retransmission halfway through the
-// timeout, answers from any other address or to another id ignored.
-func (c Client) exchange(ctx context.Context, node netip.Addr, id uint32, q []byte) (*Answer, error) {
+// port and returns its answer (at most size bytes): one retransmission
+// halfway through the timeout, answers from any other address or to
+// another id ignored.
+func (c Client) exchange(ctx context.Context, node netip.Addr, id uint32, q []byte, size int) (*Answer, error) {
 	node = node.Unmap()
 	port := c.Port
 	if port == 0 {
@@ -141,7 +163,7 @@ func (c Client) exchange(ctx context.Context, node netip.Addr, id uint32, q []by
 	}
 	stop := context.AfterFunc(ctx, func() { conn.SetReadDeadline(time.Now()) })
 	defer stop()
-	buf := make([]byte, maxAnswer)
+	buf := make([]byte, size)
 	resent := false
 	for {
 		wait := deadline

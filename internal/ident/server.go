@@ -60,6 +60,10 @@ type ServerConfig struct {
 	// privileged-port and cluster-source rules as lookups); nil: such
 	// queries get an error answer.
 	Report func() (json.RawMessage, error)
+	// Data answers data queries (KindFlows, KindAudit) from other nodes'
+	// root, under the same rules; its answer must fit in MaxData bytes.
+	// nil: such queries get an error answer.
+	Data func(kind string, args json.RawMessage) (json.RawMessage, error)
 }
 
 // Stats counts what the UDP service did with queries, for the agent's
@@ -69,7 +73,7 @@ type Stats struct {
 	DroppedUnprivileged            uint64 // source port >= 1024
 	DroppedOffCluster, RateLimited uint64
 	UnixQueries, ForwardedToRemote uint64
-	StatusReports                  uint64
+	StatusReports, DataQueries     uint64
 }
 
 // Server is the ident service of one node: UDP for peers, a Unix socket
@@ -90,7 +94,7 @@ type Server struct {
 	sockFile  os.FileInfo // the Unix socket as created, to remove only ours
 	closeOnce sync.Once
 
-	answered, noSocket, badQuery, unpriv, offCluster, rateLimited, unixQ, forwarded, reports atomic.Uint64
+	answered, noSocket, badQuery, unpriv, offCluster, rateLimited, unixQ, forwarded, reports, data atomic.Uint64
 }
 
 // NewServer validates cfg and opens the service's sockets; nothing is
@@ -254,7 +258,7 @@ func (s *Server) Stats() Stats {
 		Answered: s.answered.Load(), NoSocket: s.noSocket.Load(), BadQuery: s.badQuery.Load(),
 		DroppedUnprivileged: s.unpriv.Load(), DroppedOffCluster: s.offCluster.Load(),
 		RateLimited: s.rateLimited.Load(), UnixQueries: s.unixQ.Load(), ForwardedToRemote: s.forwarded.Load(),
-		StatusReports: s.reports.Load(),
+		StatusReports: s.reports.Load(), DataQueries: s.data.Load(),
 	}
 }
 
@@ -337,8 +341,11 @@ func (s *Server) answerUDP(b []byte) *Answer {
 		s.badQuery.Add(1)
 		return bad
 	}
-	if q.Kind == KindStatus {
+	switch q.Kind {
+	case KindStatus:
 		return s.report(q.ID)
+	case KindFlows, KindAudit:
+		return s.answerData(q)
 	}
 	// Peers are never relayed onwards: Node is a Unix-API feature.
 	o, err := s.res.LookupConn(q.Addr, q.Peer, q.Proto)
@@ -355,6 +362,21 @@ func (s *Server) report(id uint32) *Answer {
 	}
 	s.reports.Add(1)
 	return &Answer{V: Version, ID: id, Status: StatusOK, Report: r}
+}
+
+func (s *Server) answerData(q parsedQuery) *Answer {
+	if s.cfg.Data == nil {
+		return &Answer{V: Version, ID: q.ID, Status: StatusError, Error: "this ident service has no " + q.Kind}
+	}
+	d, err := s.cfg.Data(q.Kind, q.Args)
+	if err == nil && len(d) > MaxData {
+		err = fmt.Errorf("%s answer of %d bytes exceeds %d", q.Kind, len(d), MaxData)
+	}
+	if err != nil {
+		return &Answer{V: Version, ID: q.ID, Status: StatusError, Error: err.Error()}
+	}
+	s.data.Add(1)
+	return &Answer{V: Version, ID: q.ID, Status: StatusOK, Data: d}
 }
 
 func (s *Server) count(a *Answer) *Answer {

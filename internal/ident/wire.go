@@ -27,6 +27,11 @@ const (
 	// maxQuery bounds a query datagram/line; maxAnswer an answer.
 	maxQuery  = 1024
 	maxAnswer = 16 * 1024
+	// MaxDataAnswer bounds the answer to a data query (flows, audit): one
+	// UDP datagram. The data a node returns must leave room for the
+	// envelope (MaxData).
+	MaxDataAnswer = 63 * 1024
+	MaxData       = 60 * 1024
 	// maxGroups bounds the supplementary groups carried in an answer
 	// (ident2 carried 350); beyond it the answer says truncated.
 	maxGroups = 1024
@@ -56,10 +61,21 @@ type Query struct {
 	// report (UDP only: `palisade status --all`). A server that predates
 	// kinds answers a status query with bad-query (no addr).
 	Kind string `json:"kind,omitempty"`
+	// Args are the arguments of a data query (KindFlows, KindAudit),
+	// opaque to this package.
+	Args json.RawMessage `json:"args,omitempty"`
 }
 
 // KindStatus asks a node for its status report.
 const KindStatus = "status"
+
+// Data queries (UDP only), answered by ServerConfig.Data: the node's
+// recent verdicts (`palisade flows`) and its would-be refusals grouped
+// (`palisade audit report`).
+const (
+	KindFlows = "flows"
+	KindAudit = "audit"
+)
 
 // Answer is the reply to one Query.
 type Answer struct {
@@ -74,12 +90,15 @@ type Answer struct {
 	// Report is the answer to a status query: the agent's report, opaque
 	// to this package.
 	Report json.RawMessage `json:"report,omitempty"`
+	// Data is the answer to a data query, opaque to this package.
+	Data json.RawMessage `json:"data,omitempty"`
 }
 
 // parsedQuery is a validated Query.
 type parsedQuery struct {
 	ID    uint32
 	Kind  string
+	Args  json.RawMessage
 	Proto policy.Proto
 	Addr  netip.AddrPort
 	Peer  netip.AddrPort
@@ -132,8 +151,8 @@ func decodeQuery(b []byte) (parsedQuery, *Answer) {
 	}
 	switch q.Kind {
 	case "":
-	case KindStatus:
-		return parsedQuery{ID: q.ID, Kind: q.Kind}, nil
+	case KindStatus, KindFlows, KindAudit:
+		return parsedQuery{ID: q.ID, Kind: q.Kind, Args: q.Args}, nil
 	default:
 		return bad("unknown kind %q", q.Kind)
 	}

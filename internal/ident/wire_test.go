@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"net/netip"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -48,7 +49,7 @@ func TestQueryRoundTrip(t *testing.T) {
 	in := parsedQuery{ID: 42, Proto: policy.UDP, Addr: netip.MustParseAddrPort("[2001:2::1]:6000"),
 		Peer: netip.MustParseAddrPort("[2001:2::2]:700"), Node: netip.MustParseAddr("198.18.0.2")}
 	out, bad := decodeQuery(encodeQuery(in))
-	if bad != nil || out != in {
+	if bad != nil || !reflect.DeepEqual(out, in) {
 		t.Fatalf("round trip: %+v %+v, want %+v", out, bad, in)
 	}
 }

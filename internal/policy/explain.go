@@ -40,6 +40,18 @@ func (p *Policy) ExplainWith(c Conn, res identity.Resolver) string {
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "%s by rule %s: ", verdict, v.Rule)
+	if r := p.SiteRule(v.Rule); r != nil {
+		fmt.Fprintf(&b, "site rule %q", r.Name)
+		if w := r.Where(); w != "" {
+			fmt.Fprintf(&b, " (%s)", w)
+		}
+		fmt.Fprintf(&b, ", the first that matches %s, %s it: %s", port, map[bool]string{true: "allows", false: "denies"}[r.Allow], r.Describe(res))
+		if i := slices.IndexFunc(p.Rules, func(x SiteRule) bool { return x.Name == r.Name }); i > 0 {
+			fmt.Fprintf(&b, " (%d site rule(s) before it did not match)", i)
+		}
+		fmt.Fprintf(&b, "; %s is above %s and %s.", port, system, p.trust(c.Source))
+		return b.String()
+	}
 	switch v.Rule {
 	case RuleSystemPort:
 		fmt.Fprintf(&b, "%s is one of %s, which every user reaches from anywhere; identities are not consulted.", port, system)
@@ -69,6 +81,9 @@ func (p *Policy) ExplainWith(c Conn, res identity.Resolver) string {
 	case RuleDenied:
 		fmt.Fprintf(&b, "the connector (%s; %s) is not the listener's user (%s), does not hold the listener's group (%s), neither is exempt, and %s is above %s",
 			user(c.Connector.UID), groups(c.Connector), user(c.Listener.UID), group(c.Listener.GID), port, system)
+	}
+	if len(p.Rules) > 0 {
+		fmt.Fprintf(&b, "; none of the %d site rules matched", len(p.Rules))
 	}
 	if v.Rule == RuleDenied {
 		fmt.Fprintf(&b, "; %s.", p.trust(c.Source))
@@ -114,4 +129,52 @@ func (p *Policy) offPorts() string {
 		s = append(s, r.String())
 	}
 	return strings.Join(s, " ")
+}
+
+// Describe says what the rule matches, in the configuration's terms.
+func (r *SiteRule) Describe(res identity.Resolver) string {
+	var parts []string
+	who := func(uids, gids []uint32, name func(identity.Resolver, uint32) string) string {
+		var s []string
+		for _, u := range uids {
+			s = append(s, name(res, u))
+		}
+		for _, g := range gids {
+			s = append(s, "@"+identity.GroupName(res, g))
+		}
+		return strings.Join(s, " ")
+	}
+	if len(r.From) > 0 || len(r.FromGroups) > 0 {
+		parts = append(parts, "from "+who(r.From, r.FromGroups, identity.UserName))
+	}
+	if len(r.Sources) > 0 {
+		var s []string
+		for _, p := range r.Sources {
+			s = append(s, p.String())
+		}
+		parts = append(parts, "from sources "+strings.Join(s, " "))
+	}
+	if len(r.To) > 0 || len(r.ToGroups) > 0 {
+		parts = append(parts, "to listeners of "+who(r.To, r.ToGroups, identity.UserName))
+	}
+	if len(r.Nodes) > 0 {
+		parts = append(parts, "on nodes "+strings.Join(r.Nodes, " "))
+	}
+	if len(r.Ports) > 0 {
+		var s []string
+		for _, p := range r.Ports {
+			s = append(s, p.String())
+		}
+		parts = append(parts, "ports "+strings.Join(s, " "))
+	}
+	if r.Proto != 0 {
+		parts = append(parts, r.Proto.String()+" only")
+	}
+	if r.Relation != NoRelation {
+		parts = append(parts, "when "+r.Relation.String())
+	}
+	if len(parts) == 0 {
+		return "every connection above the system ports from a trusted source"
+	}
+	return strings.Join(parts, ", ")
 }

@@ -55,6 +55,9 @@ type Conn struct {
 	Listener  Identity
 	Port      uint16
 	Proto     Proto
+	// Node is the listener's node (its hostname), for site rules limited
+	// to some nodes (on_nodes); "" matches none of those rules.
+	Node string
 }
 
 // Rule names the rule that decided a verdict.
@@ -114,6 +117,9 @@ type Policy struct {
 	// UnenforcedNodes are cluster nodes without the agent yet (staged
 	// rollout): identity-less traffic from them is admitted, and reported.
 	UnenforcedNodes []netip.Prefix
+	// Rules are the site's [[rule]] entries, in order: consulted after the
+	// system ports and before the built-in rules (docs/policy.md).
+	Rules []SiteRule
 }
 
 // Default returns the policy used when the configuration says nothing:
@@ -142,6 +148,8 @@ func (p *Policy) InCluster(addr netip.Addr) bool {
 //
 //  1. system-port: Port <= SystemPortMax, for everyone from anywhere (in the
 //     original, ports below 1024 never reach the daemon at all);
+//     then the site's rules (Rules) in order: the first that matches decides
+//     with its own name (SiteRule.Matches);
 //  2. off-cluster-port / off-cluster-denied: a source outside ClusterSubnets
 //     carries no trusted identity, so only OffClusterPorts decide for it;
 //  3. same-user: connector uid == listener uid;
@@ -155,7 +163,13 @@ func (p *Policy) Decide(c Conn) Verdict {
 	if c.Port <= p.SystemPortMax {
 		return Verdict{true, RuleSystemPort}
 	}
-	if !p.InCluster(c.Source) {
+	trusted := p.InCluster(c.Source)
+	for i := range p.Rules {
+		if r := &p.Rules[i]; r.Matches(c, trusted) {
+			return Verdict{r.Allow, Rule(r.Name)}
+		}
+	}
+	if !trusted {
 		for _, r := range p.OffClusterPorts {
 			if r.Contains(c.Port) {
 				return Verdict{true, RuleOffClusterPort}

@@ -276,3 +276,45 @@ func ExamplePolicy_Explain() {
 	fmt.Println(p.Explain(Conn{Source: node2, Connector: user(carol), Listener: user(alice), Port: 5000}))
 	// Output: Denied by rule default-deny: the connector (uid 2003; effective gid 2003, no supplementary groups) is not the listener's user (uid 2001), does not hold the listener's group (gid 2001), neither is exempt, and port 5000/tcp is above the system ports (<= 1023); the source 198.18.0.2 is in cluster subnet 198.18.0.0/24, so its identity is trusted.
 }
+
+func FuzzHostlist(f *testing.F) {
+	for _, s := range []string{"node[1-3]", "db[01-10],login1", "r[1-2]n[001-003]", "a[", "a]", "n[3-1]", "x[1-99999999]", "a,,b", "n[1,1,2]"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		hosts, err := ExpandHostlist(s)
+		if err != nil {
+			return
+		}
+		if len(hosts) == 0 || len(hosts) > MaxHostlist {
+			t.Fatalf("%q: %d hosts", s, len(hosts))
+		}
+		seen := map[string]bool{}
+		for _, h := range hosts {
+			if h == "" || seen[h] || strings.ContainsAny(h, "[],") {
+				t.Fatalf("%q: bad host %q in %v", s, h, hosts)
+			}
+			seen[h] = true
+		}
+	})
+}
+
+func TestExpandHostlist(t *testing.T) {
+	for in, want := range map[string]string{
+		"node1":              "node1",
+		"node[1-3]":          "node1 node2 node3",
+		"db[01-03,10],login": "db01 db02 db03 db10 login",
+		"r[1-2]n[1-2]":       "r1n1 r1n2 r2n1 r2n2",
+		"n[1,1]":             "n1",
+	} {
+		got, err := ExpandHostlist(in)
+		if err != nil || strings.Join(got, " ") != want {
+			t.Errorf("%q: %v %v, want %s", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"", "a[", "a]", "n[3-1]", "x[1-99999999]", "a,,b", "a b", "n[[1]]", "n[]"} {
+		if got, err := ExpandHostlist(in); err == nil {
+			t.Errorf("%q: %v, want an error", in, got)
+		}
+	}
+}

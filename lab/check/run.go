@@ -18,7 +18,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/internal/sys/procfs"
@@ -101,20 +100,9 @@ func Run(ctx context.Context, tb *testbed.Testbed, opts Options) (*Report, error
 	}
 	// Every node's policy, as the data plane there reads it. Mode none
 	// needs none; any other mode may, so a broken config is an error.
-	pols := map[string]*policy.Policy{}
-	for _, n := range tb.Nodes {
-		data, err := os.ReadFile(tb.ConfigPath(n.Name))
-		var cfg *config.Config
-		if err == nil {
-			cfg, err = config.Parse(tb.ConfigPath(n.Name), data, sys)
-		}
-		if err != nil {
-			if opts.Mode != "none" {
-				return nil, fmt.Errorf("policy of %s: %w", n.Name, err)
-			}
-			continue
-		}
-		pols[n.Name] = cfg.Policy
+	pols, err := NodePolicies(tb, sys, opts.Mode != "none")
+	if err != nil {
+		return nil, err
 	}
 	for _, c := range m.cases {
 		c.Policy = pols[c.Listener.Node]

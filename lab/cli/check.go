@@ -28,6 +28,9 @@ func checkCommand() *cobra.Command {
 		only                  string
 		repeat                int
 		churn                 time.Duration
+		fuzzFor               time.Duration
+		seed                  uint64
+		fuzzReplay, fuzzNodes string
 	)
 	cmd := &cobra.Command{
 		Use:   "check",
@@ -81,6 +84,11 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 				ctx, stop := signal.NotifyContext(cmd.Context(), syscall.SIGINT, syscall.SIGTERM)
 				defer stop()
 				return runAttacks(ctx, tb, only, verbose, quiet)
+			}
+			if cmd.Flags().Changed("fuzz") || fuzzReplay != "" {
+				ctx, stop := signal.NotifyContext(cmd.Context(), syscall.SIGINT, syscall.SIGTERM)
+				defer stop()
+				return runFuzz(ctx, tb, fuzzFor, seed, cmd.Flags().Changed("seed"), mode, fuzzReplay, fuzzNodes, quiet)
 			}
 			if cmd.Flags().Changed("churn") {
 				ctx, stop := signal.NotifyContext(cmd.Context(), syscall.SIGINT, syscall.SIGTERM)
@@ -157,5 +165,9 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 	f.BoolVar(&verbose, "verbose", false, "with --attacks: print every case's rationale and steps, not only the failures'")
 	f.IntVar(&repeat, "repeat", 1, "run the matrix this many times; report every run's mismatches and the total (flakes show as mismatches in some runs)")
 	f.DurationVar(&churn, "churn", 10*time.Minute, "run the churn test for this long (userwall testbed): legitimate traffic and attacks while agents are killed, restarted, reloaded, their nft objects flushed and addresses added")
+	f.DurationVar(&fuzzFor, "fuzz", 0, "run the attack fuzzer for this long: random programs of unprivileged system calls as bob and carol against alice's sentinels on every node, judged by --mode's expectation; see docs/fuzz.md")
+	f.Uint64Var(&seed, "seed", 0, "with --fuzz: the seed (default random; printed); the same seed draws the same programs")
+	f.StringVar(&fuzzReplay, "fuzz-replay", "", "run one fuzzer program (JSON, or a file holding it) as printed with a finding, once")
+	f.StringVar(&fuzzNodes, "fuzz-nodes", "", "with --fuzz: comma-separated nodes to use (default all)")
 	return cmd
 }

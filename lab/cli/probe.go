@@ -26,7 +26,7 @@ func probeCommand() *cobra.Command {
 		Short:  "Real listener and connector used by check and bench",
 		Hidden: true,
 	}
-	cmd.AddCommand(probeListenCmd(), probeConnectCmd(), probeSinkCmd(), probeActCmd())
+	cmd.AddCommand(probeListenCmd(), probeConnectCmd(), probeSinkCmd(), probeActCmd(), probeSentinelCmd(), probeFuzzCmd())
 	return cmd
 }
 

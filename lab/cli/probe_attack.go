@@ -1,12 +1,15 @@
 package cli
 
 import (
+	"bufio"
+	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"io"
 	"os"
 
 	"github.com/palisade-hpc/palisade/lab/check/attack"
+	"github.com/palisade-hpc/palisade/lab/check/fuzz"
 	"github.com/spf13/cobra"
 )
 
@@ -51,5 +54,59 @@ func probeActCmd() *cobra.Command {
 		},
 	}
 	c.Flags().StringVar(&spec, "spec", "", "step description (JSON)")
+	return c
+}
+
+// `palisade-lab probe sentinel` and `palisade-lab probe fuzz`: the attack
+// fuzzer's victim sockets and one program run (check --fuzz).
+func probeSentinelCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "sentinel",
+		Short: "Bind the sockets described on stdin's first line (JSON list) and report every byte they receive",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			in := bufio.NewReader(os.Stdin)
+			line, err := in.ReadBytes('\n')
+			if err != nil {
+				return err
+			}
+			var specs []attack.SinkSpec
+			if err := json.Unmarshal(line, &specs); err != nil {
+				return fmt.Errorf("bad specs: %w", err)
+			}
+			// The starter holds our stdin: when it closes it, we are done.
+			go func() { io.Copy(io.Discard, in); os.Exit(0) }()
+			return attack.ServeAll(specs, cmd.OutOrStdout())
+		},
+	}
+}
+
+func probeFuzzCmd() *cobra.Command {
+	var prog, prefix string
+	var peer bool
+	c := &cobra.Command{
+		Use:   "fuzz --prog BASE64 --prefix HEX [--peer]",
+		Short: "Run one fuzzer program (or, with --peer, its fd-passing peer) and print what each call returned",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			b, err := base64.RawURLEncoding.DecodeString(prog)
+			if err != nil {
+				return fmt.Errorf("bad --prog: %w", err)
+			}
+			var p fuzz.Program
+			if err := json.Unmarshal(b, &p); err != nil {
+				return fmt.Errorf("bad --prog: %w", err)
+			}
+			if peer {
+				fuzz.ExecPeer(p.PeerSteps, prefix, cmd.OutOrStdout())
+				return nil
+			}
+			fuzz.Exec(p.Steps, prefix, p.Peer != "", cmd.OutOrStdout())
+			return nil
+		},
+	}
+	c.Flags().StringVar(&prog, "prog", "", "the program (JSON, base64url)")
+	c.Flags().StringVar(&prefix, "prefix", "", "nonce prefix of this run (hex)")
+	c.Flags().BoolVar(&peer, "peer", false, "be the peer that receives the program's passed sockets")
 	return c
 }

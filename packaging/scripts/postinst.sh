@@ -18,7 +18,17 @@ if [ -d /run/systemd/system ]; then
 	if [ -n "$upgrade" ]; then
 		# A running agent is replaced by the new one, which adopts the
 		# pinned programs and maps: the node keeps enforcing throughout.
-		systemctl try-restart palisade-agent.service palisade-ident.service palisade-gateway.service >/dev/null 2>&1 || true
+		# The new version must accept the configuration and pass its
+		# policy tests ([[test]]), or the running agent and its policy stay.
+		agent=palisade-agent.service
+		if [ -f /etc/palisade/palisade.toml ] && ! out=$(/usr/bin/palisade policy test 2>&1); then
+			echo "palisade: /etc/palisade/palisade.toml is refused by this version (invalid, or its policy tests fail);" >&2
+			echo "palisade: palisade-agent NOT restarted: the running agent keeps enforcing its policy. Fix it, then:" >&2
+			echo "palisade:   palisade policy test && systemctl restart palisade-agent" >&2
+			printf '%s\n' "$out" | grep -v '^PASS' | tail -n 20 >&2
+			agent=
+		fi
+		systemctl try-restart $agent palisade-ident.service palisade-gateway.service >/dev/null 2>&1 || true
 	fi
 fi
 exit 0

@@ -46,6 +46,30 @@ func (o *AgentOptions) LoadConfig() (*config.Config, error) {
 	if err != nil {
 		return nil, err
 	}
+	o.applyOverrides(cfg)
+	return cfg, nil
+}
+
+// LoadTestedConfig is LoadConfig, refusing a policy whose [[test]] entries
+// fail: what the agent starts and reloads with (and `agent --reload` checks
+// before signalling), so a change that breaks a site's tests never applies.
+func (o *AgentOptions) LoadTestedConfig() (*config.Config, error) {
+	cfg, err := o.LoadConfig()
+	if err != nil {
+		return nil, err
+	}
+	if _, err := cfg.RunTests(nil); err != nil {
+		return nil, fmt.Errorf("policy tests failed:\n%w", err)
+	}
+	if len(cfg.Policy.Rules) > 0 {
+		// Until the programs enforce them: never let explain and the
+		// kernel disagree.
+		return nil, fmt.Errorf("%s: [[rule]]: site rules are not enforced by userwall yet; remove them", cfg.Path)
+	}
+	return cfg, nil
+}
+
+func (o *AgentOptions) applyOverrides(cfg *config.Config) {
 	a := &cfg.Agent
 	if o.PidFile != "" {
 		a.PidFile = o.PidFile
@@ -59,7 +83,6 @@ func (o *AgentOptions) LoadConfig() (*config.Config, error) {
 	if o.IdentSocket != "" {
 		a.IdentSocket = o.IdentSocket
 	}
-	return cfg, nil
 }
 
 // agent is one running agent. Its goroutines: the main loop (RunAgent's
@@ -78,13 +101,21 @@ type agent struct {
 	attached map[string]int // interface → ifindex
 	cgroup   string
 	sink     *eventSink
+	flows    *flowRecorder
 	ident    *ident.Server
+	// flowCfg is what the flows socket's goroutines read of the running
+	// configuration (set by the main loop); localAddrs are this node's
+	// addresses as last synced (syncAddrs).
+	flowCfg    atomic.Pointer[flowConfig]
+	localAddrs atomic.Pointer[map[netip.Addr]bool]
 	// keyErr says why the cluster key is not in use (nil: it is);
 	// noKeyWarned keeps the log from repeating it.
 	keyErr      error
 	noKeyWarned string
 	// nftRepairs counts restorations of the nft table (metrics).
 	nftRepairs atomic.Int64
+	// stateWriteErrors counts state files not written (metrics).
+	stateWriteErrors atomic.Uint64
 
 	// Set by newAgent, read-only after: the kernel's features, how the tc
 	// programs attach and why, why the LSM programs are left out.
@@ -103,6 +134,12 @@ type agent struct {
 	exempt    groupExempts        // "@group" exemptions' members
 	notes     []string
 	pinDir    string
+	// nodeAddrs are the node's addresses (syncAddrs), checked against
+	// the cluster subnets; lastResolve is the last attempt to resolve the
+	// configuration's unresolved names.
+	nodeAddrs   []netip.Addr
+	lastResolve time.Time
+	usr1        chan os.Signal // SIGUSR1: reopen the event log
 
 	// stateMu guards state, which the metrics goroutine reads.
 	stateMu sync.Mutex
@@ -141,10 +178,17 @@ func ReadPid(path string) int {
 // ctx ends or SIGTERM/SIGINT. Leaving does not remove anything: the pinned
 // programs go on enforcing (restart adopts them; --uninstall removes them).
 func RunAgent(ctx context.Context, o AgentOptions) error {
+	// SIGUSR1 reopens the event log only (logrotate's postrotate): no
+	// reload of the policy every day. Caught from the start: its default
+	// action would end an agent still loading.
+	usr1 := make(chan os.Signal, 1)
+	signal.Notify(usr1, syscall.SIGUSR1)
+	defer signal.Stop(usr1)
 	a, err := newAgent(o)
 	if err != nil {
 		return err
 	}
+	a.usr1 = usr1
 	unlock, err := a.lockNamespace()
 	if err != nil {
 		return err
@@ -190,7 +234,7 @@ func newAgent(o AgentOptions) (*agent, error) {
 	v := version.Get()
 	log.Info("palisade agent starting", "version", v.Version, "commit", v.Commit, "built", v.BuildDate,
 		"go", v.GoVersion, "cilium_ebpf", v.EBPF)
-	cfg, err := o.LoadConfig()
+	cfg, err := o.LoadTestedConfig()
 	if err != nil {
 		return nil, err
 	}
@@ -349,7 +393,17 @@ func (a *agent) startServices(ctx context.Context, svc *services) error {
 		return err
 	}
 	a.sink.seen = a.members.Seen
+	a.flows = a.newFlows()
+	a.sink.flows = a.flows
+	flowCtx, stopFlows := context.WithCancel(ctx)
+	svc.add(goJoined(func() { a.flows.run(flowCtx) }, stopFlows, a.flows.close))
 	svc.add(goJoined(func() { a.sink.run(rd) }, func() { rd.Close() }, a.sink.close))
+	if stop, err := a.serveFlows(ctx); err != nil {
+		a.log.Warn("flows socket not served (palisade flows, audit report)", "err", err)
+		a.notes = append(a.notes, "flows socket not served: "+err.Error())
+	} else {
+		svc.add(stop)
+	}
 
 	nftCtx, cancel := context.WithCancel(ctx)
 	svc.add(goJoined(func() { WatchNft(nftCtx, a.repairNft) }, cancel, nil))
@@ -388,6 +442,7 @@ func (a *agent) loop(ctx context.Context) error {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)
+
 	addrs := newSubscription("address", subscriptionGap, func(ch chan netlink.AddrUpdate, done chan struct{}) error {
 		return netlink.AddrSubscribe(ch, done)
 	})
@@ -413,6 +468,10 @@ func (a *agent) loop(ctx context.Context) error {
 			daemon.SdNotify(false, daemon.SdNotifyReloading)
 			a.reload()
 			daemon.SdNotify(false, daemon.SdNotifyReady)
+		case <-a.usr1:
+			a.reopenEvents(a.cfg)
+			a.log.Info("event log reopened", "path", a.cfg.Agent.EventLog)
+			a.setState(func(s *AgentState) { s.LogReopens++; s.Notes = a.notes })
 		case _, ok := <-addrs.C():
 			a.nodeChanged(addrs, ok && drain(addrs.C()))
 		case _, ok := <-links.C():
@@ -425,6 +484,9 @@ func (a *agent) loop(ctx context.Context) error {
 			a.applyGroupExempts()
 		case <-tick.C:
 			a.syncNode()
+			if len(a.cfg.Unresolved) > 0 && time.Since(a.lastResolve) >= a.cfg.Agent.GroupRefreshInterval() {
+				a.resolveAgain()
+			}
 			if err := a.dp.RefreshClock(); err != nil {
 				a.log.Warn("clock offset not refreshed", "err", err)
 			}
@@ -471,6 +533,7 @@ func (a *agent) install(cgroupRoot string) error {
 	if err := a.loadKeys(); err != nil {
 		return err
 	}
+	a.dp.AllowSamples = uint32(a.cfg.Agent.FlowSamples)
 	if err := a.dp.ApplyPolicy(a.exempt.withUIDs(a.cfg.Policy), a.cfg.Agent.Audit); err != nil {
 		return err
 	}
@@ -525,12 +588,19 @@ func (a *agent) syncAddrs() error {
 	// Unicast addresses only: broadcast and multicast datagrams go to many
 	// sockets and are decided at each of them, never early.
 	var addrs []netip.Addr
+	set := map[netip.Addr]bool{}
 	for _, x := range list {
 		if ip, ok := netip.AddrFromSlice(x.IP); ok {
 			addrs = append(addrs, ip)
+			set[ip.Unmap()] = true
 		}
 	}
-	return a.dp.SetLocalAddrs(addrs)
+	a.localAddrs.Store(&set)
+	if err := a.dp.SetLocalAddrs(addrs); err != nil {
+		return err
+	}
+	a.nodeAddrs = addrs
+	return nil
 }
 
 // repairNft restores the reject table if anything of it is gone.
@@ -623,6 +693,15 @@ func (a *agent) syncInterfaces() error {
 			a.log.Info("tc programs detached", "interface", name)
 		}
 	}
+	// The stamp's room, reserved in what the stack computes (routemtu.go).
+	changed, err := syncRouteMTU(a.cfg.Policy.ClusterSubnets, l2, false)
+	for _, ch := range changed {
+		a.log.Info("route MTU lowered to leave room for the identity stamp", "route", ch.Dst, "dev", ch.Dev,
+			"mtu", ch.To, "was", ch.From)
+	}
+	if err != nil {
+		errs = append(errs, err)
+	}
 	return errors.Join(errs...)
 }
 
@@ -637,7 +716,7 @@ func (a *agent) startIdent(ctx context.Context) (stop func()) {
 	srv, err := ident.NewServer(ident.ServerConfig{
 		UDPPort: uint16(c.IdentPort), DisableUDP: c.IdentPort == 0,
 		SocketPath: c.IdentSocket, DisableUnix: c.IdentSocket == "", SocketGroup: c.IdentSocketGroup,
-		Policy: a.cfg.Policy, Logger: a.log, Report: a.report,
+		Policy: a.cfg.Policy, Logger: a.log, Report: a.report, Data: a.flows.answerData,
 	})
 	if err != nil {
 		a.log.Warn("ident service not started", "err", err)
@@ -659,4 +738,40 @@ func (a *agent) startIdent(ctx context.Context) (stop func()) {
 		case <-time.After(2 * time.Second):
 		}
 	}
+}
+
+// resolveAgain resolves the exempt names that did not resolve (a directory
+// outage at boot, an account created later) and applies those that do now;
+// until then the node enforces without them (fewer exemptions: nothing is
+// opened) and reports them.
+func (a *agent) resolveAgain() {
+	a.lastResolve = time.Now()
+	pol, unresolved, err := a.cfg.Resolve(nil)
+	if err != nil {
+		a.log.Warn("exempt names not resolved again", "err", err)
+		return
+	}
+	if len(unresolved) == len(a.cfg.Unresolved) {
+		return
+	}
+	if err := a.dp.Fits(a.exempt.withUIDs(pol)); err != nil {
+		a.log.Error("exempt names resolved, but the policy does not fit", "err", err)
+		return
+	}
+	if err := a.dp.ApplyPolicy(a.exempt.withUIDs(pol), a.cfg.Agent.Audit); err != nil {
+		a.log.Error("exempt names resolved, but the policy was not applied", "err", err)
+		if rerr := a.dp.ApplyPolicy(a.exempt.withUIDs(a.cfg.Policy), a.cfg.Agent.Audit); rerr != nil {
+			a.log.Error("running policy not restored", "err", rerr)
+		}
+		return
+	}
+	a.cfg.Policy, a.cfg.Unresolved = pol, unresolved
+	if a.ident != nil {
+		a.ident.SetPolicy(pol)
+	}
+	a.exempt.setGroups(pol)
+	a.members.Refresh()
+	fs := a.findings(a.cfg)
+	a.log.Info("exempt names resolved and applied", "still_unresolved", len(unresolved))
+	a.setState(func(s *AgentState) { s.Findings, s.Unresolved = fs, len(unresolved) })
 }

@@ -6,7 +6,25 @@ import (
 	"github.com/cilium/ebpf"
 )
 
-func readCounters(m *ebpf.Map) ([]Counter, error) {
+// readCounters reads the decision counters and, if audit is not nil, the
+// audit counters (refusals audit mode let through).
+func readCounters(m, audit *ebpf.Map) ([]Counter, error) {
+	out, err := readCounterMap(m, false)
+	if err != nil || audit == nil {
+		return out, err
+	}
+	more, err := readCounterMap(audit, true)
+	out = append(out, more...)
+	sort.SliceStable(out, func(i, j int) bool {
+		if out[i].Path != out[j].Path {
+			return out[i].Path < out[j].Path
+		}
+		return out[i].Rule < out[j].Rule
+	})
+	return out, err
+}
+
+func readCounterMap(m *ebpf.Map, audit bool) ([]Counter, error) {
 	var out []Counter
 	for p, pname := range pathNames {
 		for r := 1; r < numRules; r++ {
@@ -22,7 +40,7 @@ func readCounters(m *ebpf.Map) ([]Counter, error) {
 				sum += v
 			}
 			if sum > 0 {
-				out = append(out, Counter{Path: pname, Rule: ruleName(uint8(r)), Allowed: ruleAllows(uint8(r)), Count: sum})
+				out = append(out, Counter{Path: pname, Rule: ruleName(uint8(r)), Allowed: ruleAllows(uint8(r)) && !audit, Audit: audit, Count: sum})
 			}
 		}
 	}

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 
@@ -30,11 +31,13 @@ const (
 
 // cgroupHooks are attached to the root of the cgroup v2 hierarchy, in this
 // order: the owner recorders first (so that every socket created from then
-// on has an owner), the check at delivery last.
+// on has an owner; the release hook before the one that hands out loop
+// tokens, so that every token is given back), the check at delivery last.
 var cgroupHooks = []struct {
 	link, prog string
 	attach     ebpf.AttachType
 }{
+	{"sock_release", "uw_sock_release", ebpf.AttachCgroupInetSockRelease},
 	{"sock_create", "uw_sock_create", ebpf.AttachCGroupInetSockCreate},
 	{"post_bind4", "uw_post_bind4", ebpf.AttachCGroupInet4PostBind},
 	{"post_bind6", "uw_post_bind6", ebpf.AttachCGroupInet6PostBind},
@@ -75,8 +78,15 @@ type Dataplane struct {
 	// Load, ended by Commit or Rollback, driver goroutine only.
 	mig *migration
 
+	// AllowSamples is how many allowed verdicts a second each CPU reports
+	// (the flows); ApplyPolicy writes it. Driver goroutine only.
+	AllowSamples uint32
+
 	mu    sync.Mutex
 	links map[string]link.Link // by pin name
+	// sizes are the entries the set maps hold after the last write that
+	// succeeded (metrics read them instead of walking the maps).
+	sizes map[string]int
 	// lsmErr says why abstract Unix sockets are not enforced (nil: they are).
 	lsmErr error
 }
@@ -117,6 +127,11 @@ func (d *Dataplane) setLink(name string, l link.Link) {
 	}
 }
 
+// TestPeerTTLEnv, in the agent's environment, shortens the 120 s for which a
+// datagram socket's peer may answer after the socket last sent to it (tests
+// of the refresh, which would otherwise wait two minutes).
+const TestPeerTTLEnv = "PALISADE_TEST_UDP_PEER_TTL"
+
 // Load loads the programs for the namespace with the given cookie, reusing
 // (adopting) maps already pinned in pinDir, so a restarted agent keeps the
 // state and the counters of its predecessor. noLSM, if not nil, says why
@@ -128,6 +143,16 @@ func Load(pinDir string, cookie uint64, noLSM error) (*Dataplane, error) {
 	}
 	if err := spec.Variables["netns_cookie"].Set(cookie); err != nil {
 		return nil, err
+	}
+	if v := os.Getenv(TestPeerTTLEnv); v != "" {
+		// Tests only: how long a datagram socket's peer may answer.
+		ttl, err := strconv.ParseUint(v, 10, 32)
+		if err != nil || ttl == 0 {
+			return nil, fmt.Errorf("%s=%q: want a number of seconds", TestPeerTTLEnv, v)
+		}
+		if err := spec.Variables["peer_ttl_s"].Set(uint32(ttl)); err != nil {
+			return nil, err
+		}
 	}
 	if layoutVariant != nil {
 		layoutVariant(spec)

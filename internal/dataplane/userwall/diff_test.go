@@ -59,6 +59,7 @@ type harness struct {
 	ingress  *ebpf.Program
 	egress   *ebpf.Program
 	counters *ebpf.Map
+	audited  *ebpf.Map // audit_counters
 	testSock *ebpf.Map
 	events   *ringbuf.Reader
 	ncpu     int
@@ -116,6 +117,7 @@ func newHarnessMode(t *testing.T, testMode uint32) *harness {
 		ingress:  coll.Programs["uw_skb_ingress"],
 		egress:   coll.Programs["uw_tc_egress"],
 		counters: coll.Maps["counters"],
+		audited:  coll.Maps["audit_counters"],
 		testSock: coll.Maps["test_sock"],
 		events:   rd,
 		ncpu:     ncpu,
@@ -131,14 +133,20 @@ func newHarnessMode(t *testing.T, testMode uint32) *harness {
 	return h
 }
 
-// counts sums the per-CPU decision counters.
+// counts sums the per-CPU decision counters, then the audit counters (the
+// second half: refusals audit mode let through).
 func (h *harness) counts(t *testing.T) []uint64 {
 	t.Helper()
-	n := int(h.counters.MaxEntries())
+	return append(h.sum(t, h.counters), h.sum(t, h.audited)...)
+}
+
+func (h *harness) sum(t *testing.T, m *ebpf.Map) []uint64 {
+	t.Helper()
+	n := int(m.MaxEntries())
 	keys := make([]uint32, n)
 	vals := make([]uint64, n*h.ncpu)
 	var cur ebpf.MapBatchCursor
-	got, err := h.counters.BatchLookup(&cur, keys, vals, nil)
+	got, err := m.BatchLookup(&cur, keys, vals, nil)
 	if err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 		t.Fatalf("counters: %v", err)
 	}
@@ -167,11 +175,12 @@ type verdict struct {
 	deliver bool
 	rule    uwbpfUwRule // 0: no counter moved
 	path    uwbpfUwPath
+	audited bool // the count went to audit_counters
 	event   *uwbpfUwEvent
 }
 
 func (v verdict) String() string {
-	s := fmt.Sprintf("deliver=%v rule=%s", v.deliver, ruleOrNone(v.rule))
+	s := fmt.Sprintf("deliver=%v rule=%s audited=%v", v.deliver, ruleOrNone(v.rule), v.audited)
 	if v.rule != 0 {
 		s += " path=" + pathName(uint8(v.path))
 	}
@@ -221,7 +230,8 @@ func (h *harness) run(t *testing.T, frame []byte, sock uwbpfUwTestSock, ifindex 
 		if d != 1 || v.rule != 0 {
 			t.Fatalf("counters moved by more than one decision (index %d by %d)", i, d)
 		}
-		v.rule, v.path = uwbpfUwRule(i%numRules), uwbpfUwPath(i/numRules)
+		j := i % (len(after) / 2)
+		v.rule, v.path, v.audited = uwbpfUwRule(j%numRules), uwbpfUwPath(j/numRules), i != j
 	}
 	if h.events.AvailableBytes() > 0 {
 		h.events.SetDeadline(time.Now().Add(time.Second))
@@ -250,6 +260,7 @@ type world struct {
 	local   []netip.Addr
 	members identity.Membership
 	audit   bool
+	samples uint32 // allowed verdicts reported per second and CPU
 	enabled bool
 	offset  int64 // wall clock minus boot clock
 }
@@ -272,7 +283,7 @@ func (w *world) apply(t *testing.T, h *harness) {
 	if err := d.SetInterfaces(map[int]int{1: 14}); err != nil {
 		t.Fatal(err)
 	}
-	cfg := uwbpfUwConfig{SystemPortMax: uint32(w.pol.SystemPortMax), ClockOffsetNs: w.offset}
+	cfg := uwbpfUwConfig{SystemPortMax: uint32(w.pol.SystemPortMax), ClockOffsetNs: w.offset, AllowSamples: w.samples}
 	if w.enabled {
 		cfg.Enabled = 1
 	}
@@ -638,11 +649,18 @@ func (w *world) expect(c *tcase) (deliver bool, rule uwbpfUwRule, path uwbpfUwPa
 			v = policy.Verdict{Allow: true, Rule: "udp-reply"}
 		}
 	}
+	// A refusal for want of identity from where a stamp should have come
+	// is reported apart from off-cluster sources, which never have one.
+	if v.Rule == policy.RuleOffClusterDenied && !offCluster {
+		v.Rule = RuleUnstamped
+	}
 	rule, ok := ruleByName[string(v.Rule)]
 	if !ok {
 		panic("no C rule for " + v.Rule)
 	}
-	event = !v.Allow || rule == uwbpfUwRuleR_UNVERIFIED
+	// Allowed verdicts are reported too where sampling is on (a budget no
+	// test exhausts), except at system ports (counted before any look).
+	event = !v.Allow || rule == uwbpfUwRuleR_UNVERIFIED || (w.samples > 0 && c.dport > w.pol.SystemPortMax)
 	return v.Allow || w.audit, rule, pathFor(c.proto), st, event
 }
 
@@ -658,6 +676,10 @@ func (w *world) check(c *tcase, got verdict) string {
 	} else if rule != 0 && got.path != path {
 		diffs = append(diffs, fmt.Sprintf("path %s, want %s", pathName(uint8(got.path)), pathName(uint8(path))))
 	}
+	// Metrics never count a would-be refusal as a refusal.
+	if want := w.audit && rule != 0 && !ruleAllows(uint8(rule)); got.audited != want {
+		diffs = append(diffs, fmt.Sprintf("counted in audit_counters %v, want %v", got.audited, want))
+	}
 	e := got.event
 	switch {
 	case event && e == nil:
@@ -672,7 +694,7 @@ func (w *world) check(c *tcase, got verdict) string {
 		cuid, cgid := c.carried()
 		hasConn := st == uwbpfUwStampS_VALID
 		wantAudit := uint8(0)
-		if w.audit && rule != uwbpfUwRuleR_UNVERIFIED {
+		if w.audit && !ruleAllows(uint8(rule)) {
 			wantAudit = 1
 		}
 		if (e.HasConnector == 1) != hasConn || (hasConn && (e.Cuid != cuid || e.Cgid != cgid)) ||
@@ -751,7 +773,7 @@ func worlds() []*world {
 		return out
 	}
 	return []*world{
-		{name: "rotation", enabled: true, keys: []Key{k0, k1}, local: local, members: members, offset: 1_700_000_000_000_000_000,
+		{name: "rotation", enabled: true, samples: 1 << 30, keys: []Key{k0, k1}, local: local, members: members, offset: 1_700_000_000_000_000_000,
 			pol: &policy.Policy{SystemPortMax: 1023, ExemptConnectors: []uint32{uRoot, uSvc}, ExemptListeners: []uint32{uRoot, uDaemon},
 				ClusterSubnets:  pfx("198.18.0.0/24", "2001:2:0:1::/64"),
 				OffClusterPorts: []policy.PortRange{{First: 8443, Last: 8443}, {First: 9000, Last: 9100}},
@@ -1000,6 +1022,7 @@ func stampAt(t *testing.T, frame []byte, v6 bool) (opt []byte, l4 int) {
 func TestStampMatchesKernel(t *testing.T) {
 	h := newHarness(t)
 	w := worlds()[0]
+	w.samples = 0 // no allowed verdict reported
 	w.apply(t, h)
 	r := rand.New(rand.NewPCG(7, 7))
 	for i := 0; i < 200; i++ {
@@ -1052,6 +1075,7 @@ func TestStampMatchesKernel(t *testing.T) {
 func TestStampBitFlips(t *testing.T) {
 	h := newHarness(t)
 	w := worlds()[0]
+	w.samples = 0 // no allowed verdict reported
 	w.apply(t, h)
 	for _, v6 := range []bool{false, true} {
 		src, dst := netip.MustParseAddr("198.18.0.2"), netip.MustParseAddr("198.18.0.1")
@@ -1104,9 +1128,11 @@ func TestStampBitFlips(t *testing.T) {
 				bad := slices.Clone(good)
 				bad[f.off+bit/8] ^= 1 << (bit % 8)
 				v := h.run(t, bad, sock, 1)
-				if v.deliver || v.rule != uwbpfUwRuleR_OFFCLUSTER_DENIED || v.event == nil ||
-					uwbpfUwStamp(v.event.Stamp) == uwbpfUwStampS_VALID {
-					t.Errorf("v6=%v: %s bit %d flipped: %s, want off-cluster-denied without identity", v6, f.name, bit, v)
+				// Refused without identity: unstamped-from-cluster, or
+				// off-cluster-denied if the flip moved the source out.
+				if v.deliver || (v.rule != uwbpfUwRuleR_OFFCLUSTER_DENIED && v.rule != uwbpfUwRuleR_UNSTAMPED_FROM_CLUSTER) ||
+					v.event == nil || uwbpfUwStamp(v.event.Stamp) == uwbpfUwStampS_VALID {
+					t.Errorf("v6=%v: %s bit %d flipped: %s, want a refusal without identity", v6, f.name, bit, v)
 				}
 			}
 		}
@@ -1122,6 +1148,7 @@ func TestStampBitFlips(t *testing.T) {
 func TestProgramClock(t *testing.T) {
 	h := newHarnessMode(t, 0)
 	w := worlds()[0]
+	w.samples = 0 // no allowed verdict reported
 	w.apply(t, h)
 	var res unix.Timespec
 	if err := unix.ClockGetres(unix.CLOCK_MONOTONIC_COARSE, &res); err != nil {

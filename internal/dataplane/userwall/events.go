@@ -55,24 +55,50 @@ type Event struct {
 }
 
 // eventSink turns ring-buffer records into rate-limited JSON lines and
-// syslog messages.
+// syslog messages, and hands every decoded verdict to the flow recorder.
+// Its goroutine (run) alone decodes and writes: names are looked up with no
+// lock held, so a slow directory delays only the sink, never the agent's
+// loop (a reload swaps the outputs without waiting for a write).
 type eventSink struct {
 	node  string
 	log   *slog.Logger
-	mu    sync.Mutex
+	names *identity.NameCache
+	// out are the current outputs; wmu serialises writes with the closing
+	// of outputs a reopen replaced.
+	out atomic.Pointer[sinkOutputs]
+	wmu sync.Mutex
+	// seen learns the groups of refused connectors (membership.Tracker).
+	seen func(uid uint32)
+	// flows receives every verdict (nil: none recorded).
+	flows *flowRecorder
+
+	Logged, Suppressed atomic.Uint64
+	// WriteErrors counts lines the event log or syslog did not take;
+	// Malformed counts ring-buffer records that did not decode.
+	WriteErrors, Malformed atomic.Uint64
+	errLog                 logEvery
+}
+
+// sinkOutputs are the event log, syslog and the rate limit of one
+// configuration.
+type sinkOutputs struct {
+	path  string
 	file  io.WriteCloser
 	sys   *syslog.Writer
 	limit *rate.Limiter // nil: log nothing (event_rate 0)
-	names *identity.NameCache
-	// seen learns the groups of refused connectors (membership.Tracker).
-	seen func(uid uint32)
-
-	Logged, Suppressed atomic.Uint64
 }
 
-func newEventSink(path string, useSyslog bool, perSec int, log *slog.Logger) (*eventSink, error) {
-	s := &eventSink{log: log, limit: newEventLimit(perSec), names: identity.NewNameCache(nil, time.Minute)}
-	s.node, _ = os.Hostname()
+func (o *sinkOutputs) close() {
+	if o.file != nil {
+		o.file.Close()
+	}
+	if o.sys != nil {
+		o.sys.Close()
+	}
+}
+
+func openOutputs(path string, useSyslog bool, perSec int) (*sinkOutputs, error) {
+	o := &sinkOutputs{path: path, limit: newEventLimit(perSec)}
 	if path != "" {
 		if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
 			return nil, err
@@ -81,28 +107,57 @@ func newEventSink(path string, useSyslog bool, perSec int, log *slog.Logger) (*e
 		if err != nil {
 			return nil, fmt.Errorf("event log: %w", err)
 		}
-		s.file = f
+		o.file = f
 	}
 	if useSyslog {
 		if _, err := os.Stat("/dev/log"); err == nil {
 			if w, err := syslog.Dial("unixgram", "/dev/log", syslog.LOG_WARNING|syslog.LOG_AUTH, "palisade-userwall"); err == nil {
-				s.sys = w
+				o.sys = w
 			}
 		}
 	}
+	return o, nil
+}
+
+func newEventSink(path string, useSyslog bool, perSec int, log *slog.Logger) (*eventSink, error) {
+	o, err := openOutputs(path, useSyslog, perSec)
+	if err != nil {
+		return nil, err
+	}
+	s := &eventSink{log: log, names: identity.NewNameCache(nil, time.Minute)}
+	s.node, _ = os.Hostname()
+	s.out.Store(o)
 	return s, nil
 }
 
-func (s *eventSink) close() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.file != nil {
-		s.file.Close()
-		s.file = nil
+// reopen replaces the sink's outputs; on error the old ones stay. It does
+// not wait for a write in progress: the old outputs are closed once it is
+// done. A new limiter only for a new rate: a reopen keeps the budget.
+func (s *eventSink) reopen(path string, useSyslog bool, perSec int) error {
+	n, err := openOutputs(path, useSyslog, perSec)
+	if err != nil {
+		return err
 	}
-	if s.sys != nil {
-		s.sys.Close()
-		s.sys = nil
+	old := s.out.Load()
+	if old != nil && n.limit != nil && old.limit != nil && n.limit.Limit() == old.limit.Limit() {
+		n.limit = old.limit
+	}
+	s.out.Store(n)
+	if old != nil {
+		go func() {
+			s.wmu.Lock()
+			defer s.wmu.Unlock()
+			old.close()
+		}()
+	}
+	return nil
+}
+
+func (s *eventSink) close() {
+	s.wmu.Lock()
+	defer s.wmu.Unlock()
+	if o := s.out.Swap(nil); o != nil {
+		o.close()
 	}
 }
 
@@ -116,7 +171,8 @@ func newEventLimit(perSec int) *rate.Limiter {
 }
 
 func (s *eventSink) allow(now time.Time) bool {
-	return s.limit != nil && s.limit.AllowN(now, 1)
+	o := s.out.Load()
+	return o != nil && o.limit != nil && o.limit.AllowN(now, 1)
 }
 
 func addrPort(fam uint8, a [16]uint8, port uint16) string {
@@ -132,6 +188,11 @@ func (s *eventSink) decode(raw []byte) (Event, error) {
 	if err := binary.Read(bytes.NewReader(raw), binary.NativeEndian, &r); err != nil {
 		return Event{}, err
 	}
+	return s.decodeRecord(&r), nil
+}
+
+// decodeRecord names the parties of a record (NSS: may be slow; no lock).
+func (s *eventSink) decodeRecord(r *uwbpfUwEvent) Event {
 	e := Event{Time: time.Now().UTC(), Node: s.node, Verdict: "deny", Rule: ruleName(r.Rule), Path: pathName(r.Path), PID: r.Pid}
 	switch {
 	case r.Audit != 0:
@@ -193,33 +254,80 @@ func (s *eventSink) decode(raw []byte) (Event, error) {
 		comm = append(comm, byte(c))
 	}
 	e.Comm = string(comm)
-	return e, nil
+	return e
 }
 
+// sampled reports whether e is an allowed verdict recorded within the
+// sampling budget: for the flows only, never logged.
+func (e *Event) sampled() bool { return e.Verdict == "allow" && e.Rule != "unverified" }
+
 func (s *eventSink) handle(raw []byte) {
-	if s.seen != nil {
-		if uid, ok := refusedConnector(raw); ok {
-			s.seen(uid)
-		}
+	var r uwbpfUwEvent
+	if err := binary.Read(bytes.NewReader(raw), binary.NativeEndian, &r); err != nil {
+		s.Malformed.Add(1)
+		return
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
+	if s.seen != nil && r.HasConnector != 0 && !ruleAllows(r.Rule) {
+		s.seen(r.Cuid)
+	}
+	e := s.decodeRecord(&r)
+	if s.flows != nil {
+		s.flows.offer(&e, r.Pid)
+	}
+	if e.sampled() {
+		return
+	}
 	if !s.allow(time.Now()) {
 		s.Suppressed.Add(1)
 		return
 	}
-	e, err := s.decode(raw)
-	if err != nil {
-		return
-	}
 	s.Logged.Add(1)
 	line, _ := json.Marshal(e)
-	if s.file != nil {
-		s.file.Write(append(line, '\n'))
+	s.write(line)
+}
+
+// write puts one line into the event log and syslog; what they do not take
+// is counted and logged (once a minute at most, with the count).
+func (s *eventSink) write(line []byte) {
+	s.wmu.Lock()
+	defer s.wmu.Unlock()
+	o := s.out.Load()
+	if o == nil {
+		return
 	}
-	if s.sys != nil {
-		s.sys.Warning(string(line))
+	if o.file != nil {
+		if _, err := o.file.Write(append(line, '\n')); err != nil {
+			s.writeFailed("event log "+o.path, err)
+		}
 	}
+	if o.sys != nil {
+		if err := o.sys.Warning(string(line)); err != nil {
+			s.writeFailed("syslog", err)
+		}
+	}
+}
+
+func (s *eventSink) writeFailed(what string, err error) {
+	n := s.WriteErrors.Add(1)
+	if s.errLog.due(time.Now()) {
+		s.log.Error("event not written", "to", what, "err", err, "write_errors_total", n)
+	}
+}
+
+// logEvery lets a repeated error through to the log once a minute.
+type logEvery struct {
+	mu   sync.Mutex
+	last time.Time
+}
+
+func (l *logEvery) due(now time.Time) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if !l.last.IsZero() && now.Sub(l.last) < time.Minute {
+		return false
+	}
+	l.last = now
+	return true
 }
 
 // run reads the ring buffer until it is closed.

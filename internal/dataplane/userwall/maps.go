@@ -106,8 +106,8 @@ func (d *Dataplane) ApplyPolicy(p *policy.Policy, audit bool) error {
 	}
 	conn, lis, nets, unenf := policySets(p)
 	var errs []error
-	errs = append(errs, syncSet(d.Map("exempt_conn"), conn), syncSet(d.Map("exempt_lis"), lis))
-	errs = append(errs, syncSet(d.Map("cluster_nets"), nets), syncSet(d.Map("unenforced_nets"), unenf))
+	errs = append(errs, syncSized(d, "exempt_conn", conn), syncSized(d, "exempt_lis", lis))
+	errs = append(errs, syncSized(d, "cluster_nets", nets), syncSized(d, "unenforced_nets", unenf))
 
 	var words [1024]uint64
 	for _, r := range p.OffClusterPorts {
@@ -128,7 +128,7 @@ func (d *Dataplane) ApplyPolicy(p *policy.Policy, audit bool) error {
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
-	cfg := uwbpfUwConfig{SystemPortMax: uint32(p.SystemPortMax), Enabled: 1, ClockOffsetNs: ClockOffset()}
+	cfg := uwbpfUwConfig{SystemPortMax: uint32(p.SystemPortMax), Enabled: 1, ClockOffsetNs: ClockOffset(), AllowSamples: d.AllowSamples}
 	if audit {
 		cfg.Audit = 1
 	}
@@ -223,7 +223,7 @@ func (d *Dataplane) SetLocalAddrs(addrs []netip.Addr) error {
 		a = a.Unmap().WithZone("")
 		want[lpmKey(netip.PrefixFrom(a, a.BitLen()))] = true
 	}
-	return syncSet(d.Map("local_addrs"), want)
+	return syncSized(d, "local_addrs", want)
 }
 
 // SetMembers loads NSS group membership (uid in gid) for the cross-node
@@ -235,7 +235,33 @@ func (d *Dataplane) SetMembers(m identity.Membership) error {
 			want[uwbpfUwMemberKey{Uid: uid, Gid: g}] = true
 		}
 	}
-	return syncSet(d.Map("members"), want)
+	return syncSized(d, "members", want)
+}
+
+// syncSized is syncSet on the named map, remembering its size.
+func syncSized[K comparable](d *Dataplane, name string, want map[K]bool) error {
+	err := syncSet(d.Map(name), want)
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.sizes == nil {
+		d.sizes = map[string]int{}
+	}
+	if err != nil {
+		delete(d.sizes, name) // unknown: partly written
+	} else {
+		d.sizes[name] = len(want)
+	}
+	return err
+}
+
+// MapSize is the number of entries in a set map (exempt_conn, exempt_lis,
+// cluster_nets, unenforced_nets, local_addrs, members) as last written;
+// false if unknown (never written, or the last write failed part-way).
+func (d *Dataplane) MapSize(name string) (int, bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	n, ok := d.sizes[name]
+	return n, ok
 }
 
 // Disable stops enforcement without detaching (programs answer "allow").

@@ -1,9 +1,7 @@
 package userwall
 
 import (
-	"bytes"
 	"context"
-	"encoding/binary"
 	"errors"
 	"path/filepath"
 	"slices"
@@ -129,16 +127,6 @@ func (a *agent) runMembers(ctx context.Context) (stop func()) {
 		a.members.Run(ctx)
 	}()
 	return func() { cancel(); <-done }
-}
-
-// refusedConnector returns the uid of a refused connector with a trusted
-// identity (a denial event of the data plane).
-func refusedConnector(raw []byte) (uint32, bool) {
-	var r uwbpfUwEvent
-	if err := binary.Read(bytes.NewReader(raw), binary.NativeEndian, &r); err != nil || r.HasConnector == 0 {
-		return 0, false
-	}
-	return r.Cuid, true
 }
 
 // MemberPair is one (uid, gid) entry of the kernel's membership map.

@@ -2,6 +2,7 @@ package userwall
 
 import (
 	"net/http"
+	"strconv"
 
 	"github.com/cilium/ebpf"
 	"github.com/palisade-hpc/palisade/internal/version"
@@ -29,8 +30,12 @@ var (
 		"1 if the node is in audit mode (decides and logs, refuses nothing).", nil, nil)
 	descFindings = prometheus.NewDesc("palisade_config_findings",
 		"Findings of config check for the running configuration, by level (WARNING, ERROR).", []string{"level"}, nil)
+	descKeyLoaded = prometheus.NewDesc("palisade_cluster_key_loaded",
+		"1 if the configured cluster key is in force; 0: the node seals with a random key and trusts no identity from other nodes (users' cross-node traffic is refused).", nil, nil)
+	descUnresolved = prometheus.NewDesc("palisade_config_unresolved_names",
+		"Exempt names of the running configuration that NSS cannot resolve (not exempt until they do; retried at every group refresh).", nil, nil)
 	descDecisions = prometheus.NewDesc("palisade_userwall_decisions_total",
-		"Connection decisions taken in the kernel, by path and rule.", []string{"path", "rule", "verdict"}, nil)
+		"Connection decisions taken in the kernel, by path and rule; verdict allow, deny, or audit (refused by the rules, let through by audit mode).", []string{"path", "rule", "verdict"}, nil)
 	descLinks = prometheus.NewDesc("palisade_userwall_programs_attached",
 		"eBPF program attachments (links) in force.", nil, nil)
 	descLSM = prometheus.NewDesc("palisade_userwall_unix_enforced",
@@ -38,13 +43,26 @@ var (
 	descEntries = prometheus.NewDesc("palisade_userwall_map_entries",
 		"Entries in the agent's eBPF maps.", []string{"map"}, nil)
 	descEvents = prometheus.NewDesc("palisade_userwall_events_total",
-		"Denial events logged or suppressed by the rate limit.", []string{"outcome"}, nil)
+		"Refusal events: logged, suppressed by the rate limit, write_error (the event log or syslog did not take it), lost (the ring buffer was full), malformed.", []string{"outcome"}, nil)
+	descSamples = prometheus.NewDesc("palisade_userwall_allowed_samples_total",
+		"Allowed verdicts reported for the flows (sampled), or only counted because the CPU's budget of flow_samples a second was spent (over_budget).", []string{"outcome"}, nil)
+	descFlows = prometheus.NewDesc("palisade_userwall_flows_total",
+		"Verdicts the agent's flow recorder kept (recorded) or could not keep up with (dropped).", []string{"outcome"}, nil)
+	descFlowProcs = prometheus.NewDesc("palisade_userwall_flow_process_lookups_total",
+		"Lookups of a flow end's process: named, or not (socket gone, lookup budget spent, node not answering).", []string{"outcome"}, nil)
+	descTop = prometheus.NewDesc("palisade_userwall_refusals_top",
+		"Refusals (verdict deny) and would-be refusals (audit) of the last hour, for the 10 largest (listener, port, connector, rule) groups only: a bounded label set.", []string{"listener", "port", "connector", "rule", "verdict"}, nil)
+	descWriteErrors = prometheus.NewDesc("palisade_agent_state_write_errors_total",
+		"Agent state files not written (status, reload acknowledgements and monitoring read it).", nil, nil)
 )
+
+// topN bounds palisade_userwall_refusals_top.
+const topN = 10
 
 type collector struct{ a *agent }
 
 func (c collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descConfigInfo, descConfigShared, descConfigGen, descConfigReload, descConfigReloadOK, descAudit, descFindings, descBuildInfo, descDecisions, descLinks, descLSM, descEntries, descEvents} {
+	for _, d := range []*prometheus.Desc{descConfigInfo, descConfigShared, descConfigGen, descConfigReload, descConfigReloadOK, descAudit, descFindings, descKeyLoaded, descUnresolved, descBuildInfo, descDecisions, descLinks, descLSM, descEntries, descEvents, descSamples, descFlows, descFlowProcs, descTop, descWriteErrors} {
 		ch <- d
 	}
 }
@@ -87,14 +105,16 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 	for level, v := range n {
 		ch <- prometheus.MustNewConstMetric(descFindings, prometheus.GaugeValue, v, level)
 	}
+	key := 0.0
+	if st.KeyLoaded {
+		key = 1
+	}
+	ch <- prometheus.MustNewConstMetric(descKeyLoaded, prometheus.GaugeValue, key)
+	ch <- prometheus.MustNewConstMetric(descUnresolved, prometheus.GaugeValue, float64(st.Unresolved))
 	d := c.a.dp
 	if cs, err := d.ReadCounters(); err == nil {
 		for _, x := range cs {
-			v := "deny"
-			if x.Allowed {
-				v = "allow"
-			}
-			ch <- prometheus.MustNewConstMetric(descDecisions, prometheus.CounterValue, float64(x.Count), x.Path, x.Rule, v)
+			ch <- prometheus.MustNewConstMetric(descDecisions, prometheus.CounterValue, float64(x.Count), x.Path, x.Rule, x.Verdict())
 		}
 	}
 	ch <- prometheus.MustNewConstMetric(descLinks, prometheus.GaugeValue, float64(len(d.Links())))
@@ -103,13 +123,51 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 		lsm = 1
 	}
 	ch <- prometheus.MustNewConstMetric(descLSM, prometheus.GaugeValue, lsm)
+	// The sizes the agent wrote: walking members (up to 262,144 entries,
+	// a syscall per key and per value) on every scrape cost more than the
+	// scrape is worth. A map whose last write failed part-way is counted.
 	for _, m := range []string{"exempt_conn", "exempt_lis", "local_addrs", "cluster_nets", "unenforced_nets", "members"} {
-		ch <- prometheus.MustNewConstMetric(descEntries, prometheus.GaugeValue, countEntries(d.Map(m)), m)
+		n, ok := d.MapSize(m)
+		v := float64(n)
+		if !ok {
+			v = countEntries(d.Map(m))
+		}
+		ch <- prometheus.MustNewConstMetric(descEntries, prometheus.GaugeValue, v, m)
 	}
+	es, esErr := d.ReadEventStats()
 	if s := c.a.sink; s != nil {
-		ch <- prometheus.MustNewConstMetric(descEvents, prometheus.CounterValue, float64(s.Logged.Load()), "logged")
-		ch <- prometheus.MustNewConstMetric(descEvents, prometheus.CounterValue, float64(s.Suppressed.Load()), "suppressed")
+		for outcome, n := range map[string]uint64{"logged": s.Logged.Load(), "suppressed": s.Suppressed.Load(),
+			"write_error": s.WriteErrors.Load(), "malformed": s.Malformed.Load()} {
+			ch <- prometheus.MustNewConstMetric(descEvents, prometheus.CounterValue, float64(n), outcome)
+		}
 	}
+	if esErr == nil {
+		ch <- prometheus.MustNewConstMetric(descEvents, prometheus.CounterValue, float64(es.Lost), "lost")
+		ch <- prometheus.MustNewConstMetric(descSamples, prometheus.CounterValue, float64(es.Sampled), "sampled")
+		ch <- prometheus.MustNewConstMetric(descSamples, prometheus.CounterValue, float64(es.Unsampled), "over_budget")
+	}
+	if f := c.a.flows; f != nil {
+		ch <- prometheus.MustNewConstMetric(descFlows, prometheus.CounterValue, float64(f.Recorded.Load()), "recorded")
+		ch <- prometheus.MustNewConstMetric(descFlows, prometheus.CounterValue, float64(f.Dropped.Load()), "dropped")
+		ch <- prometheus.MustNewConstMetric(descFlowProcs, prometheus.CounterValue, float64(f.Enriched.Load()), "named")
+		ch <- prometheus.MustNewConstMetric(descFlowProcs, prometheus.CounterValue, float64(f.Unresolved.Load()), "unnamed")
+		for _, g := range f.topRefusals(topN) {
+			conn := g.Src
+			if g.Connector != nil {
+				conn = nameOr(g.Connector.User, g.Connector.UID)
+			}
+			ch <- prometheus.MustNewConstMetric(descTop, prometheus.GaugeValue, float64(g.Count),
+				nameOr(g.Listener.User, g.Listener.UID), g.Proto+"/"+strconv.Itoa(int(g.Port)), conn, g.Rule, g.Verdict)
+		}
+	}
+	ch <- prometheus.MustNewConstMetric(descWriteErrors, prometheus.CounterValue, float64(c.a.stateWriteErrors.Load()))
+}
+
+func nameOr(name string, id uint32) string {
+	if name != "" {
+		return name
+	}
+	return strconv.FormatUint(uint64(id), 10)
 }
 
 func (a *agent) metricsHandler() http.Handler {

@@ -77,7 +77,7 @@ func stagingDir(pinDir string) string { return filepath.Join(pinDir, "next") }
 // carriedMaps are state maps whose entries a migration copies from the old
 // map (when key and value sizes allow). Config maps are re-derived by the
 // agent; socket storage cannot be enumerated from user space.
-var carriedMaps = []string{"counters"}
+var carriedMaps = []string{"counters", "audit_counters", "event_stats"}
 
 // ownerRecorders are the cgroup hooks that write sk_owners.
 var ownerRecorders = []string{"sock_create", "post_bind4", "post_bind6"}

@@ -167,7 +167,7 @@ func cEnums(t *testing.T, src string) map[string]map[string]uint64 {
 }
 
 func TestEventRateLimit(t *testing.T) {
-	s := &eventSink{limit: newEventLimit(10)}
+	s := sinkLimited(10)
 	now := time.Now()
 	n := 0
 	for i := 0; i < 100; i++ {
@@ -184,12 +184,18 @@ func TestEventRateLimit(t *testing.T) {
 	if !s.allow(now.Add(200 * time.Millisecond)) {
 		t.Error("no token after 0.2 s at 10/s")
 	}
-	if (&eventSink{limit: newEventLimit(0)}).allow(now) {
+	if sinkLimited(0).allow(now) {
 		t.Error("rate 0 must log nothing")
 	}
 	if (&eventSink{}).allow(now) {
 		t.Error("rate 0 must log nothing")
 	}
+}
+
+func sinkLimited(perSec int) *eventSink {
+	s := &eventSink{}
+	s.out.Store(&sinkOutputs{limit: newEventLimit(perSec)})
+	return s
 }
 
 func TestDecodeEvent(t *testing.T) {

@@ -13,14 +13,29 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type uwbpfUwBudget struct {
+	_   structs.HostLayout
+	Sec uint64
+	N   uint64
+}
+
 type uwbpfUwConfig struct {
 	_             structs.HostLayout
 	SystemPortMax uint32
 	Enabled       uint32
 	Audit         uint32
-	Pad           uint32
+	AllowSamples  uint32
 	ClockOffsetNs int64
 }
+
+type uwbpfUwEstat uint32
+
+const (
+	uwbpfUwEstatE_LOST      uwbpfUwEstat = 0
+	uwbpfUwEstatE_SAMPLED   uwbpfUwEstat = 1
+	uwbpfUwEstatE_UNSAMPLED uwbpfUwEstat = 2
+	uwbpfUwEstatE_MAX       uwbpfUwEstat = 4
+)
 
 type uwbpfUwEvent struct {
 	_            structs.HostLayout
@@ -53,6 +68,28 @@ type uwbpfUwKey struct {
 	Valid uint32
 }
 
+type uwbpfUwLoId struct {
+	_     structs.HostLayout
+	Src   [16]uint8
+	Dst   [16]uint8
+	Sport uint16
+	Dport uint16
+	Proto uint8
+	Pad   [3]uint8
+	Uid   uint32
+	Gid   uint32
+	Mark  uint32
+	_     [4]byte
+	T     uint64
+}
+
+type uwbpfUwLoop struct {
+	_      structs.HostLayout
+	Cookie uint64
+	Uid    uint32
+	Gid    uint32
+}
+
 type uwbpfUwLpmKey struct {
 	_         structs.HostLayout
 	Prefixlen uint32
@@ -62,8 +99,11 @@ type uwbpfUwLpmKey struct {
 type uwbpfUwMark uint32
 
 const (
-	uwbpfUwMarkUW_MARK_RST  uwbpfUwMark = 1430406656
-	uwbpfUwMarkUW_MARK_ICMP uwbpfUwMark = 1430406657
+	uwbpfUwMarkUW_MARK_RST        uwbpfUwMark = 1430406656
+	uwbpfUwMarkUW_MARK_ICMP       uwbpfUwMark = 1430406657
+	uwbpfUwMarkUW_MARK_LOOP       uwbpfUwMark = 973078528
+	uwbpfUwMarkUW_MARK_LOOP_MASK  uwbpfUwMark = 4278190080
+	uwbpfUwMarkUW_MARK_LOOP_TOKEN uwbpfUwMark = 16777215
 )
 
 type uwbpfUwMemberKey struct {
@@ -111,23 +151,25 @@ type uwbpfUwPeers struct {
 type uwbpfUwRule uint32
 
 const (
-	uwbpfUwRuleR_NONE              uwbpfUwRule = 0
-	uwbpfUwRuleR_SAME_USER         uwbpfUwRule = 1
-	uwbpfUwRuleR_SHARED_GROUP      uwbpfUwRule = 2
-	uwbpfUwRuleR_SYSTEM_PORT       uwbpfUwRule = 3
-	uwbpfUwRuleR_EXEMPT_CONNECTOR  uwbpfUwRule = 4
-	uwbpfUwRuleR_EXEMPT_LISTENER   uwbpfUwRule = 5
-	uwbpfUwRuleR_OFFCLUSTER_PORT   uwbpfUwRule = 6
-	uwbpfUwRuleR_OFFCLUSTER_DENIED uwbpfUwRule = 7
-	uwbpfUwRuleR_DENIED            uwbpfUwRule = 8
-	uwbpfUwRuleR_UDP_REPLY         uwbpfUwRule = 9
-	uwbpfUwRuleR_NO_LISTENER       uwbpfUwRule = 10
-	uwbpfUwRuleR_UNIX_REPLY        uwbpfUwRule = 11
-	uwbpfUwRuleR_UNVERIFIED        uwbpfUwRule = 12
-	uwbpfUwRuleR_UNCLASSIFIED      uwbpfUwRule = 13
-	uwbpfUwRuleR_COBIND            uwbpfUwRule = 14
-	uwbpfUwRuleR_FOREIGN_SOURCE    uwbpfUwRule = 15
-	uwbpfUwRuleR_MAX               uwbpfUwRule = 16
+	uwbpfUwRuleR_NONE                   uwbpfUwRule = 0
+	uwbpfUwRuleR_SAME_USER              uwbpfUwRule = 1
+	uwbpfUwRuleR_SHARED_GROUP           uwbpfUwRule = 2
+	uwbpfUwRuleR_SYSTEM_PORT            uwbpfUwRule = 3
+	uwbpfUwRuleR_EXEMPT_CONNECTOR       uwbpfUwRule = 4
+	uwbpfUwRuleR_EXEMPT_LISTENER        uwbpfUwRule = 5
+	uwbpfUwRuleR_OFFCLUSTER_PORT        uwbpfUwRule = 6
+	uwbpfUwRuleR_OFFCLUSTER_DENIED      uwbpfUwRule = 7
+	uwbpfUwRuleR_DENIED                 uwbpfUwRule = 8
+	uwbpfUwRuleR_UDP_REPLY              uwbpfUwRule = 9
+	uwbpfUwRuleR_NO_LISTENER            uwbpfUwRule = 10
+	uwbpfUwRuleR_UNIX_REPLY             uwbpfUwRule = 11
+	uwbpfUwRuleR_UNVERIFIED             uwbpfUwRule = 12
+	uwbpfUwRuleR_UNCLASSIFIED           uwbpfUwRule = 13
+	uwbpfUwRuleR_COBIND                 uwbpfUwRule = 14
+	uwbpfUwRuleR_FOREIGN_SOURCE         uwbpfUwRule = 15
+	uwbpfUwRuleR_UNSTAMPED_FROM_CLUSTER uwbpfUwRule = 16
+	uwbpfUwRuleR_UNSTAMPABLE            uwbpfUwRule = 17
+	uwbpfUwRuleR_MAX                    uwbpfUwRule = 18
 )
 
 type uwbpfUwStamp uint32
@@ -166,14 +208,20 @@ type uwbpfUwUnixPeers struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	uwbpfMapAuditCounters        = "audit_counters"
 	uwbpfMapClusterNets          = "cluster_nets"
 	uwbpfMapCounters             = "counters"
+	uwbpfMapEventStats           = "event_stats"
 	uwbpfMapEvents               = "events"
 	uwbpfMapExemptConn           = "exempt_conn"
 	uwbpfMapExemptLis            = "exempt_lis"
+	uwbpfMapFlowBudget           = "flow_budget"
 	uwbpfMapIfaces               = "ifaces"
 	uwbpfMapKeys                 = "keys"
+	uwbpfMapLoIds                = "lo_ids"
+	uwbpfMapLoSeq                = "lo_seq"
 	uwbpfMapLocalAddrs           = "local_addrs"
+	uwbpfMapLoopSenders          = "loop_senders"
 	uwbpfMapMembers              = "members"
 	uwbpfMapOffcPorts            = "offc_ports"
 	uwbpfMapSettings             = "settings"
@@ -195,12 +243,15 @@ const (
 	uwbpfProgUwSkbEgress         = "uw_skb_egress"
 	uwbpfProgUwSkbIngress        = "uw_skb_ingress"
 	uwbpfProgUwSockCreate        = "uw_sock_create"
+	uwbpfProgUwSockRelease       = "uw_sock_release"
 	uwbpfProgUwTcEgress          = "uw_tc_egress"
 	uwbpfProgUwTcIngress         = "uw_tc_ingress"
 	uwbpfProgUwUnixMaySend       = "uw_unix_may_send"
 	uwbpfProgUwUnixStreamConnect = "uw_unix_stream_connect"
 	uwbpfVarNetnsCookie          = "netns_cookie"
+	uwbpfVarPeerTtlS             = "peer_ttl_s"
 	uwbpfVarTestMode             = "test_mode"
+	uwbpfVarUnusedEstat          = "unused_estat"
 	uwbpfVarUnusedEvent          = "unused_event"
 	uwbpfVarUnusedMark           = "unused_mark"
 	uwbpfVarUnusedPath           = "unused_path"
@@ -264,6 +315,7 @@ type uwbpfProgramSpecs struct {
 	UwSkbEgress         *ebpf.ProgramSpec `ebpf:"uw_skb_egress"`
 	UwSkbIngress        *ebpf.ProgramSpec `ebpf:"uw_skb_ingress"`
 	UwSockCreate        *ebpf.ProgramSpec `ebpf:"uw_sock_create"`
+	UwSockRelease       *ebpf.ProgramSpec `ebpf:"uw_sock_release"`
 	UwTcEgress          *ebpf.ProgramSpec `ebpf:"uw_tc_egress"`
 	UwTcIngress         *ebpf.ProgramSpec `ebpf:"uw_tc_ingress"`
 	UwUnixMaySend       *ebpf.ProgramSpec `ebpf:"uw_unix_may_send"`
@@ -274,14 +326,20 @@ type uwbpfProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type uwbpfMapSpecs struct {
+	AuditCounters  *ebpf.MapSpec `ebpf:"audit_counters"`
 	ClusterNets    *ebpf.MapSpec `ebpf:"cluster_nets"`
 	Counters       *ebpf.MapSpec `ebpf:"counters"`
+	EventStats     *ebpf.MapSpec `ebpf:"event_stats"`
 	Events         *ebpf.MapSpec `ebpf:"events"`
 	ExemptConn     *ebpf.MapSpec `ebpf:"exempt_conn"`
 	ExemptLis      *ebpf.MapSpec `ebpf:"exempt_lis"`
+	FlowBudget     *ebpf.MapSpec `ebpf:"flow_budget"`
 	Ifaces         *ebpf.MapSpec `ebpf:"ifaces"`
 	Keys           *ebpf.MapSpec `ebpf:"keys"`
+	LoIds          *ebpf.MapSpec `ebpf:"lo_ids"`
+	LoSeq          *ebpf.MapSpec `ebpf:"lo_seq"`
 	LocalAddrs     *ebpf.MapSpec `ebpf:"local_addrs"`
+	LoopSenders    *ebpf.MapSpec `ebpf:"loop_senders"`
 	Members        *ebpf.MapSpec `ebpf:"members"`
 	OffcPorts      *ebpf.MapSpec `ebpf:"offc_ports"`
 	Settings       *ebpf.MapSpec `ebpf:"settings"`
@@ -297,7 +355,9 @@ type uwbpfMapSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type uwbpfVariableSpecs struct {
 	NetnsCookie    *ebpf.VariableSpec `ebpf:"netns_cookie"`
+	PeerTtlS       *ebpf.VariableSpec `ebpf:"peer_ttl_s"`
 	TestMode       *ebpf.VariableSpec `ebpf:"test_mode"`
+	UnusedEstat    *ebpf.VariableSpec `ebpf:"unused_estat"`
 	UnusedEvent    *ebpf.VariableSpec `ebpf:"unused_event"`
 	UnusedMark     *ebpf.VariableSpec `ebpf:"unused_mark"`
 	UnusedPath     *ebpf.VariableSpec `ebpf:"unused_path"`
@@ -326,14 +386,20 @@ func (o *uwbpfObjects) Close() error {
 //
 // It can be passed to loadUwbpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type uwbpfMaps struct {
+	AuditCounters  *ebpf.Map `ebpf:"audit_counters"`
 	ClusterNets    *ebpf.Map `ebpf:"cluster_nets"`
 	Counters       *ebpf.Map `ebpf:"counters"`
+	EventStats     *ebpf.Map `ebpf:"event_stats"`
 	Events         *ebpf.Map `ebpf:"events"`
 	ExemptConn     *ebpf.Map `ebpf:"exempt_conn"`
 	ExemptLis      *ebpf.Map `ebpf:"exempt_lis"`
+	FlowBudget     *ebpf.Map `ebpf:"flow_budget"`
 	Ifaces         *ebpf.Map `ebpf:"ifaces"`
 	Keys           *ebpf.Map `ebpf:"keys"`
+	LoIds          *ebpf.Map `ebpf:"lo_ids"`
+	LoSeq          *ebpf.Map `ebpf:"lo_seq"`
 	LocalAddrs     *ebpf.Map `ebpf:"local_addrs"`
+	LoopSenders    *ebpf.Map `ebpf:"loop_senders"`
 	Members        *ebpf.Map `ebpf:"members"`
 	OffcPorts      *ebpf.Map `ebpf:"offc_ports"`
 	Settings       *ebpf.Map `ebpf:"settings"`
@@ -346,14 +412,20 @@ type uwbpfMaps struct {
 
 func (m *uwbpfMaps) Close() error {
 	return _UwbpfClose(
+		m.AuditCounters,
 		m.ClusterNets,
 		m.Counters,
+		m.EventStats,
 		m.Events,
 		m.ExemptConn,
 		m.ExemptLis,
+		m.FlowBudget,
 		m.Ifaces,
 		m.Keys,
+		m.LoIds,
+		m.LoSeq,
 		m.LocalAddrs,
+		m.LoopSenders,
 		m.Members,
 		m.OffcPorts,
 		m.Settings,
@@ -370,7 +442,9 @@ func (m *uwbpfMaps) Close() error {
 // It can be passed to loadUwbpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type uwbpfVariables struct {
 	NetnsCookie    *ebpf.Variable `ebpf:"netns_cookie"`
+	PeerTtlS       *ebpf.Variable `ebpf:"peer_ttl_s"`
 	TestMode       *ebpf.Variable `ebpf:"test_mode"`
+	UnusedEstat    *ebpf.Variable `ebpf:"unused_estat"`
 	UnusedEvent    *ebpf.Variable `ebpf:"unused_event"`
 	UnusedMark     *ebpf.Variable `ebpf:"unused_mark"`
 	UnusedPath     *ebpf.Variable `ebpf:"unused_path"`
@@ -396,6 +470,7 @@ type uwbpfPrograms struct {
 	UwSkbEgress         *ebpf.Program `ebpf:"uw_skb_egress"`
 	UwSkbIngress        *ebpf.Program `ebpf:"uw_skb_ingress"`
 	UwSockCreate        *ebpf.Program `ebpf:"uw_sock_create"`
+	UwSockRelease       *ebpf.Program `ebpf:"uw_sock_release"`
 	UwTcEgress          *ebpf.Program `ebpf:"uw_tc_egress"`
 	UwTcIngress         *ebpf.Program `ebpf:"uw_tc_ingress"`
 	UwUnixMaySend       *ebpf.Program `ebpf:"uw_unix_may_send"`
@@ -417,6 +492,7 @@ func (p *uwbpfPrograms) Close() error {
 		p.UwSkbEgress,
 		p.UwSkbIngress,
 		p.UwSockCreate,
+		p.UwSockRelease,
 		p.UwTcEgress,
 		p.UwTcIngress,
 		p.UwUnixMaySend,

@@ -1,6 +1,7 @@
 package attack
 
 import (
+	"bytes"
 	"encoding/json"
 	"io"
 	"os"
@@ -28,6 +29,16 @@ type SinkSpec struct {
 	// address every 200 ms while it runs (a multicast peer announcing
 	// itself on the group it listens to).
 	Heartbeat string `json:"heartbeat,omitempty"`
+	// Tag names the socket in every line it reports (ServeAll: many
+	// sockets in one process).
+	Tag string `json:"tag,omitempty"`
+	// EchoMark answers with "PALECHO <nonce>" instead of the payload, so
+	// that an echo reflected into another sink is never counted as the
+	// sender's bytes there (the fuzzer's sentinels).
+	EchoMark bool `json:"echo_mark,omitempty"`
+	// Any reports data without a nonce too ("bytes" lines): no byte
+	// reaches the socket unseen.
+	Any bool `json:"any,omitempty"`
 }
 
 // SinkLine is one line of sink output: "ready" once bound (with the bound
@@ -42,18 +53,51 @@ type SinkLine struct {
 	From  string `json:"from,omitempty"`
 	Error string `json:"error,omitempty"`
 	Errno string `json:"errno,omitempty"`
+	Tag   string `json:"tag,omitempty"`
+	Bytes int    `json:"bytes,omitempty"` // "bytes": data without a nonce
 }
+
+// echoTag starts an EchoMark echo: another sink that receives one (a
+// reflection through a co-bound port) neither counts nor reports it.
+const echoTag = "PALECHO "
 
 // Serve binds spec's socket, prints a ready line (or an error line, and
 // returns the error) and then one line per nonce received until the
 // process ends.
 func Serve(spec SinkSpec, out io.Writer) error {
 	var mu sync.Mutex
+	return serve(spec, json.NewEncoder(out), &mu)
+}
+
+// ServeAll serves every spec in one process (a line per socket's ready or
+// error, then its receipts, each line tagged with the spec's Tag) until the
+// process ends or every socket failed.
+func ServeAll(specs []SinkSpec, out io.Writer) error {
+	var mu sync.Mutex
 	enc := json.NewEncoder(out)
+	errs := make(chan error, len(specs))
+	for _, s := range specs {
+		go func() { errs <- serve(s, enc, &mu) }()
+	}
+	var last error
+	for range specs {
+		last = <-errs
+	}
+	return last
+}
+
+func serve(spec SinkSpec, enc *json.Encoder, mu *sync.Mutex) error {
 	emit := func(l SinkLine) {
+		l.Tag = spec.Tag
 		mu.Lock()
 		enc.Encode(l)
 		mu.Unlock()
+	}
+	echo := func(nc string) []byte {
+		if spec.EchoMark {
+			return []byte(echoTag + nc + "\n")
+		}
+		return Payload(nc)
 	}
 	fd, err := bindSock(spec.Sock)
 	if err != nil {
@@ -101,10 +145,14 @@ func Serve(spec SinkSpec, out io.Writer) error {
 				}
 				return err
 			}
-			for _, nc := range nonces(buf[:n]) {
+			ns := nonces(buf[:n])
+			if len(ns) == 0 && spec.Any && !bytes.Contains(buf[:n], []byte(echoTag)) {
+				emit(SinkLine{Type: "bytes", Bytes: n, From: sockString(from)})
+			}
+			for _, nc := range ns {
 				emit(SinkLine{Type: "got", Nonce: nc, From: sockString(from)})
 				if spec.Echo && from != nil {
-					sendtoFD(fd, Payload(nc), 0, from)
+					sendtoFD(fd, echo(nc), 0, from)
 				}
 			}
 		}
@@ -126,6 +174,9 @@ func Serve(spec SinkSpec, out io.Writer) error {
 			for len(got) < 4096 {
 				n, err := readFD(cfd, b)
 				if n <= 0 || err != nil {
+					if len(got) > 0 && spec.Any && !bytes.Contains(got, []byte(echoTag)) {
+						emit(SinkLine{Type: "bytes", Bytes: len(got), From: sockString(from)})
+					}
 					break
 				}
 				got = append(got, b[:n]...)
@@ -133,7 +184,7 @@ func Serve(spec SinkSpec, out io.Writer) error {
 					for _, nc := range ns {
 						emit(SinkLine{Type: "got", Nonce: nc, From: sockString(from)})
 						if spec.Echo {
-							writeFD(cfd, Payload(nc))
+							writeFD(cfd, echo(nc))
 						}
 					}
 					if spec.CloseFirst {

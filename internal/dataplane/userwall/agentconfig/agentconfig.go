@@ -28,6 +28,11 @@ type Config struct {
 	Syslog bool `toml:"syslog"`
 	// EventRate bounds the denials logged per second; the rest are counted.
 	EventRate int `toml:"event_rate"`
+	// FlowSamples bounds the allowed verdicts each CPU records a second for
+	// `palisade flows` (refusals are all recorded); 0: none.
+	FlowSamples int `toml:"flow_samples"`
+	// FlowHistory is how many recent verdicts the agent keeps.
+	FlowHistory int `toml:"flow_history"`
 	// BPFFS is the bpf filesystem the programs are pinned in.
 	BPFFS string `toml:"bpffs"`
 	// PidFile is written once enforcement is in place.
@@ -70,6 +75,8 @@ func (a *Config) SetDefaults() {
 		EventLog:       DefaultEventLog,
 		Syslog:         true,
 		EventRate:      20,
+		FlowSamples:    20,
+		FlowHistory:    10000,
 		BPFFS:          "/sys/fs/bpf",
 		PidFile:        DefaultAgentPidFile,
 		GroupRefresh:   "60s",
@@ -112,6 +119,12 @@ func (a *Config) Validate() error {
 	}
 	if a.EventRate < 0 || a.EventRate > 100000 {
 		errs = append(errs, policy.KeyErrorf("event_rate", "%d: want 0..100000", a.EventRate))
+	}
+	if a.FlowSamples < 0 || a.FlowSamples > 100000 {
+		errs = append(errs, policy.KeyErrorf("flow_samples", "%d: want 0..100000", a.FlowSamples))
+	}
+	if a.FlowHistory < 1 || a.FlowHistory > 1000000 {
+		errs = append(errs, policy.KeyErrorf("flow_history", "%d: want 1..1000000", a.FlowHistory))
 	}
 	if d, err := time.ParseDuration(a.GroupRefresh); err != nil || d < time.Second {
 		errs = append(errs, policy.KeyErrorf("group_refresh", "%q: want a duration of at least 1s (e.g. \"60s\")", a.GroupRefresh))

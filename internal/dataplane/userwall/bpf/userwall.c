@@ -75,14 +75,31 @@ char LICENSE[] SEC("license") = "GPL";
 enum uw_mark {
 	UW_MARK_RST = 0x55424600,
 	UW_MARK_ICMP = 0x55424601,
+	/* A looped copy's sender token: tag in the high byte, token below. */
+	UW_MARK_LOOP = 0x3a000000, /* bit 31 clear: lo tokens (UW_LO_TOKEN) have it */
+	UW_MARK_LOOP_MASK = 0xff000000,
+	UW_MARK_LOOP_TOKEN = 0x00ffffff,
 };
 
 #define MAX_GROUPS 128
 #define PEER_TTL_S 120
+/* Room the stamp takes (IPv4 option; IPv6 destination-options header). */
+#define UW_ROOM4 UW_IPOPT_LEN
+#define UW_ROOM6 UW_DSTOPT_LEN
+/* Loopback tokens (skb->mark) carry the identity of what cannot be stamped
+ * on lo: bit 31 is set in every token, never in the nft marks. */
+#define UW_LO_TOKEN 0x80000000u
+#define LO_IDS 8192
+#define LO_ID_TTL_NS (10ULL * 1000000000ULL)
 #define NPEERS 8
 #define MAX_IFINDEX 16384
 
-/* Rules; Go names them in userwall/rules.go (generated enum). */
+/* Rules; Go names them in userwall/rules.go (generated enum).
+ * R_UNSTAMPED_FROM_CLUSTER: no valid identity from a source that is this
+ * node, a cluster node or link-local, where a stamp should have been
+ * (reported apart from off-cluster sources, which never have one).
+ * R_UNSTAMPABLE: a user's datagram that could not carry a stamp to another
+ * node (IP options, IPv6 extension headers), refused at send with EPERM. */
 enum uw_rule {
 	R_NONE = 0,
 	R_SAME_USER = 1,
@@ -100,7 +117,9 @@ enum uw_rule {
 	R_UNCLASSIFIED = 13,
 	R_COBIND = 14,
 	R_FOREIGN_SOURCE = 15,
-	R_MAX = 16,
+	R_UNSTAMPED_FROM_CLUSTER = 16,
+	R_UNSTAMPABLE = 17,
+	R_MAX = 18,
 };
 
 /* Where a decision was taken; counters are indexed path*R_MAX+rule. */
@@ -132,8 +151,18 @@ struct uw_config {
 	__u32 system_port_max;
 	__u32 enabled;
 	__u32 audit;   /* decide and report, never refuse */
-	__u32 pad;
+	/* Allowed verdicts reported per second and CPU (the flows of
+	 * `palisade flows`); the rest are only counted. 0: none. */
+	__u32 allow_samples;
 	__s64 clock_offset_ns; /* wall clock minus CLOCK_MONOTONIC, kept by the agent */
+};
+
+/* Slots of event_stats: what became of the reports and allowed samples. */
+enum uw_estat {
+	E_LOST = 0,      /* a report the ring buffer had no room for */
+	E_SAMPLED = 1,   /* an allowed verdict reported */
+	E_UNSAMPLED = 2, /* an allowed verdict over the second's budget */
+	E_MAX = 4,
 };
 
 /* A cluster key: slot 0 stamps, slots 0 and 1 verify (rotation). */
@@ -197,6 +226,9 @@ struct uw_event {
 volatile const __u64 netns_cookie = 0;
 /* Set by the differential test only: socket facts come from test_sock. */
 volatile const __u32 test_mode = 0;
+/* How long a datagram socket's peer may answer after the socket last sent
+ * to it (seconds); tests shorten it (PALISADE_TEST_UDP_PEER_TTL). */
+volatile const __u32 peer_ttl_s = PEER_TTL_S;
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -292,12 +324,100 @@ struct {
 	__type(value, struct uw_peers);
 } udp_peers SEC(".maps");
 
+/* The sender of a node's own looped multicast/broadcast copies, known from
+ * the sending socket: its copies carry no stamp (the kernel clones them
+ * before tc egress) and, for IPv4, see no cgroup egress program either (the
+ * clone has no socket). So each user datagram socket gets, at creation, a
+ * token — the low 24 bits of its cookie — as its socket mark, which the
+ * kernel copies into every packet it sends, looped copies included; this map
+ * holds the token's socket and owner from creation to release (exact: no
+ * stale entry can stand for another socket). A token a live socket already
+ * holds (2^24 sockets apart) leaves the new socket without one: its looped
+ * copies are unattributed, refused at user sockets, never credited to
+ * someone else. Users cannot set a socket mark (CAP_NET_ADMIN). */
+struct uw_loop {
+	__u64 cookie;
+	__u32 uid;
+	__u32 gid;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 262144);
+	__type(key, __u32);
+	__type(value, struct uw_loop);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} loop_senders SEC(".maps");
+
+/*
+ * Loopback datagrams that cannot carry a stamp (larger than an skb may grow
+ * to, ~16 KB, or with IP options / extension headers): tc egress on lo, which
+ * knows the sending socket, records its identity under a token it puts in
+ * skb->mark (users cannot set marks: CAP_NET_ADMIN/NET_RAW), and the checks
+ * on the receiving side take it back, bound to the packet's addresses, ports
+ * and protocol. A token is the CPU (7 bits) and that CPU's count (24 bits):
+ * unique among the packets in flight; the LRU forgets the oldest.
+ */
+struct uw_lo_id {
+	__u8 src[16], dst[16];
+	__u16 sport, dport;
+	__u8 proto;
+	__u8 pad[3];
+	__u32 uid, gid;
+	__u32 mark; /* the packet's mark before the token */
+	__u64 t;    /* now_ns() at send */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, LO_IDS);
+	__type(key, __u32);
+	__type(value, struct uw_lo_id);
+} lo_ids SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+} lo_seq SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, P_MAX * R_MAX);
 	__type(key, __u32);
 	__type(value, __u64);
 } counters SEC(".maps");
+
+/* Refusals that audit mode let through, indexed as counters: kept apart so
+ * that metrics never count a would-be refusal as a refusal. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, P_MAX * R_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} audit_counters SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, E_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} event_stats SEC(".maps");
+
+/* This CPU's budget of allowed samples: the second it counts, and how many
+ * were reported in it. */
+struct uw_budget {
+	__u64 sec;
+	__u64 n;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct uw_budget);
+} flow_budget SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
@@ -348,6 +468,7 @@ const enum uw_rule *unused_rule __attribute__((unused));
 const enum uw_path *unused_path __attribute__((unused));
 const enum uw_stamp *unused_stamp __attribute__((unused));
 const enum uw_mark *unused_mark __attribute__((unused));
+const enum uw_estat *unused_estat __attribute__((unused));
 
 /* ---------------------------------------------------------------------------
  * Shared pieces.
@@ -373,7 +494,28 @@ static __always_inline void count(__u32 path, __u32 rule)
 static __always_inline int allows(__u32 rule)
 {
 	return rule != R_DENIED && rule != R_OFFCLUSTER_DENIED && rule != R_UNCLASSIFIED &&
-	       rule != R_COBIND && rule != R_FOREIGN_SOURCE;
+	       rule != R_COBIND && rule != R_FOREIGN_SOURCE && rule != R_UNSTAMPED_FROM_CLUSTER && rule != R_UNSTAMPABLE;
+}
+
+static __always_inline void estat(__u32 k)
+{
+	__u64 *v = bpf_map_lookup_elem(&event_stats, &k);
+	if (v)
+		*v += 1;
+}
+
+/* count, except that a refusal audit mode lets through goes to
+ * audit_counters. */
+static __always_inline void tally(const struct uw_config *c, __u32 path, __u32 rule)
+{
+	if (!c->audit || allows(rule)) {
+		count(path, rule);
+		return;
+	}
+	__u32 k = path * R_MAX + rule;
+	__u64 *v = bpf_map_lookup_elem(&audit_counters, &k);
+	if (v)
+		*v += 1;
 }
 
 static __always_inline int lpm_has(void *map, const __u8 *addr)
@@ -484,8 +626,10 @@ static __always_inline __u32 decide_ids(__u32 cuid, __u32 cgid, __u32 luid, __u3
 static __always_inline void emit(struct uw_event *tmpl)
 {
 	struct uw_event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
-	if (!e)
+	if (!e) {
+		estat(E_LOST);
 		return;
+	}
 	__builtin_memcpy(e, tmpl, sizeof(*e));
 	e->ts = bpf_ktime_get_ns();
 	bpf_ringbuf_submit(e, 0);
@@ -552,7 +696,7 @@ struct pkt {
 	__u8 has_stamp; /* a v2 stamp is present (not yet verified) */
 	__u8 old_stamp; /* a stamp of another version */
 	__u8 ver, meta;
-	__u8 pad;
+	__u8 frag;      /* the first fragment of a fragmented datagram */
 	__u32 uid, gid;
 	__u64 tag;
 	__u32 l4off; /* from the network header */
@@ -709,6 +853,7 @@ static __always_inline int parse(struct __sk_buff *skb, __u32 l3, struct pkt *p)
 		p->l4off = p->iphl;
 		if (ip.frag_off & bpf_htons(0x1fff))
 			return 1; /* a later fragment: no ports */
+		p->frag = (ip.frag_off & bpf_htons(0x2000)) != 0;
 		if (ip.ihl >= 5 + UW_IPOPT_LEN / 4) {
 			__u8 o[UW_IPOPT_LEN] __attribute__((aligned(4)));
 			if (!ld(skb, l3 + 20, o, sizeof(o)) && o[0] == UW_IPOPT_TYPE) {
@@ -746,6 +891,7 @@ static __always_inline int parse(struct __sk_buff *skb, __u32 l3, struct pkt *p)
 					p->l4off = off;
 					return 1; /* a later fragment: no ports */
 				}
+				p->frag = 1;
 				continue;
 			}
 			__u8 h[2] __attribute__((aligned(2)));
@@ -798,11 +944,41 @@ static __always_inline int parse(struct __sk_buff *skb, __u32 l3, struct pkt *p)
  * this namespace, with the ids of that moment (what sg/newgrp set).
  */
 
-static __always_inline void current_owner(struct uw_owner *o)
+/*
+ * task_owner: THE identity of the current task, the one place it is decided
+ * (docs/userwall.md, "Identity"). It is what the kernel acts with: the
+ * filesystem ids, which the kernel records as a new socket's owner (sk_uid,
+ * the socket inode's i_uid) and checks file access with — the effective ids
+ * unless setfsuid() moved them. Never the real uid: a root daemon acting for
+ * a user after seteuid() (slurmstepd opening a step's I/O connection, sshd's
+ * privilege-separated children) is that user.
+ *
+ * Exemption is all-or-nothing: when the fs uid is an exempt connector (root,
+ * a service) but another uid of the task (real, effective, saved) is not, the
+ * task is that user — a set-uid-root program run by bob, or a daemon half-way
+ * through dropping privileges, is bob, never root.
+ */
+static __always_inline void task_owner(struct uw_owner *o)
 {
-	__u64 ug = bpf_get_current_uid_gid();
-	o->uid = (__u32)ug;
-	o->gid = (__u32)(ug >> 32);
+	struct task_struct *t = bpf_get_current_task_btf();
+	const struct cred *cr = BPF_CORE_READ(t, cred);
+	__u32 uid = BPF_CORE_READ(cr, fsuid.val), gid = BPF_CORE_READ(cr, fsgid.val);
+	if (bpf_map_lookup_elem(&exempt_conn, &uid)) {
+		__u32 ruid = BPF_CORE_READ(cr, uid.val), euid = BPF_CORE_READ(cr, euid.val),
+		      suid = BPF_CORE_READ(cr, suid.val);
+		if (!bpf_map_lookup_elem(&exempt_conn, &ruid)) {
+			uid = ruid;
+			gid = BPF_CORE_READ(cr, gid.val);
+		} else if (!bpf_map_lookup_elem(&exempt_conn, &euid)) {
+			uid = euid;
+			gid = BPF_CORE_READ(cr, egid.val);
+		} else if (!bpf_map_lookup_elem(&exempt_conn, &suid)) {
+			uid = suid;
+			gid = BPF_CORE_READ(cr, sgid.val);
+		}
+	}
+	o->uid = uid;
+	o->gid = gid;
 	o->set = 1;
 	o->pad = 0;
 }
@@ -813,12 +989,33 @@ int uw_sock_create(struct bpf_sock *ctx)
 	if (bpf_get_netns_cookie(ctx) != netns_cookie)
 		return 1;
 	struct uw_owner init;
-	current_owner(&init);
+	task_owner(&init);
 	struct uw_owner *o = bpf_sk_storage_get(&sk_owners, ctx, &init, BPF_SK_STORAGE_GET_F_CREATE);
 	/* A user socket without an owner record would escape the check at
 	 * delivery: refuse it (fail closed) rather than let it be created. */
 	if (!o && init.uid != 0)
 		return 0;
+	if (ctx->type == SOCK_DGRAM && dgram_proto(ctx->protocol) && ctx->mark == 0) {
+		/* The looped-copy token (loop_senders). */
+		__u64 ck = bpf_get_socket_cookie(ctx);
+		__u32 tok = ck & UW_MARK_LOOP_TOKEN;
+		struct uw_loop v = {.cookie = ck, .uid = init.uid, .gid = init.gid};
+		if (!bpf_map_update_elem(&loop_senders, &tok, &v, BPF_NOEXIST))
+			ctx->mark = UW_MARK_LOOP | tok;
+	}
+	return 1;
+}
+
+/* A datagram socket's token dies with it (only its own entry is deleted). */
+SEC("cgroup/sock_release")
+int uw_sock_release(struct bpf_sock *ctx)
+{
+	if ((ctx->mark & UW_MARK_LOOP_MASK) != UW_MARK_LOOP)
+		return 1;
+	__u32 tok = ctx->mark & UW_MARK_LOOP_TOKEN;
+	struct uw_loop *e = bpf_map_lookup_elem(&loop_senders, &tok);
+	if (e && e->cookie == bpf_get_socket_cookie(ctx))
+		bpf_map_delete_elem(&loop_senders, &tok);
 	return 1;
 }
 
@@ -829,7 +1026,7 @@ static __always_inline int post_bind(struct bpf_sock *ctx)
 	if (bpf_get_netns_cookie(ctx) != netns_cookie)
 		return 1;
 	struct uw_owner init;
-	current_owner(&init);
+	task_owner(&init);
 	bpf_sk_storage_get(&sk_owners, ctx, &init, BPF_SK_STORAGE_GET_F_CREATE);
 	return 1;
 }
@@ -908,7 +1105,9 @@ static __always_inline int bind_check(struct bpf_sock_addr *ctx, int v4)
 	__u16 port = bpf_ntohs(ctx->user_port);
 	if (port == 0 || port <= c->system_port_max)
 		return 1;
-	__u32 uid = (__u32)bpf_get_current_uid_gid();
+	struct uw_owner me;
+	task_owner(&me);
+	__u32 uid = me.uid;
 	if (bpf_map_lookup_elem(&exempt_conn, &uid))
 		return 1;
 	struct bpf_sock_tuple t = {};
@@ -950,9 +1149,7 @@ static __always_inline int bind_check(struct bpf_sock_addr *ctx, int v4)
 	if (other == uid)
 		return 1;
 refuse:
-	count(P_BIND, R_COBIND);
-	if (c->audit)
-		return 1;
+	tally(c, P_BIND, R_COBIND);
 	struct uw_event e = {};
 	e.cuid = uid;
 	e.luid = other;
@@ -963,10 +1160,11 @@ refuse:
 	e.rule = R_COBIND;
 	e.path = P_BIND;
 	e.has_connector = 1;
+	e.audit = c->audit != 0;
 	e.pid = bpf_get_current_pid_tgid() >> 32;
 	bpf_get_current_comm(e.comm, sizeof(e.comm));
 	emit(&e);
-	return 0;
+	return c->audit ? 1 : 0;
 }
 
 SEC("cgroup/bind4")
@@ -1061,6 +1259,50 @@ int uw_sendmsg6(struct bpf_sock_addr *ctx)
 	return 1;
 }
 
+/* ---------------------------------------------------------------------------
+ * Loopback tokens (lo_ids): the identity of a datagram lo could not stamp.
+ */
+
+/* lo_token_put (tc egress on lo): record p's identity under a new token and
+ * put the token in the packet's mark. */
+static __always_inline void lo_token_put(struct __sk_buff *skb, const struct pkt *p)
+{
+	__u32 z = 0;
+	__u32 *seq = bpf_map_lookup_elem(&lo_seq, &z);
+	if (!seq)
+		return;
+	__u32 tok = UW_LO_TOKEN | (bpf_get_smp_processor_id() & 0x7f) << 24 | (*seq & 0xffffff);
+	*seq += 1;
+	struct uw_lo_id v = {};
+	__builtin_memcpy(v.src, p->src, 16);
+	__builtin_memcpy(v.dst, p->dst, 16);
+	v.sport = p->sport;
+	v.dport = p->dport;
+	v.proto = p->proto;
+	v.uid = p->uid;
+	v.gid = p->gid;
+	v.mark = skb->mark;
+	v.t = now_ns();
+	if (bpf_map_update_elem(&lo_ids, &tok, &v, BPF_ANY))
+		return;
+	skb->mark = tok;
+}
+
+/* lo_token: the identity recorded for this loopback packet by lo_token_put,
+ * if its token is known, recent, and was made for exactly these addresses,
+ * ports and protocol; 0 otherwise. */
+static __always_inline struct uw_lo_id *lo_token(struct __sk_buff *skb, const struct pkt *p)
+{
+	if (skb->ifindex != 1 || !(skb->mark & UW_LO_TOKEN))
+		return 0;
+	__u32 k = skb->mark;
+	struct uw_lo_id *v = bpf_map_lookup_elem(&lo_ids, &k);
+	if (!v || v->sport != p->sport || v->dport != p->dport || v->proto != p->proto ||
+	    !addr_eq(v->src, p->src) || !addr_eq(v->dst, p->dst) || now_ns() - v->t > LO_ID_TTL_NS)
+		return 0;
+	return v;
+}
+
 /* Did the socket send to src:sport lately? */
 static __always_inline int sent_to_peer(struct bpf_sock *sk, const struct pkt *p)
 {
@@ -1076,7 +1318,7 @@ static __always_inline int sent_to_peer(struct bpf_sock *sk, const struct pkt *p
 	int hit = 0;
 #pragma unroll
 	for (int i = 0; i < NPEERS; i++) {
-		if (ps->p[i].port == p->sport && now - ps->p[i].t <= PEER_TTL_S &&
+		if (ps->p[i].port == p->sport && now - ps->p[i].t <= peer_ttl_s &&
 		    addr_eq(ps->p[i].addr, p->src))
 			hit = 1;
 	}
@@ -1099,8 +1341,10 @@ static __always_inline __u32 decide(struct uw_config *c, struct pkt *p, __u8 st,
 		rule = decide_ids(p->uid, p->gid, l->uid, l->gid);
 	} else if (!lpm_has(&local_addrs, p->src) && lpm_has(&unenforced_nets, p->src)) {
 		rule = R_UNVERIFIED;
+	} else if (offcluster_port(p->dport)) {
+		rule = R_OFFCLUSTER_PORT;
 	} else {
-		rule = offcluster_port(p->dport) ? R_OFFCLUSTER_PORT : R_OFFCLUSTER_DENIED;
+		rule = offcluster_src(p->src) ? R_OFFCLUSTER_DENIED : R_UNSTAMPED_FROM_CLUSTER;
 	}
 	if (!allows(rule) && dgram_proto(p->proto) && sent_to_peer(sk, p)) {
 		/* Reverse: the socket's owner reaching the sender's socket. */
@@ -1133,6 +1377,30 @@ static __always_inline __u32 path_of(struct __sk_buff *skb, __u8 proto)
 	if (dgram_proto(proto))
 		return local ? P_LOCAL_UDP : P_REMOTE_UDP;
 	return local ? P_LOCAL_OTHER : P_REMOTE_OTHER;
+}
+
+/* One more allowed verdict to report, if this CPU's budget for the current
+ * second has room (a per-CPU array: no lock, no atomics). */
+static __always_inline int sample_allowed(const struct uw_config *c)
+{
+	if (!c->allow_samples)
+		return 0;
+	__u32 z = 0;
+	struct uw_budget *b = bpf_map_lookup_elem(&flow_budget, &z);
+	if (!b)
+		return 0;
+	__u64 sec = now_ns() >> 30;
+	if (b->sec != sec) {
+		b->sec = sec;
+		b->n = 0;
+	}
+	if (b->n >= c->allow_samples) {
+		estat(E_UNSAMPLED);
+		return 0;
+	}
+	b->n++;
+	estat(E_SAMPLED);
+	return 1;
 }
 
 static __always_inline void report(struct pkt *p, __u32 rule, __u32 path, __u8 st, struct uw_owner *l,
@@ -1243,7 +1511,7 @@ int uw_skb_ingress(struct __sk_buff *skb)
 		/* Cannot classify: only exempt listeners (root) receive it. */
 		if (bpf_map_lookup_elem(&exempt_lis, &l->uid))
 			return 1;
-		count(P_REMOTE_OTHER, R_UNCLASSIFIED);
+		tally(c, P_REMOTE_OTHER, R_UNCLASSIFIED);
 		return c->audit ? 1 : 0;
 	}
 	if (p.proto == IPPROTO_TCP) {
@@ -1255,7 +1523,7 @@ int uw_skb_ingress(struct __sk_buff *skb)
 	} else if (!port_proto(p.proto)) {
 		if (bpf_map_lookup_elem(&exempt_lis, &l->uid))
 			return 1;
-		count(path_of(skb, p.proto), R_UNCLASSIFIED);
+		tally(c, path_of(skb, p.proto), R_UNCLASSIFIED);
 		report(&p, R_UNCLASSIFIED, path_of(skb, p.proto), S_NONE, l, c->audit, 0);
 		return c->audit ? 1 : 0;
 	}
@@ -1269,48 +1537,143 @@ int uw_skb_ingress(struct __sk_buff *skb)
 	if (st == S_VALID && !lpm_has(&cluster_nets, p.src) && !lpm_has(&local_addrs, p.src) &&
 	    !link_local(p.src))
 		st = S_UNTRUSTED_SOURCE;
-	if (st == S_NONE && !test_mode && skb->pkt_type == PACKET_LOOPBACK && p.proto == IPPROTO_UDP &&
+	if (st == S_NONE) {
+		/* A loopback datagram too large (or with options) for a stamp:
+		 * its sender's identity came with its token. */
+		struct uw_lo_id *li = lo_token(skb, &p);
+		if (li) {
+			p.uid = li->uid;
+			p.gid = li->gid;
+			st = S_VALID;
+			skb->mark = li->mark;
+		}
+	}
+	if (st == S_NONE && !test_mode && skb->pkt_type == PACKET_LOOPBACK && dgram_proto(p.proto) &&
 	    lpm_has(&local_addrs, p.src)) {
 		/* A multicast/broadcast copy this node looped back to its own
 		 * sockets: it was copied before tc egress and has no stamp. Its
-		 * sender is the socket bound to its source address and port
-		 * (connected, if so, to its destination): no other user can
-		 * hold that port there (uw_bind4/6), nor send from an address
-		 * that is not the node's (uw_skb_egress). */
-		struct bpf_sock_tuple t = {};
-		struct bpf_sock *snd;
-		if (p.v4) {
-			__builtin_memcpy(&t.ipv4.saddr, &p.dst[12], 4);
-			__builtin_memcpy(&t.ipv4.daddr, &p.src[12], 4);
-			t.ipv4.sport = bpf_htons(p.dport);
-			t.ipv4.dport = bpf_htons(p.sport);
-			snd = bpf_sk_lookup_udp(skb, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
-		} else {
-			__builtin_memcpy(t.ipv6.saddr, p.dst, 16);
-			__builtin_memcpy(t.ipv6.daddr, p.src, 16);
-			t.ipv6.sport = bpf_htons(p.dport);
-			t.ipv6.dport = bpf_htons(p.sport);
-			snd = bpf_sk_lookup_udp(skb, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
-		}
-		if (snd) {
-			struct uw_owner *so = owner_of(snd);
-			if (so) {
-				p.uid = so->uid;
-				p.gid = so->gid;
+		 * sender is named by the token its socket marks it with
+		 * (loop_senders), never by a lookup on address and port, which
+		 * returns the best receiving socket: possibly another user's. */
+		if ((skb->mark & UW_MARK_LOOP_MASK) == UW_MARK_LOOP) {
+			__u32 tok = skb->mark & UW_MARK_LOOP_TOKEN;
+			struct uw_loop *snd = bpf_map_lookup_elem(&loop_senders, &tok);
+			if (snd) {
+				p.uid = snd->uid;
+				p.gid = snd->gid;
 				st = S_VALID;
 			}
-			bpf_sk_release(snd);
 		}
 	}
 	__u32 rule = decide(c, &p, st, l, sk);
 	__u32 path = path_of(skb, p.proto);
-	count(path, rule);
-	if (allows(rule)) {
-		if (rule == R_UNVERIFIED)
-			report(&p, rule, path, st, l, 0, 0);
+	tally(c, path, rule);
+	/* Refusals and unverified admissions are always reported; other
+	 * allowed verdicts within this CPU's budget (the flows). */
+	int ok = allows(rule);
+	if (!ok || rule == R_UNVERIFIED || sample_allowed(c))
+		report(&p, rule, path, st, l, ok ? 0 : c->audit, 0);
+	return ok || c->audit;
+}
+
+/*
+ * A datagram on its way out, at the sending socket (cgroup egress, before
+ * any fragmentation):
+ *  - a connected socket's peer permission is renewed as the socket sends:
+ *    send() on a connected socket runs no sendmsg hook, so without this its
+ *    replies stopped peer_ttl_s after connect() however busy the exchange.
+ *    The peer is the one the socket is connected to (the datagram's
+ *    destination), so nothing is opened to anyone else;
+ *  - a user's datagram that cannot carry a stamp to another node (IP
+ *    options, IPv6 extension headers) is refused here with EPERM, at once,
+ *    instead of being dropped by the receiver without a word.
+ * Returns 0 to refuse.
+ */
+static __always_inline int egress_dgram(struct __sk_buff *skb, struct bpf_sock *sk, __u8 *h, void *end, int v4)
+{
+	__u32 hl = v4 ? (h[0] & 0xf) * 4 : 40;
+	__u8 nh = v4 ? h[9] : h[6];
+	int plain = v4 ? hl == 20 : dgram_proto(nh);
+	if (plain && !dgram_proto(nh))
+		return 1;
+	if (!plain && v4 && !dgram_proto(nh))
+		return 1;
+	if (!plain && !v4 && nh != 0 && nh != 43 && nh != IPPROTO_DSTOPTS)
+		return 1; /* TCP, ICMPv6, ...: not a datagram */
+	sk = bpf_sk_fullsock(sk);
+	if (!sk)
+		return 1;
+	if (plain && sk->state != 1 /* TCP_ESTABLISHED: a connected socket */)
+		return 1;
+	struct uw_owner *o = owner_of(sk);
+	if (!o)
+		return 1; /* not a socket of this namespace */
+	struct uw_config *c = uw_cfg();
+	if (!c)
+		return 1;
+	if (plain) {
+		if (hl > 60)
+			return 1;
+		__u8 *uh = h + hl;
+		if ((void *)(uh + 4) > end)
+			return 1;
+		__u8 dst[16];
+		if (v4) {
+			__u32 d;
+			__builtin_memcpy(&d, &h[16], 4);
+			map4(dst, d);
+		} else {
+			__builtin_memcpy(dst, &h[24], 16);
+		}
+		__u16 port = (uh[2] << 8) | uh[3];
+		struct uw_peers *ps = bpf_sk_storage_get(&udp_peers, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+		if (!ps)
+			return 1;
+		__u32 now = now_ns() >> 30;
+		int hit = -1;
+#pragma unroll
+		for (int i = 0; i < NPEERS; i++) {
+			if (ps->p[i].port == port && addr_eq(ps->p[i].addr, dst)) {
+				hit = i;
+				break;
+			}
+		}
+		if (hit < 0) {
+			hit = ps->next % NPEERS;
+			ps->next = (ps->next + 1) % NPEERS;
+		}
+		if (hit >= 0 && hit < NPEERS && (ps->p[hit].t != now || ps->p[hit].port != port)) {
+			__builtin_memcpy(ps->p[hit].addr, dst, 16);
+			ps->p[hit].port = port;
+			ps->p[hit].t = now;
+		}
 		return 1;
 	}
-	report(&p, rule, path, st, l, c->audit, 0);
+	/* Options or extension headers: could it be stamped where it goes? */
+	if (bpf_map_lookup_elem(&exempt_conn, &o->uid))
+		return 1;
+	struct pkt p;
+	if (!parse(skb, 0, &p) || !port_proto(p.proto) || p.proto == IPPROTO_TCP || p.dport <= c->system_port_max)
+		return 1;
+	if (skb->ifindex == 1 || (!lpm_has(&cluster_nets, p.dst) && !link_local(p.dst) && !group_addr(p.dst)))
+		return 1; /* lo carries a token instead; off-cluster gets no stamp */
+	count(P_SOURCE, R_UNSTAMPABLE);
+	struct uw_event e = {};
+	e.cuid = o->uid;
+	e.cgid = o->gid;
+	e.has_connector = 1;
+	e.luid = (__u32)-1;
+	e.lgid = (__u32)-1;
+	__builtin_memcpy(e.saddr, p.src, 16);
+	__builtin_memcpy(e.daddr, p.dst, 16);
+	e.sport = p.sport;
+	e.dport = p.dport;
+	e.proto = p.proto;
+	e.family = p.v4 ? 4 : 6;
+	e.rule = R_UNSTAMPABLE;
+	e.path = P_SOURCE;
+	e.audit = c->audit;
+	emit(&e); /* no pid/comm: cgroup_skb may lack those helpers (6.1) */
 	return c->audit ? 1 : 0;
 }
 
@@ -1350,6 +1713,8 @@ int uw_skb_egress(struct __sk_buff *skb)
 		__u8 *th = h + hl;
 		if ((void *)(th + 14) <= end && !TCP_SYN_ONLY(th[13]))
 			return 1;
+	} else if (!egress_dgram(skb, sk, h, end, v4)) {
+		return 0;
 	}
 	if (v4)
 		return 1; /* the kernel checked the source (above) */
@@ -1366,7 +1731,7 @@ int uw_skb_egress(struct __sk_buff *skb)
 	struct uw_config *c = uw_cfg();
 	if (!c)
 		return 1;
-	count(P_SOURCE, R_FOREIGN_SOURCE);
+	tally(c, P_SOURCE, R_FOREIGN_SOURCE);
 	return c->audit ? 1 : 0;
 }
 
@@ -1496,6 +1861,14 @@ int uw_tc_ingress(struct __sk_buff *skb)
 	__u64 w = 0;
 	__u8 st = stamp_key(c, &p, &k, &w);
 	st = (p.has_stamp && st == S_NONE) ? S_VALID : (st == S_NONE ? S_NONE : st);
+	if (st == S_NONE) {
+		struct uw_lo_id *li = lo_token(skb, &p);
+		if (li) {
+			p.uid = li->uid;
+			p.gid = li->gid;
+			st = S_VALID;
+		}
+	}
 	__u32 rule = decide(c, &p, st, &lo, sk);
 	bpf_sk_release(sk);
 	if (allows(rule))
@@ -1512,10 +1885,25 @@ int uw_tc_ingress(struct __sk_buff *skb)
  * identity on each SYN and datagram to a user port — always on lo, and on
  * other interfaces only toward cluster subnets, link-local, multicast and
  * broadcast destinations (no identity leaves for off-cluster hosts).
+ *
+ * The stamp needs room: the agent lowers the MTU of the cluster's routes by
+ * the stamp's size (routemtu.go), so the stack fragments a datagram (or
+ * refuses it with EMSGSIZE, or a UDP_SEGMENT size with EINVAL) with the room
+ * left, and a Fast Open SYN carries that much less data. A fragmented
+ * datagram is stamped on its first fragment (IPv6: the destination options
+ * go before the fragment header), which is the one whose headers the
+ * receiver's reassembly keeps; a UDP GSO packet is stamped once and each
+ * segment carries the copy. On lo, what cannot be stamped (larger than an
+ * skb may grow, or with IP options / extension headers) gets a token
+ * instead (lo_token_put).
  */
 SEC("tc")
 int uw_tc_egress(struct __sk_buff *skb)
 {
+	/* A loop token (the socket mark, loop_senders) is for this node's own copies: the packet
+	 * leaves with the mark it had before. */
+	if ((skb->mark & UW_MARK_LOOP_MASK) == UW_MARK_LOOP)
+		skb->mark = 0;
 	int l3 = l3_offset(skb);
 	int look = needs_look(skb, l3);
 	if (!look)
@@ -1530,7 +1918,8 @@ int uw_tc_egress(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	if (p.dport <= c->system_port_max || p.has_stamp || p.old_stamp)
 		return TC_ACT_OK;
-	if (skb->ifindex != 1 && !lpm_has(&cluster_nets, p.dst) && !link_local(p.dst) && !group_addr(p.dst))
+	int lo = skb->ifindex == 1;
+	if (!lo && !lpm_has(&cluster_nets, p.dst) && !link_local(p.dst) && !group_addr(p.dst))
 		return TC_ACT_OK;
 
 	struct bpf_sock *bsk = skb->sk;
@@ -1558,6 +1947,9 @@ int uw_tc_egress(struct __sk_buff *skb)
 	mac_msg(&p, w, m);
 	__u64 tag = siphash(k, m);
 	__u32 u = bpf_htonl(p.uid), g = bpf_htonl(p.gid);
+	/* A UDP GSO packet's segments must each fit the MTU with the stamp
+	 * (bpf_check_mtu passes any GSO packet). */
+	__u32 seg = skb->gso_size ? p.l4off + 8 + skb->gso_size : 0;
 
 	/* The IP header is read in place when it can be; after the room is
 	 * made, the header and the stamp are written with one store (one
@@ -1565,15 +1957,15 @@ int uw_tc_egress(struct __sk_buff *skb)
 	 * costs in real traffic, where caches are cold). */
 	if (p.v4) {
 		if (p.iphl != 20)
-			return TC_ACT_OK;
+			goto unstamped;
 		__u8 hdr[20 + UW_IPOPT_LEN] __attribute__((aligned(4)));
 		if (ld(skb, l3, hdr, 20))
-			return TC_ACT_OK;
+			goto unstamped;
 		__u32 mtu = 0;
-		if (skb->ifindex != 1 && bpf_check_mtu(skb, 0, &mtu, UW_IPOPT_LEN, 0))
-			return TC_ACT_OK; /* would exceed the MTU: unstamped, refused there */
-		if (bpf_skb_adjust_room(skb, UW_IPOPT_LEN, BPF_ADJ_ROOM_NET, 0))
-			return TC_ACT_OK;
+		if (!lo && (bpf_check_mtu(skb, 0, &mtu, UW_IPOPT_LEN, 0) || seg + UW_IPOPT_LEN > mtu))
+			goto unstamped; /* would exceed the MTU: unstamped, refused there */
+		if (bpf_skb_adjust_room(skb, UW_IPOPT_LEN, BPF_ADJ_ROOM_NET, BPF_F_ADJ_ROOM_FIXED_GSO))
+			goto unstamped;
 		__u8 *o4 = &hdr[20];
 		o4[0] = UW_IPOPT_TYPE;
 		o4[1] = UW_IPOPT_LEN;
@@ -1611,19 +2003,23 @@ int uw_tc_egress(struct __sk_buff *skb)
 		if (bpf_skb_store_bytes(skb, l3, hdr, sizeof(hdr), 0))
 			return TC_ACT_SHOT;
 	} else {
-		if (p.iphl != 40)
-			return TC_ACT_OK; /* extension headers present: unstamped */
+		/* No extension header, or only the fragment header of a first
+		 * fragment (the stamp goes in front of it). */
+		if (p.iphl != 40 && !(p.frag && p.iphl == 48))
+			goto unstamped;
 		__u8 hdr[40 + UW_DSTOPT_LEN] __attribute__((aligned(4)));
 		if (ld(skb, l3, hdr, 40))
-			return TC_ACT_OK;
+			goto unstamped;
+		if (p.iphl == 48 && hdr[6] != 44)
+			goto unstamped;
 		__u32 mtu = 0;
-		if (skb->ifindex != 1 && bpf_check_mtu(skb, 0, &mtu, UW_DSTOPT_LEN, 0))
-			return TC_ACT_OK;
-		if (bpf_skb_adjust_room(skb, UW_DSTOPT_LEN, BPF_ADJ_ROOM_NET, 0))
-			return TC_ACT_OK;
+		if (!lo && (bpf_check_mtu(skb, 0, &mtu, UW_DSTOPT_LEN, 0) || seg + UW_DSTOPT_LEN > mtu))
+			goto unstamped;
+		if (bpf_skb_adjust_room(skb, UW_DSTOPT_LEN, BPF_ADJ_ROOM_NET, BPF_F_ADJ_ROOM_FIXED_GSO))
+			goto unstamped;
 		__u8 *o6 = &hdr[40];
-		o6[0] = p.proto;
-		o6[1] = 2; /* (2+1)*8 = 24 bytes */
+		o6[0] = hdr[6]; /* the upper layer, or the fragment header */
+		o6[1] = 2;      /* (2+1)*8 = 24 bytes */
 		o6[2] = UW_IP6OPT_TYPE;
 		o6[3] = UW_IP6OPT_LEN;
 		o6[4] = p.ver;
@@ -1641,6 +2037,13 @@ int uw_tc_egress(struct __sk_buff *skb)
 		if (bpf_skb_store_bytes(skb, l3, hdr, sizeof(hdr), 0))
 			return TC_ACT_SHOT;
 	}
+	return TC_ACT_OK;
+unstamped:
+	/* Another node refuses it (rule unstamped-from-cluster); what uw_skb_egress
+	 * can foresee was refused at send. On lo the sender is known here:
+	 * its identity goes with a token. */
+	if (lo)
+		lo_token_put(skb, &p);
 	return TC_ACT_OK;
 }
 
@@ -1673,13 +2076,6 @@ static __always_inline int current_has_group(__u32 gid)
 	return 0;
 }
 
-static __always_inline void current_ids(__u32 *uid, __u32 *gid)
-{
-	struct task_struct *t = bpf_get_current_task_btf();
-	const struct cred *cred = BPF_CORE_READ(t, cred);
-	*uid = BPF_CORE_READ(cred, euid.val);
-	*gid = BPF_CORE_READ(cred, egid.val);
-}
 
 
 
@@ -1731,7 +2127,8 @@ static __always_inline int check_unix(struct sock *sk, struct sock *other, int s
 {
 	if (BPF_CORE_READ(sk, __sk_common.skc_net.net, net_cookie) != netns_cookie)
 		return 0;
-	if (!uw_cfg())
+	struct uw_config *c = uw_cfg();
+	if (!c)
 		return 0;
 	if (!abstract_unix(other))
 		return 0;
@@ -1744,14 +2141,17 @@ static __always_inline int check_unix(struct sock *sk, struct sock *other, int s
 	if (so)
 		lgid = BPF_CORE_READ(so, file, f_cred, egid.val);
 	__u32 cuid, cgid;
-	current_ids(&cuid, &cgid);
+	struct uw_owner me;
+	task_owner(&me);
+	cuid = me.uid;
+	cgid = me.gid;
 	__u32 rule = decide_user(cuid, luid, cuid != luid && current_has_group(lgid));
 	/* The answer of a datagram server to a client that wrote to it (the
 	 * client's autobound or named socket belongs to the client, whom the
 	 * server may not otherwise reach, e.g. with a shared group). */
 	if (!stream && !allows(rule) && sent_to(other, sock_ino(sk)))
 		rule = R_UNIX_REPLY;
-	count(P_UNIX, rule);
+	tally(c, P_UNIX, rule);
 	if (allows(rule)) {
 		if (!stream)
 			note_sent(sk, sock_ino(other));
@@ -1767,6 +2167,7 @@ static __always_inline int check_unix(struct sock *sk, struct sock *other, int s
 	e.rule = rule;
 	e.path = P_UNIX;
 	e.has_connector = 1;
+	e.audit = c->audit != 0;
 	e.pid = bpf_get_current_pid_tgid() >> 32;
 	bpf_get_current_comm(e.comm, sizeof(e.comm));
 	/* The abstract name (without the leading NUL) goes in daddr. */
@@ -1774,7 +2175,7 @@ static __always_inline int check_unix(struct sock *sk, struct sock *other, int s
 	bpf_probe_read_kernel(e.daddr, sizeof(e.daddr),
 			      (void *)a + bpf_core_field_offset(struct unix_address, name) + 3);
 	emit(&e);
-	return -EPERM;
+	return c->audit ? 0 : -EPERM;
 }
 
 SEC("lsm/unix_stream_connect")

@@ -1,0 +1,88 @@
+package userwall
+
+import (
+	"context"
+	"net/netip"
+	"os"
+	"time"
+
+	"github.com/palisade-hpc/palisade/internal/config"
+	"github.com/palisade-hpc/palisade/internal/ident"
+	"github.com/palisade-hpc/palisade/internal/policy"
+)
+
+// flowConfig is what the flow recorder and the flows socket read of the
+// running configuration.
+type flowConfig struct {
+	nodes     []config.Node
+	identPort uint16
+}
+
+// newFlows is the agent's flow recorder (flows.go).
+func (a *agent) newFlows() *flowRecorder {
+	res, err := ident.NewResolver()
+	if err != nil {
+		a.log.Warn("flows: processes will not be named (sock_diag unavailable)", "err", err)
+		res = nil
+	}
+	host, _ := os.Hostname()
+	r := newFlowRecorder(a.cfg.Agent.FlowHistory, a.log, host, res, a.isLocalAddr)
+	r.remote = func(ctx context.Context, node netip.Addr, target, peer netip.AddrPort, proto policy.Proto) (ident.Owner, error) {
+		fc := a.flowCfg.Load()
+		if fc == nil || fc.identPort == 0 {
+			return ident.Owner{}, ident.ErrTimeout
+		}
+		return ident.Client{Port: fc.identPort, Timeout: 500 * time.Millisecond}.Query(ctx, node, target, peer, proto)
+	}
+	a.flows = r
+	a.setFlowConfig()
+	return r
+}
+
+// setFlowConfig hands the running configuration to the flow recorder and
+// the flows socket (main loop: start and reload).
+func (a *agent) setFlowConfig() {
+	a.flowCfg.Store(&flowConfig{nodes: a.cfg.Nodes, identPort: uint16(a.cfg.Agent.IdentPort)})
+	if a.flows == nil {
+		return
+	}
+	names := map[netip.Addr]string{}
+	for _, n := range a.cfg.Nodes {
+		names[n.Addr.Unmap()] = n.Name
+	}
+	a.flows.setNodes(names)
+	a.flows.resize(a.cfg.Agent.FlowHistory)
+	a.flows.audit.Store(a.cfg.Agent.Audit)
+}
+
+// isLocalAddr: loopback or one of this node's addresses (as last synced).
+func (a *agent) isLocalAddr(x netip.Addr) bool {
+	x = x.Unmap()
+	if x.IsLoopback() {
+		return true
+	}
+	m := a.localAddrs.Load()
+	return m != nil && (*m)[x]
+}
+
+// serveFlows serves the flows socket; the returned func stops it.
+func (a *agent) serveFlows(ctx context.Context) (stop func(), err error) {
+	path := FlowsSocketPath(a.cfg.Agent.PidFile)
+	l, fi, err := listenFlows(path)
+	if err != nil {
+		return nil, err
+	}
+	s := &flowServer{rec: a.flows, path: path, l: l, file: fi, nodes: func() ([]config.Node, uint16) {
+		fc := a.flowCfg.Load()
+		return fc.nodes, fc.identPort
+	}}
+	ctx, cancel := context.WithCancel(ctx)
+	return goJoined(func() { s.serve(ctx) }, func() { cancel(); s.close() }, nil), nil
+}
+
+// close releases the recorder's socket lookups (after run returned).
+func (r *flowRecorder) close() {
+	if r.res != nil {
+		r.res.Close()
+	}
+}

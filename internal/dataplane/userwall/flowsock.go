@@ -1,0 +1,304 @@
+package userwall
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/palisade-hpc/palisade/internal/config"
+	"github.com/palisade-hpc/palisade/internal/ident"
+)
+
+// The flows socket: the agent's local API for `palisade flows` and
+// `palisade audit report`, open to every user (mode 0666): the asker is
+// known from the socket (SO_PEERCRED), and anyone but root gets only the
+// flows with themselves at one end — on this node and, asked through this
+// agent, on the others (the agent passes the asker's uid on; other nodes
+// trust it as they trust root's queries: privileged port, cluster source).
+
+// FlowsSocketPath is the flows socket of the agent with this pid file.
+func FlowsSocketPath(pidFile string) string {
+	return strings.TrimSuffix(pidFile, ".pid") + ".flows.sock"
+}
+
+// FlowsRequest is one request on the flows socket (one JSON line).
+type FlowsRequest struct {
+	// Kind is ident.KindFlows or ident.KindAudit.
+	Kind string `json:"kind"`
+	// Nodes to ask: names of [cluster] nodes or addresses; empty: this
+	// node; "all": every node of [cluster] nodes (this node if none).
+	Nodes  []string   `json:"nodes,omitempty"`
+	Filter FlowFilter `json:"filter"`
+	Limit  int        `json:"limit,omitempty"`
+	// Cursors are each node's cursor (FlowAnswer.Next), by node name.
+	Cursors map[string]uint64 `json:"cursors,omitempty"`
+}
+
+// NodeFlows is one node's part of a FlowsResponse.
+type NodeFlows struct {
+	Name  string       `json:"name"`
+	Addr  string       `json:"addr,omitempty"`
+	Error string       `json:"error,omitempty"`
+	Flows *FlowAnswer  `json:"flows,omitempty"`
+	Audit *AuditAnswer `json:"audit,omitempty"`
+}
+
+// FlowsResponse answers a FlowsRequest.
+type FlowsResponse struct {
+	Error string      `json:"error,omitempty"`
+	Nodes []NodeFlows `json:"nodes,omitempty"`
+}
+
+// flowTarget is a node to ask; local: this node's recorder.
+type flowTarget struct {
+	name  string
+	addr  netip.Addr
+	local bool
+}
+
+// flowServer serves the flows socket.
+type flowServer struct {
+	rec   *flowRecorder
+	path  string
+	l     *net.UnixListener
+	file  os.FileInfo
+	nodes func() ([]config.Node, uint16) // [cluster] nodes and the ident port (main loop's config)
+}
+
+func listenFlows(path string) (*net.UnixListener, os.FileInfo, error) {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, nil, err
+	}
+	if fi, err := os.Lstat(path); err == nil && fi.Mode()&os.ModeSocket == 0 {
+		return nil, nil, fmt.Errorf("%s exists and is not a socket", path)
+	}
+	tmp := fmt.Sprintf("%s.%d.tmp", path, os.Getpid())
+	os.Remove(tmp)
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: tmp, Net: "unix"})
+	if err != nil {
+		return nil, nil, err
+	}
+	l.SetUnlinkOnClose(false)
+	err = os.Chmod(tmp, 0o666) // who may see what is decided per asker
+	if err == nil {
+		err = os.Rename(tmp, path)
+	}
+	if err != nil {
+		l.Close()
+		os.Remove(tmp)
+		return nil, nil, err
+	}
+	fi, _ := os.Lstat(path)
+	return l, fi, nil
+}
+
+// serve accepts until the listener is closed (at most 16 clients at once).
+func (s *flowServer) serve(ctx context.Context) {
+	sem := make(chan struct{}, 16)
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	for {
+		c, err := s.l.AcceptUnix()
+		if err != nil {
+			return
+		}
+		select {
+		case sem <- struct{}{}:
+		default:
+			c.Close()
+			continue
+		}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			defer c.Close()
+			s.serveConn(ctx, c)
+		})
+	}
+}
+
+func (s *flowServer) close() {
+	s.l.Close()
+	if fi, err := os.Lstat(s.path); err == nil && s.file != nil && os.SameFile(fi, s.file) {
+		os.Remove(s.path)
+	}
+}
+
+func askerUID(c *net.UnixConn) (uint32, bool) {
+	var uid uint32
+	ok := false
+	if rc, err := c.SyscallConn(); err == nil {
+		rc.Control(func(fd uintptr) {
+			if cr, err := unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); err == nil {
+				uid, ok = cr.Uid, true
+			}
+		})
+	}
+	return uid, ok
+}
+
+func (s *flowServer) serveConn(ctx context.Context, c *net.UnixConn) {
+	c.SetDeadline(time.Now().Add(30 * time.Second))
+	uid, ok := askerUID(c)
+	if !ok {
+		return
+	}
+	r := bufio.NewReaderSize(c, 8192)
+	line, err := r.ReadSlice('\n')
+	if err != nil && !(errors.Is(err, io.EOF) && len(line) > 0) {
+		return
+	}
+	var req FlowsRequest
+	var resp FlowsResponse
+	if err := json.Unmarshal(line, &req); err != nil {
+		resp.Error = "malformed request: " + err.Error()
+	} else {
+		// Whatever the request says: a user sees their own flows only.
+		req.Filter.AsUID = nil
+		if uid != 0 {
+			req.Filter.AsUID = &uid
+		}
+		resp = s.answer(ctx, req)
+	}
+	b, _ := json.Marshal(resp)
+	c.Write(append(b, '\n'))
+}
+
+func (s *flowServer) targets(want []string) ([]flowTarget, error) {
+	nodes, _ := s.nodes()
+	self := flowTarget{name: s.rec.node, local: true}
+	var all []flowTarget
+	haveSelf := false
+	for _, n := range nodes {
+		t := flowTarget{name: n.Name, addr: n.Addr}
+		if s.rec.local != nil && s.rec.local(n.Addr) {
+			t.local = true
+			haveSelf = true
+		}
+		all = append(all, t)
+	}
+	if !haveSelf {
+		all = append([]flowTarget{self}, all...)
+	}
+	if len(want) == 0 {
+		return []flowTarget{self}, nil
+	}
+	if len(want) == 1 && want[0] == "all" {
+		return all, nil
+	}
+	var out []flowTarget
+	for _, w := range want {
+		found := false
+		for _, t := range all {
+			if w == t.name || (t.addr.IsValid() && w == t.addr.String()) || (t.local && w == s.rec.node) {
+				out = append(out, t)
+				found = true
+				break
+			}
+		}
+		if !found {
+			a, err := netip.ParseAddr(w)
+			if err != nil {
+				return nil, fmt.Errorf("unknown node %q (not in [cluster] nodes, not an address)", w)
+			}
+			out = append(out, flowTarget{name: w, addr: a, local: s.rec.local != nil && s.rec.local(a)})
+		}
+	}
+	return out, nil
+}
+
+// answer asks every target node, in parallel (1 s each).
+func (s *flowServer) answer(ctx context.Context, req FlowsRequest) FlowsResponse {
+	if req.Kind != ident.KindFlows && req.Kind != ident.KindAudit {
+		return FlowsResponse{Error: fmt.Sprintf("unknown kind %q (want %s or %s)", req.Kind, ident.KindFlows, ident.KindAudit)}
+	}
+	ts, err := s.targets(req.Nodes)
+	if err != nil {
+		return FlowsResponse{Error: err.Error()}
+	}
+	_, port := s.nodes()
+	out := make([]NodeFlows, len(ts))
+	var wg sync.WaitGroup
+	for i, t := range ts {
+		wg.Go(func() {
+			nf := NodeFlows{Name: t.name}
+			if t.addr.IsValid() {
+				nf.Addr = t.addr.String()
+			}
+			var args any
+			if req.Kind == ident.KindFlows {
+				args = FlowQuery{Filter: req.Filter, After: req.Cursors[t.name], Limit: req.Limit}
+			} else {
+				args = AuditQuery{Filter: req.Filter, Limit: req.Limit}
+			}
+			if t.local {
+				switch q := args.(type) {
+				case FlowQuery:
+					a := s.rec.Flows(q, 0)
+					nf.Flows = &a
+				case AuditQuery:
+					a := s.rec.Audit(q, 0)
+					nf.Audit = &a
+				}
+				out[i] = nf
+				return
+			}
+			raw, _ := json.Marshal(args)
+			data, err := ident.Client{Port: port, Timeout: time.Second}.Data(ctx, t.addr, req.Kind, raw)
+			if err == nil {
+				if req.Kind == ident.KindFlows {
+					nf.Flows = &FlowAnswer{}
+					err = json.Unmarshal(data, nf.Flows)
+				} else {
+					nf.Audit = &AuditAnswer{}
+					err = json.Unmarshal(data, nf.Audit)
+				}
+			}
+			if err != nil {
+				nf.Flows, nf.Audit, nf.Error = nil, nil, err.Error()
+			}
+			out[i] = nf
+		})
+	}
+	wg.Wait()
+	return FlowsResponse{Nodes: out}
+}
+
+// AskFlows sends req to the agent's flows socket at path and returns its
+// answer.
+func AskFlows(ctx context.Context, path string, req FlowsRequest) (*FlowsResponse, error) {
+	var d net.Dialer
+	conn, err := d.DialContext(ctx, "unix", path)
+	if err != nil {
+		return nil, fmt.Errorf("flows: no agent answers on %s: %w", path, err)
+	}
+	defer conn.Close()
+	deadline := time.Now().Add(10 * time.Second)
+	if d, ok := ctx.Deadline(); ok {
+		deadline = d
+	}
+	conn.SetDeadline(deadline)
+	b, _ := json.Marshal(req)
+	if _, err := conn.Write(append(b, '\n')); err != nil {
+		return nil, err
+	}
+	var resp FlowsResponse
+	if err := json.NewDecoder(conn).Decode(&resp); err != nil {
+		return nil, fmt.Errorf("flows: %w", err)
+	}
+	if resp.Error != "" {
+		return &resp, errors.New(resp.Error)
+	}
+	return &resp, nil
+}
