@@ -604,3 +604,91 @@ func TestGuardRootPrograms(t *testing.T) {
 }
 
 func htonl(v uint32) uint32 { return v>>24 | v>>8&0xff00 | v<<8&0xff0000 | v<<24 }
+
+// TestGuardCost reports what the device guard's packet programs cost per
+// run on this kernel (PALISADE_UVN_GUARD_COST=1; BPF run-time statistics):
+// UDP datagrams over lo from a socket under both the session's and the
+// node's programs, as every packet of a user pays.
+func TestGuardCost(t *testing.T) {
+	if os.Getenv("PALISADE_UVN_GUARD_COST") == "" || os.Geteuid() != 0 {
+		t.Skip("PALISADE_UVN_GUARD_COST=1, as root")
+	}
+	stats, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stats.Close()
+	cg, home, path := scratchCgroup(t, "gcost")
+	inScratchNetns(t, nil, func(own int) error {
+		lo, err := netlink.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		cookie, err := netns.Cookie()
+		if err != nil {
+			return err
+		}
+		coll, err := loadGuard(cookie, 1000, nil, policy.PortRange{First: 61000, Last: 62999})
+		if err != nil {
+			return err
+		}
+		defer coll.Close()
+		if err := coll.Maps[guardbpfMapPalUvnDevs].Put(uint32(own), guardbpfGuardOwner{Vrf: uint32(own), Uid: 4242}); err != nil {
+			return err
+		}
+		eg, in, b6, err := guardPrograms(own, []int{own, lo.Attrs().Index})
+		if err != nil {
+			return err
+		}
+		defer eg.Close()
+		defer in.Close()
+		defer b6.Close()
+		progs := map[string]*ebpf.Program{"node egress": coll.Programs[guardbpfProgPalUvnOut], "node ingress": coll.Programs[guardbpfProgPalUvnIn],
+			"session egress": eg, "session ingress": in}
+		for _, a := range guardAttach {
+			if _, err := cg.attachProg(path, coll.Programs[a.prog], a.at); err != nil {
+				return err
+			}
+		}
+		for _, p := range []struct {
+			p  *ebpf.Program
+			at ebpf.AttachType
+		}{{eg, ebpf.AttachCGroupInetEgress}, {in, ebpf.AttachCGroupInetIngress}} {
+			if _, err := cg.attachProg(path, p.p, p.at); err != nil {
+				return err
+			}
+		}
+		enterCgroup(t, cg, path)
+		defer enterCgroup(t, cg, home)
+		r, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+		if err != nil {
+			return err
+		}
+		defer r.Close()
+		s, err := net.DialUDP("udp4", nil, r.LocalAddr().(*net.UDPAddr))
+		if err != nil {
+			return err
+		}
+		defer s.Close()
+		buf := make([]byte, 64)
+		const n = 20000
+		for i := 0; i < n; i++ {
+			if _, err := s.Write(buf); err != nil {
+				return err
+			}
+			if _, err := r.Read(buf); err != nil {
+				return err
+			}
+		}
+		for name, p := range progs {
+			st, err := p.Stats()
+			if err != nil {
+				return err
+			}
+			if st.RunCount > 0 {
+				t.Logf("%-16s %6d runs, %5.0f ns per run", name, st.RunCount, float64(st.Runtime.Nanoseconds())/float64(st.RunCount))
+			}
+		}
+		return nil
+	})
+}
