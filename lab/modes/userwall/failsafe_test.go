@@ -12,6 +12,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 )
@@ -25,7 +26,11 @@ func restartAgent(t *testing.T, node string) {
 	pidFile := AgentPidFile(tb, node)
 	if pid := uw.ReadPid(pidFile); pid != 0 {
 		syscall.Kill(pid, syscall.SIGTERM)
-		waitFor(t, node+"'s agent to stop", func() bool { return uw.ReadPid(pidFile) == 0 })
+		for deadline := time.Now().Add(30 * time.Second); uw.ReadPid(pidFile) != 0; time.Sleep(50 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s's agent did not stop within 30 s", node)
+			}
+		}
 	}
 	if err := StartAgent(context.Background(), tb, n); err != nil {
 		t.Fatal(err)
@@ -178,10 +183,20 @@ func TestStartsDespiteUnresolvableName(t *testing.T) {
 	if out, err := exec.Command("useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", ghost).CombinedOutput(); err != nil {
 		t.Fatalf("useradd: %v %s", err, out)
 	}
-	waitFor(t, "the agent to resolve "+ghost, func() bool {
+	// The agent resolves again on its 5 s tick once group_refresh (1 s)
+	// has passed: wait for its acknowledgement (the state file), longer
+	// than waitFor's 5 s on a loaded machine.
+	deadline := time.Now().Add(60 * time.Second)
+	for {
 		st, err := uw.ReadState(AgentPidFile(tb, "node2"))
-		return err == nil && st.Unresolved == 0
-	})
+		if err == nil && st.Unresolved == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the agent did not resolve %s within 60 s", ghost)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
 	m, _ = metrics("node2", "127.0.0.1:9464")
 	if after := mapEntries(t, m, "exempt_lis"); after != before+1 || !strings.Contains(m, "palisade_config_unresolved_names 0") {
 		t.Errorf("after the name resolved: exempt_lis %d → %d\n%s", before, after, grepLines(m, "palisade_config"))
@@ -444,7 +459,7 @@ func TestStatusAllHostlist(t *testing.T) {
 		t.Fatal("no nodes line in node1's configuration")
 	}
 	os.WriteFile(p, []byte(c), 0o644)
-	cmd := tb.Command(context.Background(), "node1", "", tb.Binary, "status", "--all", "--json", "--timeout", "1s", "--config", p)
+	cmd := tb.Command(context.Background(), "node1", "", tb.Binary, "status", "--all", "--json", "--timeout", "5s", "--config", p)
 	out, _ := cmd.Output()
 	var view struct {
 		Nodes []uw.NodeView `json:"nodes"`
