@@ -484,3 +484,48 @@ func TestStatusAllHostlist(t *testing.T) {
 		t.Errorf("exit %d, want 2 (a node down)", cmd.ProcessState.ExitCode())
 	}
 }
+
+// TestExplainForPeople: explain takes node names as targets (--to
+// node2:PORT, the example of its --help), answers what-if questions with no
+// live listener (--port, --listener-user, --listener-group), and tells a
+// user without access to the other node's ident service what their own
+// listener would get; each answer agrees with what the kernel does.
+func TestExplainForPeople(t *testing.T) {
+	needTestbed(t)
+	explain := func(user string, args ...string) string {
+		t.Helper()
+		out, err := tb.Command(context.Background(), "node1", user, append([]string{tb.Binary, "explain", "--config", tb.ConfigPath("node1")}, args...)...).CombinedOutput()
+		if err != nil {
+			t.Fatalf("explain %v as %q: %v\n%s", args, user, err, out)
+		}
+		return string(out)
+	}
+	n2 := tb.Nodes[1].Eth0V4.String()
+	// A name as target, root looking the listener up: DENY, as the kernel.
+	listen(t, "node2", "alice", "tcp", "0.0.0.0", 5405)
+	if out := explain("", "--from", "bob", "--to", "node2:5405"); !strings.Contains(out, "("+"node2)") || !strings.Contains(out, "DENY (rule default-deny)") {
+		t.Errorf("explain --from bob --to node2:5405:\n%s", out)
+	}
+	run(t, []tcase{{"node1", "bob", "tcp", n2, 5405, refused, nil}})
+	// What-if, no listener on 5406 yet: bob reaches alice's service only
+	// if she starts it under proj1.
+	if out := explain("bob", "--to", "node2", "--port", "5406", "--listener-user", "alice", "--listener-group", "proj1"); !strings.Contains(out, "what-if") || !strings.Contains(out, "ALLOW (rule shared-group)") {
+		t.Errorf("what-if under proj1:\n%s", out)
+	}
+	if out := explain("bob", "--to", "node2", "--port", "5406", "--listener-user", "alice"); !strings.Contains(out, "DENY (rule default-deny)") || !strings.Contains(out, "sg proj1") {
+		t.Errorf("what-if under alice's own group:\n%s", out)
+	}
+	listen(t, "node2", "alice+proj1", "tcp", "0.0.0.0", 5406)
+	run(t, []tcase{{"node1", "bob", "tcp", n2, 5406, "OK", nil}, {"node1", "carol", "tcp", n2, 5406, refused, nil}})
+	// A user who may not ask node2: what her own listener gets.
+	out := explain("alice", "--to", "node2:5405")
+	if !strings.Contains(out, "undecided") || !strings.Contains(out, "if yours  ALLOW (rule same-user)") || !strings.Contains(out, "--listener-user") {
+		t.Errorf("alice about her own listener:\n%s", out)
+	}
+	run(t, []tcase{{"node1", "alice", "tcp", n2, 5405, "OK", nil}})
+	// Bad input: a clear error.
+	cmd := tb.Command(context.Background(), "node1", "bob", tb.Binary, "explain", "--config", tb.ConfigPath("node1"), "--to", "palnosuchnode:5405")
+	if out, err := cmd.CombinedOutput(); err == nil || !strings.Contains(string(out), `node "palnosuchnode": not an address, a [cluster] node, a Slurm node or a resolvable name`) {
+		t.Errorf("unknown node: %v\n%s", err, out)
+	}
+}
