@@ -26,9 +26,21 @@ func probeSinkCmd() *cobra.Command {
 			if err := json.Unmarshal([]byte(spec), &s); err != nil {
 				return fmt.Errorf("bad --spec: %w", err)
 			}
-			// The starter holds our stdin: when it closes it, we are done.
-			go func() { io.Copy(io.Discard, os.Stdin); os.Exit(0) }()
-			return attack.Serve(s, cmd.OutOrStdout())
+			// The starter holds our stdin: its first line opens a gated
+			// sink's gate; when it closes stdin, we are done.
+			gate := make(chan struct{})
+			go func() {
+				rd := bufio.NewReader(os.Stdin)
+				if s.Gated {
+					if _, err := rd.ReadString('\n'); err != nil {
+						os.Exit(0)
+					}
+					close(gate)
+				}
+				io.Copy(io.Discard, rd)
+				os.Exit(0)
+			}()
+			return attack.ServeGated(s, cmd.OutOrStdout(), gate)
 		},
 	}
 	c.Flags().StringVar(&spec, "spec", "", "socket description (JSON)")
