@@ -100,6 +100,11 @@ get if it is your own, and how to ask about someone else's.`,
 			} else {
 				lis, answered, lerr = ia.ownerOf(ctx, netip.Addr{}, target, proto)
 			}
+			if !src.IsValid() {
+				// Within a node the kernel sends from the dialled
+				// address: what site rules' sources see.
+				src = target.Addr().Unmap()
+			}
 			node := listenerNode(cfg, target.Addr())
 			if node == "" {
 				node = toName
