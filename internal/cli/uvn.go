@@ -69,7 +69,27 @@ func uvnManager(cmd *cobra.Command, needEnabled bool) (*uvn.Manager, *config.Con
 			return nil, nil, fmt.Errorf("%s: SrunPortRange: %w", cfg.UVN.SlurmConf, err)
 		}
 	}
+	// Exempt accounts' sockets may serve every VRF (an account that does
+	// not resolve here has no sockets here either).
+	res := identity.System()
+	names := append([]string{}, principals(cfg.UVN.ExemptUsers)...)
+	if sc != nil {
+		names = append(names, sc.Accounts()...)
+	}
+	for _, n := range names {
+		if uid, err := identity.UID(res, n); err == nil {
+			m.Exempt = append(m.Exempt, uid)
+		}
+	}
 	return m, cfg, nil
+}
+
+func principals(ps []policy.Principal) []string {
+	out := make([]string, len(ps))
+	for i, p := range ps {
+		out[i] = string(p)
+	}
+	return out
 }
 
 // readSlurmConf reads slurm.conf; a node without one (no Slurm) is fine.
