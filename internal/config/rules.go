@@ -73,6 +73,9 @@ type ruleFile struct {
 
 var ruleName = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$`)
 
+// maxIncluded bounds an included file's size.
+const maxIncluded = 4 << 20
+
 // includedFile is one file [policy] include named, as read.
 type includedFile struct {
 	path string
@@ -109,6 +112,15 @@ func (c *Config) loadIncludes(fail func(file string, line int, key, format strin
 				continue
 			}
 			seen[m] = true
+			// A policy file, not whatever a glob meets (a device, a FIFO
+			// or /proc would hang the agent's reload).
+			if st, err := os.Stat(m); err == nil && (!st.Mode().IsRegular() || st.Size() > maxIncluded) {
+				if st.Mode().IsDir() {
+					continue
+				}
+				fail(c.Path, c.KeyLineValue("policy.include", pat), "policy.include", "%s: not a regular file of at most %d bytes", m, maxIncluded)
+				continue
+			}
 			data, err := os.ReadFile(m)
 			if err != nil {
 				if errors.Is(err, fs.ErrPermission) || !errors.Is(err, fs.ErrNotExist) {

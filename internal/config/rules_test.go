@@ -424,6 +424,11 @@ func TestSiteRuleIncludes(t *testing.T) {
 	if err == nil || err.Error() != want {
 		t.Errorf("got %v\nwant %s", err, want)
 	}
+	// Not a regular file: refused, not read.
+	c2 := strings.Replace(string(data), `include = ["policy.d/*.toml"]`, `include = ["policy.d/*.toml", "/dev/zero"]`, 1)
+	if _, err := Parse(main, []byte(c2), siteUsers); err == nil || !strings.Contains(err.Error(), "policy.include: /dev/zero: not a regular file") {
+		t.Errorf("/dev/zero included: %v", err)
+	}
 	write(filepath.Join(dir, "policy.d", "20-b.toml"), "[policy]\nsystem_port_max = 1\n")
 	if _, err = Parse(main, data, siteUsers); err == nil || !strings.Contains(err.Error(), "20-b.toml:2: policy.system_port_max: unknown key (an included file holds only [[rule]] and [[test]])") {
 		t.Errorf("got %v", err)
