@@ -723,6 +723,11 @@ type UserStatus struct {
 	UserState
 	Intact      bool `json:"intact"`
 	LiveHolders int  `json:"live_holders"`
+	// SrunClaims of SrunBudget SrunPortRange ports the user's VRF holds
+	// claimed (bpf/srun.c); at the budget, the user's next srun on this
+	// node finds no port ("all ports in range exhausted").
+	SrunClaims uint32 `json:"srun_claims"`
+	SrunBudget uint32 `json:"srun_budget,omitempty"`
 }
 
 // Status lists the users with a network on this node.
@@ -732,12 +737,25 @@ func (m *Manager) Status() ([]UserStatus, *NodeState, error) {
 		return nil, nil, err
 	}
 	var out []UserStatus
+	var counts *ebpf.Map
+	var budget uint32
+	if ns, found, err := m.st.loadNode(); err == nil && found && ns.SrunCount != 0 {
+		if r, err := policy.ParsePortRange(ns.SrunRange); err == nil {
+			budget = SrunBudget(r)
+		}
+		if counts, err = ebpf.NewMapFromID(ebpf.MapID(ns.SrunCount)); err == nil {
+			defer counts.Close()
+		}
+	}
 	for _, u := range uids {
 		st, ok, err := m.st.loadUser(u)
 		if err != nil || !ok {
 			continue
 		}
-		us := UserStatus{UserState: *st}
+		us := UserStatus{UserState: *st, SrunBudget: budget}
+		if vl, err := netlink.LinkByName(st.VRF); err == nil && counts != nil {
+			counts.Lookup(uint32(vl.Attrs().Index), &us.SrunClaims) // none: 0
+		}
 		us.Intact = st.Complete && m.intact(st, false)
 		for _, h := range st.Holders {
 			if h.alive() {
