@@ -242,7 +242,7 @@ func uvnStatusCmd() *cobra.Command {
 				return writeJSON(cmd.OutOrStdout(), map[string]any{"users": users, "node": node})
 			}
 			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
-			fmt.Fprintln(w, "UID\tVRF\tTABLE\tVXLANS\tNAT\tHOLDERS\tCGROUPS\tSTATE")
+			fmt.Fprintln(w, "UID\tVRF\tTABLE\tVXLANS\tNAT\tHOLDERS\tCGROUPS\tSTATE\tSRUN PORTS")
 			for _, u := range users {
 				state := "ok"
 				switch {
@@ -251,8 +251,15 @@ func uvnStatusCmd() *cobra.Command {
 				case !u.Intact:
 					state = "damaged"
 				}
-				fmt.Fprintf(w, "%d\t%s\t%d\t%s\t%s\t%d/%d\t%d\t%s\n", u.UID, u.VRF, u.Table, strings.Join(u.Links, ","),
-					u.NAT, u.LiveHolders, len(u.Holders), len(u.Attach), state)
+				srun := "-"
+				if u.SrunBudget > 0 {
+					srun = fmt.Sprintf("%d/%d", u.SrunClaims, u.SrunBudget)
+					if u.SrunClaims >= u.SrunBudget {
+						srun += " (budget used up: srun finds no port)"
+					}
+				}
+				fmt.Fprintf(w, "%d\t%s\t%d\t%s\t%s\t%d/%d\t%d\t%s\t%s\n", u.UID, u.VRF, u.Table, strings.Join(u.Links, ","),
+					u.NAT, u.LiveHolders, len(u.Holders), len(u.Attach), state, srun)
 			}
 			w.Flush()
 			if node == nil {

@@ -204,6 +204,9 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	if err := a.startServices(ctx, &svc); err != nil {
 		return err
 	}
+	// The state first: whoever sees this agent's pid in the pid file
+	// (StartAgent, agent --reload) finds its state file already there.
+	a.initState()
 	pidFile := a.cfg.Agent.PidFile
 	if err := os.WriteFile(pidFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
 		return err
@@ -213,7 +216,6 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 			os.Remove(pidFile)
 		}
 	}()
-	a.initState()
 	// Readiness for systemd (Type=notify): enforcement, metrics and ident
 	// are in place, so units ordered after this one (slurmd, sshd) start
 	// only on a node that already isolates users. A no-op without systemd.

@@ -258,40 +258,21 @@ func underlayPrograms(ranges []policy.PortRange, nets []netip.Prefix, nat netip.
 	return objs.Conn, objs.Send, nil
 }
 
-// guardPrograms loads pal_uvn_egress, pal_uvn_ingress and pal_uvn_bind6
-// (bpf/vrf.c): the session's packets leave and arrive only on devs (its
-// VRF's and the default VRF's own), whatever device a socket option, a
-// control message or a scoped address named; link-local binds are refused.
-func guardPrograms(vrf int, devs []int) (egress, ingress, bind6 *ebpf.Program, err error) {
-	if len(devs) > int(vrfbpfUvnLimitUVN_MAX_OWN_DEVS) {
-		return nil, nil, nil, fmt.Errorf("%d devices for a session; at most %d", len(devs), vrfbpfUvnLimitUVN_MAX_OWN_DEVS)
-	}
+// linkLocalProgram loads pal_uvn_bind6 (bpf/vrf.c): link-local binds are
+// refused (the kernel would take the scope as the socket's device even when
+// the bind fails; the hook cannot see the scope).
+func linkLocalProgram() (*ebpf.Program, error) {
 	spec, err := loadVrfbpf()
 	if err != nil {
-		return nil, nil, nil, err
-	}
-	var own [vrfbpfUvnLimitUVN_MAX_OWN_DEVS]uint32
-	for i, d := range devs {
-		own[i] = uint32(d)
-	}
-	for name, v := range map[string]any{
-		vrfbpfVarVrfIfindex: uint32(vrf),
-		vrfbpfVarOwnDevs:    own,
-		vrfbpfVarN_ownDevs:  uint32(len(devs)),
-	} {
-		if err := spec.Variables[name].Set(v); err != nil {
-			return nil, nil, nil, fmt.Errorf("device guard: set %s: %w", name, err)
-		}
+		return nil, err
 	}
 	var objs struct {
-		Egress  *ebpf.Program `ebpf:"pal_uvn_egress"`
-		Ingress *ebpf.Program `ebpf:"pal_uvn_ingress"`
-		Bind6   *ebpf.Program `ebpf:"pal_uvn_bind6"`
+		Bind6 *ebpf.Program `ebpf:"pal_uvn_bind6"`
 	}
 	if err := spec.LoadAndAssign(&objs, nil); err != nil {
-		return nil, nil, nil, err
+		return nil, err
 	}
-	return objs.Egress, objs.Ingress, objs.Bind6, nil
+	return objs.Bind6, nil
 }
 
 // attachProg attaches prog to cg with ALLOW_MULTI and returns its id.

@@ -542,7 +542,7 @@ func (m *Manager) attach(st *UserState, pid, holder int) error {
 			return err
 		}
 		a0.ProgID = id
-		if err := m.attachGuard(cg, a0, st, vl.Attrs().Index); err != nil {
+		if err := m.attachLinkLocal(cg, a0); err != nil {
 			return err
 		}
 		if err := m.attachUnderlay(cg, a0, st); err != nil {
@@ -723,6 +723,11 @@ type UserStatus struct {
 	UserState
 	Intact      bool `json:"intact"`
 	LiveHolders int  `json:"live_holders"`
+	// SrunClaims of SrunBudget SrunPortRange ports the user's VRF holds
+	// claimed (bpf/srun.c); at the budget, the user's next srun on this
+	// node finds no port ("all ports in range exhausted").
+	SrunClaims uint32 `json:"srun_claims"`
+	SrunBudget uint32 `json:"srun_budget,omitempty"`
 }
 
 // Status lists the users with a network on this node.
@@ -732,12 +737,25 @@ func (m *Manager) Status() ([]UserStatus, *NodeState, error) {
 		return nil, nil, err
 	}
 	var out []UserStatus
+	var counts *ebpf.Map
+	var budget uint32
+	if ns, found, err := m.st.loadNode(); err == nil && found && ns.SrunCount != 0 {
+		if r, err := policy.ParsePortRange(ns.SrunRange); err == nil {
+			budget = SrunBudget(r)
+		}
+		if counts, err = ebpf.NewMapFromID(ebpf.MapID(ns.SrunCount)); err == nil {
+			defer counts.Close()
+		}
+	}
 	for _, u := range uids {
 		st, ok, err := m.st.loadUser(u)
 		if err != nil || !ok {
 			continue
 		}
-		us := UserStatus{UserState: *st}
+		us := UserStatus{UserState: *st, SrunBudget: budget}
+		if vl, err := netlink.LinkByName(st.VRF); err == nil && counts != nil {
+			counts.Lookup(uint32(vl.Attrs().Index), &us.SrunClaims) // none: 0
+		}
 		us.Intact = st.Complete && m.intact(st, false)
 		for _, h := range st.Holders {
 			if h.alive() {
@@ -878,44 +896,15 @@ func (m *Manager) natRules(ns *NodeState) error {
 	return nil
 }
 
-// attachGuard attaches the programs that keep the session's packets on its
-// own devices (bpf/vrf.c): the VRF, its VXLANs, and the default VRF's lo,
-// uplinks and underlay NICs (the NAT and underlay-port paths).
-func (m *Manager) attachGuard(cg *cgroup2, a *Attachment, st *UserState, vrf int) error {
-	devs := []int{vrf}
-	names := append([]string{"lo"}, st.Links...)
-	if ups, err := m.uplinks(); err == nil {
-		names = append(names, ups...)
-	} else {
-		return err
-	}
-	for _, u := range m.cfg.Underlays {
-		if nic, _, _, err := localUnderlay(u); err == nil && nic != nil {
-			names = append(names, nic.Attrs().Name)
-		}
-	}
-	for _, n := range names {
-		l, err := netlink.LinkByName(n)
-		if err != nil {
-			return fmt.Errorf("device %s: %w", n, err)
-		}
-		if !slices.Contains(devs, l.Attrs().Index) {
-			devs = append(devs, l.Attrs().Index)
-		}
-	}
-	egress, ingress, ll, err := guardPrograms(vrf, devs)
+// attachLinkLocal attaches the session's refusal of link-local binds
+// (bpf/vrf.c); the packets themselves are the node's device guard's
+// (bpf/guard.c, at the cgroup2 root).
+func (m *Manager) attachLinkLocal(cg *cgroup2, a *Attachment) error {
+	p, err := linkLocalProgram()
 	if err != nil {
-		return fmt.Errorf("load device-guard programs: %w", err)
+		return fmt.Errorf("load link-local bind program: %w", err)
 	}
-	defer egress.Close()
-	defer ingress.Close()
-	defer ll.Close()
-	if a.EgressID, err = cg.attachProg(a.Cgroup, egress, ebpf.AttachCGroupInetEgress); err != nil {
-		return err
-	}
-	if a.IngressID, err = cg.attachProg(a.Cgroup, ingress, ebpf.AttachCGroupInetIngress); err != nil {
-		return err
-	}
-	a.LinkLocalID, err = cg.attachProg(a.Cgroup, ll, ebpf.AttachCGroupInet6Bind)
+	defer p.Close()
+	a.LinkLocalID, err = cg.attachProg(a.Cgroup, p, ebpf.AttachCGroupInet6Bind)
 	return err
 }

@@ -63,8 +63,9 @@ type Attachment struct {
 	Bind4ID   uint32 `json:"bind4_id,omitempty"`
 	Bind6ID   uint32 `json:"bind6_id,omitempty"`
 	ReleaseID uint32 `json:"release_id,omitempty"`
-	// EgressID, IngressID and LinkLocalID keep the session's packets on
-	// its own devices (bpf/vrf.c; 0: none).
+	// LinkLocalID refuses the session's link-local binds (bpf/vrf.c);
+	// EgressID and IngressID are per-session packet programs of an
+	// earlier version, detached with the attachment (0: none).
 	EgressID    uint32 `json:"egress_id,omitempty"`
 	IngressID   uint32 `json:"ingress_id,omitempty"`
 	LinkLocalID uint32 `json:"linklocal_id,omitempty"`

@@ -18,7 +18,6 @@ type vrfbpfUvnLimit uint32
 const (
 	vrfbpfUvnLimitUVN_MAX_PORT_RANGES vrfbpfUvnLimit = 8
 	vrfbpfUvnLimitUVN_MAX_NETS4       vrfbpfUvnLimit = 64
-	vrfbpfUvnLimitUVN_MAX_OWN_DEVS    vrfbpfUvnLimit = 24
 )
 
 type vrfbpfUvnLpm4 struct {
@@ -40,15 +39,11 @@ const (
 	vrfbpfMapPalUvnNets4     = "pal_uvn_nets4"
 	vrfbpfProgPalUvnBind6    = "pal_uvn_bind6"
 	vrfbpfProgPalUvnConn4    = "pal_uvn_conn4"
-	vrfbpfProgPalUvnEgress   = "pal_uvn_egress"
-	vrfbpfProgPalUvnIngress  = "pal_uvn_ingress"
 	vrfbpfProgPalUvnSend4    = "pal_uvn_send4"
 	vrfbpfProgPalUvnVrf      = "pal_uvn_vrf"
-	vrfbpfVarN_ownDevs       = "n_own_devs"
 	vrfbpfVarN_underlayPorts = "n_underlay_ports"
 	vrfbpfVarNatAddr         = "nat_addr"
 	vrfbpfVarNatMark         = "nat_mark"
-	vrfbpfVarOwnDevs         = "own_devs"
 	vrfbpfVarUnderlayPorts   = "underlay_ports"
 	vrfbpfVarUvnLimitBtf     = "uvn_limit_btf"
 	vrfbpfVarVrfIfindex      = "vrf_ifindex"
@@ -96,12 +91,10 @@ type vrfbpfSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type vrfbpfProgramSpecs struct {
-	PalUvnBind6   *ebpf.ProgramSpec `ebpf:"pal_uvn_bind6"`
-	PalUvnConn4   *ebpf.ProgramSpec `ebpf:"pal_uvn_conn4"`
-	PalUvnEgress  *ebpf.ProgramSpec `ebpf:"pal_uvn_egress"`
-	PalUvnIngress *ebpf.ProgramSpec `ebpf:"pal_uvn_ingress"`
-	PalUvnSend4   *ebpf.ProgramSpec `ebpf:"pal_uvn_send4"`
-	PalUvnVrf     *ebpf.ProgramSpec `ebpf:"pal_uvn_vrf"`
+	PalUvnBind6 *ebpf.ProgramSpec `ebpf:"pal_uvn_bind6"`
+	PalUvnConn4 *ebpf.ProgramSpec `ebpf:"pal_uvn_conn4"`
+	PalUvnSend4 *ebpf.ProgramSpec `ebpf:"pal_uvn_send4"`
+	PalUvnVrf   *ebpf.ProgramSpec `ebpf:"pal_uvn_vrf"`
 }
 
 // vrfbpfMapSpecs contains maps before they are loaded into the kernel.
@@ -115,11 +108,9 @@ type vrfbpfMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type vrfbpfVariableSpecs struct {
-	N_ownDevs       *ebpf.VariableSpec `ebpf:"n_own_devs"`
 	N_underlayPorts *ebpf.VariableSpec `ebpf:"n_underlay_ports"`
 	NatAddr         *ebpf.VariableSpec `ebpf:"nat_addr"`
 	NatMark         *ebpf.VariableSpec `ebpf:"nat_mark"`
-	OwnDevs         *ebpf.VariableSpec `ebpf:"own_devs"`
 	UnderlayPorts   *ebpf.VariableSpec `ebpf:"underlay_ports"`
 	UvnLimitBtf     *ebpf.VariableSpec `ebpf:"uvn_limit_btf"`
 	VrfIfindex      *ebpf.VariableSpec `ebpf:"vrf_ifindex"`
@@ -158,11 +149,9 @@ func (m *vrfbpfMaps) Close() error {
 //
 // It can be passed to loadVrfbpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type vrfbpfVariables struct {
-	N_ownDevs       *ebpf.Variable `ebpf:"n_own_devs"`
 	N_underlayPorts *ebpf.Variable `ebpf:"n_underlay_ports"`
 	NatAddr         *ebpf.Variable `ebpf:"nat_addr"`
 	NatMark         *ebpf.Variable `ebpf:"nat_mark"`
-	OwnDevs         *ebpf.Variable `ebpf:"own_devs"`
 	UnderlayPorts   *ebpf.Variable `ebpf:"underlay_ports"`
 	UvnLimitBtf     *ebpf.Variable `ebpf:"uvn_limit_btf"`
 	VrfIfindex      *ebpf.Variable `ebpf:"vrf_ifindex"`
@@ -172,20 +161,16 @@ type vrfbpfVariables struct {
 //
 // It can be passed to loadVrfbpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type vrfbpfPrograms struct {
-	PalUvnBind6   *ebpf.Program `ebpf:"pal_uvn_bind6"`
-	PalUvnConn4   *ebpf.Program `ebpf:"pal_uvn_conn4"`
-	PalUvnEgress  *ebpf.Program `ebpf:"pal_uvn_egress"`
-	PalUvnIngress *ebpf.Program `ebpf:"pal_uvn_ingress"`
-	PalUvnSend4   *ebpf.Program `ebpf:"pal_uvn_send4"`
-	PalUvnVrf     *ebpf.Program `ebpf:"pal_uvn_vrf"`
+	PalUvnBind6 *ebpf.Program `ebpf:"pal_uvn_bind6"`
+	PalUvnConn4 *ebpf.Program `ebpf:"pal_uvn_conn4"`
+	PalUvnSend4 *ebpf.Program `ebpf:"pal_uvn_send4"`
+	PalUvnVrf   *ebpf.Program `ebpf:"pal_uvn_vrf"`
 }
 
 func (p *vrfbpfPrograms) Close() error {
 	return _VrfbpfClose(
 		p.PalUvnBind6,
 		p.PalUvnConn4,
-		p.PalUvnEgress,
-		p.PalUvnIngress,
 		p.PalUvnSend4,
 		p.PalUvnVrf,
 	)

@@ -113,7 +113,8 @@ var flowPorts int
 // listener on node2 appear in `palisade flows` on both nodes, with both
 // ends' users, nodes, the listener's process and the rule; alice's
 // connector process is named while it is connected; bob sees his own flow
-// and not alice's nor carol's; the metrics count the sample.
+// (without alice's process) and not alice's nor carol's; the metrics count
+// the sample.
 func TestFlows(t *testing.T) {
 	needTestbed(t)
 	port := flowPort()
@@ -165,6 +166,9 @@ func TestFlows(t *testing.T) {
 			t.Errorf("bob sees a flow he is no end of: %s", flowText(f))
 		}
 		sawOwn = sawOwn || c == "bob"
+		if f.Listener.User != "bob" && (f.Listener.Comm != "" || f.Listener.PID != 0) {
+			t.Errorf("bob sees %s's process: %s", f.Listener.User, flowText(f))
+		}
 	}
 	if !sawOwn {
 		t.Errorf("bob does not see his own refused flow (%d listed)", len(mine))

@@ -28,19 +28,8 @@
  *       marked sockets (and UDP to underlay ports) by the main table, never
  *       a socket merely bound to a NAT address (a user may bind his own).
  *
- * The boundary where packets flow (the kernel lets an unprivileged socket
- * change the device it uses after its creation: bind() to an IPv6
- * link-local address with sin6_scope_id sets the bound device before the
- * address check fails, and IP_PKTINFO / a scoped sendto pick the output
- * device per datagram). Same load-time constants: vrf_ifindex and own_devs,
- * the devices a socket of this session may use — the VRF, its VXLANs, and
- * the default VRF's lo, uplinks and underlay NICs (the NAT and underlay-port
- * paths); other users' devices are never in the list.
- *   cgroup_skb/egress   pal_uvn_egress
- *   cgroup_skb/ingress  pal_uvn_ingress
- *       A packet passes only if the device it leaves by (or arrives on) is
- *       in own_devs and its socket is bound to nothing or to a device in
- *       own_devs (the socket's own record, read where the packet flows).
+ * The boundary where packets flow is the node's device guard (bpf/guard.c,
+ * at the cgroup2 root, for every socket); the session adds:
  *   cgroup/bind6        pal_uvn_bind6
  *       Refuses binds to link-local addresses (fe80::/10, ff02::/16): the
  *       program cannot see sin6_scope_id, and the kernel would take the
@@ -67,7 +56,6 @@ enum uvn_verdict {
 enum uvn_limit {
 	UVN_MAX_PORT_RANGES = 8, /* [uvn] underlay_ports */
 	UVN_MAX_NETS4 = 64,      /* IPv4 prefixes of all [[uvn.underlay]] */
-	UVN_MAX_OWN_DEVS = 24,   /* own_devs */
 };
 /* Puts enum uvn_limit into the BTF, for bpf2go -type (the Go side reads
  * the limits from there). */
@@ -99,8 +87,6 @@ volatile const struct uvn_port_range underlay_ports[UVN_MAX_PORT_RANGES];
 volatile const __u32 n_underlay_ports; /* used entries of underlay_ports */
 volatile const __be32 nat_addr;        /* the user's NAT address */
 volatile const __u32 nat_mark;         /* marks underlay-port sockets */
-volatile const __u32 own_devs[UVN_MAX_OWN_DEVS];
-volatile const __u32 n_own_devs; /* used entries of own_devs */
 
 SEC("cgroup/sock_create")
 int pal_uvn_vrf(struct bpf_sock *sk)
@@ -166,48 +152,6 @@ int pal_uvn_send4(struct bpf_sock_addr *ctx)
 	if (to_underlay(ctx))
 		ctx->msg_src_ip4 = nat_addr;
 	return UVN_ALLOW;
-}
-
-/* Whether a socket of this session may use the device ifindex. */
-static __always_inline int own_dev(__u32 ifindex)
-{
-	int i;
-
-	for (i = 0; i < UVN_MAX_OWN_DEVS; i++) {
-		if (i >= n_own_devs)
-			break;
-		if (own_devs[i] == ifindex)
-			return 1;
-	}
-	return 0;
-}
-
-static __always_inline int skb_in_bounds(struct __sk_buff *skb)
-{
-	struct bpf_sock *sk = skb->sk;
-
-	if (!own_dev(skb->ifindex))
-		return UVN_REFUSE;
-	if (sk) {
-		sk = bpf_sk_fullsock(sk);
-		/* Bound to nothing: a socket made before the session moved
-		 * here (slurmstepd's own); it uses the default VRF. */
-		if (sk && sk->bound_dev_if && !own_dev(sk->bound_dev_if))
-			return UVN_REFUSE;
-	}
-	return UVN_ALLOW;
-}
-
-SEC("cgroup_skb/egress")
-int pal_uvn_egress(struct __sk_buff *skb)
-{
-	return skb_in_bounds(skb);
-}
-
-SEC("cgroup_skb/ingress")
-int pal_uvn_ingress(struct __sk_buff *skb)
-{
-	return skb_in_bounds(skb);
 }
 
 SEC("cgroup/bind6")
