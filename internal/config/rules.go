@@ -73,11 +73,27 @@ type ruleFile struct {
 
 var ruleName = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$`)
 
+// maxIncluded bounds an included file's size.
+const maxIncluded = 4 << 20
+
+// includedFile is one file [policy] include named, as read.
+type includedFile struct {
+	path string
+	data []byte
+}
+
 // loadIncludes reads the files [policy] include names (globs relative to the
 // main file's directory), in order, each file's matches sorted, and appends
-// their rules and tests after the main file's.
-func (c *Config) loadIncludes(fail func(file string, line int, key, format string, args ...any)) [][]byte {
-	var datas [][]byte
+// their rules and tests after the main file's. With c.included set (not
+// nil), those files are used instead of the disk.
+func (c *Config) loadIncludes(fail func(file string, line int, key, format string, args ...any)) []includedFile {
+	if c.included != nil {
+		for _, f := range c.included {
+			c.addIncluded(f.path, f.data, fail)
+		}
+		return c.included
+	}
+	var files []includedFile
 	dir := filepath.Dir(c.Path)
 	seen := map[string]bool{}
 	for _, pat := range c.Rules.Include {
@@ -96,6 +112,15 @@ func (c *Config) loadIncludes(fail func(file string, line int, key, format strin
 				continue
 			}
 			seen[m] = true
+			// A policy file, not whatever a glob meets (a device, a FIFO
+			// or /proc would hang the agent's reload).
+			if st, err := os.Stat(m); err == nil && (!st.Mode().IsRegular() || st.Size() > maxIncluded) {
+				if st.Mode().IsDir() {
+					continue
+				}
+				fail(c.Path, c.KeyLineValue("policy.include", pat), "policy.include", "%s: not a regular file of at most %d bytes", m, maxIncluded)
+				continue
+			}
 			data, err := os.ReadFile(m)
 			if err != nil {
 				if errors.Is(err, fs.ErrPermission) || !errors.Is(err, fs.ErrNotExist) {
@@ -103,29 +128,35 @@ func (c *Config) loadIncludes(fail func(file string, line int, key, format strin
 				}
 				continue
 			}
-			datas = append(datas, data)
-			var rf ruleFile
-			md, err := toml.Decode(string(data), &rf)
-			if err != nil {
-				ce := decodeError(m, err).(*ConfigError)
-				fail(ce.File, ce.Line, ce.Key, "%s", ce.Msg)
-				continue
-			}
-			loc := newLocator(data)
-			for _, k := range md.Undecoded() {
-				fail(m, loc.line(k.String(), ""), k.String(), "unknown key (an included file holds only [[rule]] and [[test]])")
-			}
-			for i := range rf.Rule {
-				rf.Rule[i].file, rf.Rule[i].line = m, loc.arrayLine("rule", i, "", "")
-			}
-			for i := range rf.Test {
-				rf.Test[i].file, rf.Test[i].line = m, loc.arrayLine("test", i, "", "")
-			}
-			c.SiteRules = append(c.SiteRules, rf.Rule...)
-			c.Tests = append(c.Tests, rf.Test...)
+			files = append(files, includedFile{m, data})
+			c.addIncluded(m, data, fail)
 		}
 	}
-	return datas
+	c.included = files
+	return files
+}
+
+// addIncluded appends the rules and tests of the included file m.
+func (c *Config) addIncluded(m string, data []byte, fail func(file string, line int, key, format string, args ...any)) {
+	var rf ruleFile
+	md, err := toml.Decode(string(data), &rf)
+	if err != nil {
+		ce := decodeError(m, err).(*ConfigError)
+		fail(ce.File, ce.Line, ce.Key, "%s", ce.Msg)
+		return
+	}
+	loc := newLocator(data)
+	for _, k := range md.Undecoded() {
+		fail(m, loc.line(k.String(), ""), k.String(), "unknown key (an included file holds only [[rule]] and [[test]])")
+	}
+	for i := range rf.Rule {
+		rf.Rule[i].file, rf.Rule[i].line = m, loc.arrayLine("rule", i, "", "")
+	}
+	for i := range rf.Test {
+		rf.Test[i].file, rf.Test[i].line = m, loc.arrayLine("test", i, "", "")
+	}
+	c.SiteRules = append(c.SiteRules, rf.Rule...)
+	c.Tests = append(c.Tests, rf.Test...)
 }
 
 // buildRules validates the [[rule]] entries into c.Policy.Rules and the
@@ -286,10 +317,13 @@ func (c *Config) buildRules(res identity.Resolver, fail func(file string, line i
 			bad("source", t.Source, "give from_node or source, not both")
 		case t.FromNode != "":
 			addrs, known := nodeAddrs[t.FromNode]
-			if !known {
-				bad("from_node", t.FromNode, "node %q is not in [cluster] nodes", t.FromNode)
-			} else {
+			switch {
+			case known:
 				t.src = addrs[0]
+			case slices.ContainsFunc(c.PendingNodes, func(p PendingNode) bool { return p.Name == t.FromNode }):
+				// Known by name only (a hostlist): resolved when the test runs.
+			default:
+				bad("from_node", t.FromNode, "node %q is not in [cluster] nodes", t.FromNode)
 			}
 		case t.Source != "":
 			a, err := netip.ParseAddr(t.Source)
@@ -334,11 +368,12 @@ func principals(res identity.Resolver, list []policy.Principal, bad func(value s
 
 // locatorFor is the locator of the main file or of an included one.
 func (c *Config) locatorFor(file string) *locator {
-	if file == c.Path || file == "" {
-		return newLocator(c.data)
+	for _, f := range c.included {
+		if f.path == file && file != c.Path {
+			return newLocator(f.data)
+		}
 	}
-	data, _ := os.ReadFile(file)
-	return newLocator(data)
+	return newLocator(c.data)
 }
 
 // KeyLineValue is the line of an element of a key's array (0 if absent).
@@ -397,7 +432,15 @@ func (c *Config) runTest(res identity.Resolver, t *TestConfig, r *TestResult) er
 	if t.Proto == "udp" {
 		proto = policy.UDP
 	}
-	r.Conn = policy.Conn{Source: t.src, Connector: conn, Listener: lis, Port: uint16(t.Port), Proto: proto, Node: t.Node}
+	src := t.src
+	if t.FromNode != "" && !src.IsValid() {
+		addrs, err := LookupHost(t.FromNode)
+		if err != nil || len(addrs) == 0 {
+			return fmt.Errorf("from_node %q (a [cluster] nodes hostlist name) does not resolve: %v", t.FromNode, err)
+		}
+		src = addrs[0]
+	}
+	r.Conn = policy.Conn{Source: src, Connector: conn, Listener: lis, Port: uint16(t.Port), Proto: proto, Node: t.Node}
 	r.Got = c.Policy.Decide(r.Conn)
 	verdict := func(allow bool) string {
 		if allow {
