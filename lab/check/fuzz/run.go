@@ -842,6 +842,14 @@ func (f *fuzzer) caseFor(user, node string, s *Sentinel, src netip.Addr) *check.
 		if s.Form == "lo" {
 			c.Path = check.Loopback
 		}
+		// Within a node the matrix takes the dialled local address as the
+		// source the kernel picked (check.Case.Conn); here the source is
+		// known: what the sentinel saw (or, unknown, the node's address).
+		a := src.Unmap().WithZone("")
+		if !a.IsValid() {
+			a = f.world.unicast(s, node)
+		}
+		c.Dst = netip.AddrPortFrom(a, uint16(s.Port))
 	}
 	return c
 }
@@ -895,11 +903,12 @@ func (f *fuzzer) judge(er *execRun, st StepResult, r receipt) (Leak, bool) {
 		return Leak{}, false
 	}
 	l := Leak{Sentinel: r.tag, Step: st.I, Peer: st.Peer, From: r.from, Rule: v.Rule}
-	if n, ok := f.tb.Node(er.runNode); ok && er.runNode != s.Node {
-		c.Src = n.Eth0V6
+	if n, ok := f.tb.Node(er.runNode); ok {
+		a := n.Eth0V6
 		if from.Addr().Unmap().Is4() {
-			c.Src = n.Eth0V4
+			a = n.Eth0V4
 		}
+		c = f.caseFor(who, er.runNode, s, a)
 		l.InClusterAllowed = f.expect(c).Allow
 	}
 	return l, true
