@@ -152,6 +152,7 @@ func (o Options) info(format, gen string) (*nfpm.Info, error) {
 		{Source: src("packaging/logrotate/palisade"), Destination: "/etc/logrotate.d/palisade", Type: files.TypeConfig, FileInfo: mode(0o644)},
 		{Source: src("internal/dataplane/uvn/spank/c/pal_uvn_spank.c"), Destination: "/usr/share/palisade/spank/pal_uvn_spank.c", FileInfo: mode(0o644)},
 		{Source: src("packaging/spank/Makefile"), Destination: "/usr/share/palisade/spank/Makefile", FileInfo: mode(0o644)},
+		{Source: src("packaging/systemd/slurmd-palisade.conf"), Destination: "/usr/share/palisade/systemd/slurmd-palisade.conf", FileInfo: mode(0o644)},
 		{Source: filepath.Join(gen, "completions/palisade.bash"), Destination: "/usr/share/bash-completion/completions/palisade", FileInfo: mode(0o644)},
 		{Source: filepath.Join(gen, "completions/_palisade"), Destination: "/usr/share/zsh/vendor-completions/_palisade", FileInfo: mode(0o644)},
 		{Source: filepath.Join(gen, "completions/palisade.fish"), Destination: "/usr/share/fish/vendor_completions.d/palisade.fish", FileInfo: mode(0o644)},

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strings"
@@ -90,5 +91,76 @@ func TestDashboard(t *testing.T) {
 			continue
 		}
 		checkNames(t, "panel "+p.Title, p.Targets[0].Expr, known)
+	}
+}
+
+// TestAgentUnitFailsSafe: the agent's unit cannot end "failed for good"
+// (no start limit, always restarted); slurmd is ordered after it, and the
+// shipped slurmd drop-in starts slurmd only on an enforcing node and
+// retries; sshd never depends on the agent (root must always log in).
+// systemd-analyze verify accepts the units (no unknown or misplaced key).
+func TestAgentUnitFailsSafe(t *testing.T) {
+	unit, err := os.ReadFile("systemd/palisade-agent.service")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dropin, err := os.ReadFile("systemd/slurmd-palisade.conf")
+	if err != nil {
+		t.Fatal(err)
+	}
+	has := func(text []byte, section, line string) bool {
+		sec := ""
+		for _, l := range strings.Split(string(text), "\n") {
+			l = strings.TrimSpace(l)
+			if strings.HasPrefix(l, "[") {
+				sec = l
+			} else if sec == section && l == line {
+				return true
+			}
+		}
+		return false
+	}
+	for _, want := range []struct{ sec, line string }{
+		{"[Unit]", "StartLimitIntervalSec=0"},
+		{"[Unit]", "Before=slurmd.service slurmctld.service ssh.service sshd.service"},
+		{"[Service]", "Restart=always"},
+		{"[Service]", "Type=notify"},
+	} {
+		if !has(unit, want.sec, want.line) {
+			t.Errorf("palisade-agent.service lacks %s %s", want.sec, want.line)
+		}
+	}
+	if regexp.MustCompile(`(?m)^(Requires|BindsTo|RequiredBy|Requisite)=.*ssh`).Match(unit) {
+		t.Errorf("palisade-agent.service makes sshd depend on the agent: root could be locked out")
+	}
+	for _, want := range []struct{ sec, line string }{
+		{"[Unit]", "After=palisade-agent.service"},
+		{"[Unit]", "Wants=palisade-agent.service"},
+		{"[Unit]", "StartLimitIntervalSec=0"},
+		{"[Service]", "ExecStartPre=" + BinPath + " status --enforcing"},
+		{"[Service]", "Restart=on-failure"},
+	} {
+		if !has(dropin, want.sec, want.line) {
+			t.Errorf("slurmd-palisade.conf lacks %s %s", want.sec, want.line)
+		}
+	}
+	if _, err := exec.LookPath("systemd-analyze"); err != nil {
+		t.Log("systemd-analyze not installed: units not verified by systemd")
+		return
+	}
+	dir := t.TempDir()
+	os.MkdirAll(filepath.Join(dir, "slurmd.service.d"), 0o755)
+	os.WriteFile(filepath.Join(dir, "palisade-agent.service"), unit, 0o644)
+	os.WriteFile(filepath.Join(dir, "slurmd.service.d", "palisade.conf"), dropin, 0o644)
+	os.WriteFile(filepath.Join(dir, "slurmd.service"), []byte("[Unit]\nDescription=slurmd stand-in\n[Service]\nExecStart=/bin/true\n"), 0o644)
+	cmd := exec.Command("systemd-analyze", "verify", "--man=no", "palisade-agent.service", "slurmd.service")
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), "SYSTEMD_UNIT_PATH="+dir+":")
+	out, _ := cmd.CombinedOutput()
+	for _, l := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		// The binary is not installed on the test host.
+		if l != "" && !strings.Contains(l, BinPath+" is not executable") {
+			t.Errorf("systemd-analyze verify: %s", l)
+		}
 	}
 }

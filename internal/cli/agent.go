@@ -16,6 +16,7 @@ func agentCommand() *cobra.Command {
 		o         userwall.AgentOptions
 		uninstall bool
 		reload    bool
+		reopen    bool
 	)
 	cmd := &cobra.Command{
 		Use:   "agent",
@@ -29,10 +30,15 @@ for Prometheus. The agent also runs the ident service.
 Programs, links and maps are pinned: they keep enforcing while the agent is
 stopped or restarting, and a restarted agent adopts them without a gap.
 SIGHUP reloads the configuration and applies every setting: policy and audit
-mode (maps updated in place, no gap), cluster keys, event log (reopened, also
-for logrotate), metrics address, ident port and socket, group refresh. A file
-that is invalid or changes a setting fixed for the agent's life (bpffs,
-pid_file, unix_sockets) is refused whole and the running configuration stays.
+mode (maps updated in place, no gap), cluster keys, event log (reopened),
+metrics address, ident port and socket, group refresh. A file that is
+invalid, that config check calls an ERROR (no usable cluster key, an exempt
+name that does not resolve, Slurm's accounts not exempt, this node outside
+the cluster subnets) or that changes a setting fixed for the agent's life
+(bpffs, pid_file, unix_sockets) is refused whole and the running
+configuration stays. At start the agent never refuses over such an ERROR:
+it enforces the rest and reports it (status, metrics, log). SIGUSR1
+(--reopen-logs) only reopens the event log: what logrotate sends.
 --reload checks the file, signals the agent and waits for its answer: exit 0
 once applied, 1 with the agent's reason when refused. --uninstall stops the
 agent and removes everything it made.`,
@@ -45,6 +51,13 @@ agent and removes everything it made.`,
 					return fmt.Errorf("uninstall: %w", err)
 				}
 				fmt.Fprintln(cmd.OutOrStdout(), "userwall removed from this node")
+				return nil
+			}
+			if reopen {
+				if err := userwall.SignalReopen(o); err != nil {
+					return err
+				}
+				fmt.Fprintln(cmd.OutOrStdout(), "event log reopened")
 				return nil
 			}
 			if reload {
@@ -60,6 +73,7 @@ agent and removes everything it made.`,
 	f := cmd.Flags()
 	f.BoolVar(&uninstall, "uninstall", false, "stop the agent and remove every program, pin and nft table it made")
 	f.BoolVar(&reload, "reload", false, "ask the running agent to reload its configuration (SIGHUP) and wait until it is applied or refused")
+	f.BoolVar(&reopen, "reopen-logs", false, "ask the running agent to reopen its event log (SIGUSR1, for logrotate) and wait; nothing is reloaded")
 	f.StringVar(&o.PidFile, "pid-file", "", "pid file (default: [agent] pid_file)")
 	f.StringVar(&o.EventLog, "event-log", "", "JSON-lines denial log (default: [agent] event_log)")
 	f.StringVar(&o.MetricsAddress, "metrics-address", "", "Prometheus listen address (default: [agent] metrics_address)")

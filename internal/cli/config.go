@@ -1,10 +1,9 @@
 package cli
 
 import (
-	"cmp"
-	"errors"
 	"fmt"
-	"io/fs"
+	"net"
+	"net/netip"
 	"strconv"
 
 	"github.com/spf13/cobra"
@@ -22,6 +21,7 @@ func configCommand() *cobra.Command {
 	var (
 		slurmConf string
 		strict    bool
+		remote    bool
 	)
 	check := &cobra.Command{
 		Use:   "check",
@@ -34,7 +34,15 @@ the running agent) and a WARNING for each risky setting (system_port_max above
 event log, ...). The policy's [[test]] entries are run (palisade policy test):
 a failing test is an ERROR. Slurm's accounts (SlurmUser, SlurmdUser in --slurm-conf) must
 be exempt connectors and listeners, or srun and sinfo fail with "Unable to
-contact slurm controller": their absence is an ERROR.
+contact slurm controller": their absence is an ERROR, as is an exempt name
+that does not resolve, a cluster key that is missing or readable by others,
+and a node none of whose addresses is in the cluster subnets (a subnet
+typo). A reload of a file with an ERROR is refused; an agent that starts
+with one enforces the rest and reports it.
+
+--remote checks a file for other nodes (on a configuration-management host):
+names that do not resolve here are warnings; the key file, Slurm's accounts
+and this host's addresses are not checked.
 
 Exits 1 for an invalid file (file:line: key: message for each problem) or an
 ERROR, 0 otherwise (also with warnings, unless --strict). Nothing is applied.`,
@@ -48,8 +56,12 @@ ERROR, 0 otherwise (also with warnings, unless --strict). Nothing is applied.`,
 			fmt.Fprint(out, cfg.Describe(identity.System()))
 			fmt.Fprintf(out, "# config sha256 %s\n", cfg.SHA256)
 			var problems, warnings int
-			fs := cfg.Findings(config.CheckOptions{SlurmConf: slurmConf})
-			if f, ok := keyFinding(cfg); ok {
+			opts := config.CheckOptions{SlurmConf: slurmConf, Elsewhere: remote}
+			if !remote {
+				opts.LocalAddrs = localAddrs()
+			}
+			fs := cfg.Findings(opts)
+			if f, ok := userwall.KeyFinding(cfg); ok && !remote {
 				fs = append(fs, f)
 			}
 			fs = append(fs, testFindings(cfg)...)
@@ -76,25 +88,25 @@ ERROR, 0 otherwise (also with warnings, unless --strict). Nothing is applied.`,
 	}
 	check.Flags().StringVar(&slurmConf, "slurm-conf", config.SlurmConfPath(), `Slurm's configuration, for its accounts ("" = do not check; a missing file = no Slurm)`)
 	check.Flags().BoolVar(&strict, "strict", false, "exit 1 on warnings too")
+	check.Flags().BoolVar(&remote, "remote", false, "check the file for other nodes: names not resolvable here are warnings; key file, Slurm and this host's addresses not checked")
 	configCmd.AddCommand(check)
 	return configCmd
 }
 
-// keyFinding checks the cluster key as the agent will load it: without a
-// usable key no identity from another node is trusted, so every user's
-// cross-node traffic is refused. (Skipped when the caller may not read it.)
-func keyFinding(cfg *config.Config) (config.Finding, bool) {
-	if len(cfg.Policy.ClusterSubnets) == 0 {
-		return config.Finding{}, false
+// localAddrs are this node's addresses (nil if unreadable: not checked);
+// a variable for the tests, whose host is no cluster node.
+var localAddrs = func() []netip.Addr {
+	as, err := net.InterfaceAddrs()
+	if err != nil {
+		return nil
 	}
-	path := cmp.Or(cfg.Cluster.KeyFile, config.DefaultKeyFile)
-	_, err := userwall.LoadKeys(path)
-	if err == nil || errors.Is(err, fs.ErrPermission) {
-		return config.Finding{}, false
+	out := []netip.Addr{}
+	for _, a := range as {
+		if p, err := netip.ParsePrefix(a.String()); err == nil {
+			out = append(out, p.Addr())
+		}
 	}
-	return config.Finding{Severity: config.Problem, Level: config.Problem.String(), Key: "cluster.key_file", Line: cfg.KeyLine("cluster.key_file"),
-		Msg: fmt.Sprintf("%v: identity from other nodes is not trusted, users' cross-node traffic is refused "+
-			"(make one: (umask 077; openssl rand -hex 16 > %s), the same on every node)", err, path)}, true
+	return out
 }
 
 // testFindings runs the policy's tests: each failure is an ERROR (the

@@ -2,11 +2,18 @@ package cli
 
 import (
 	"bytes"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 )
+
+func init() {
+	// The test host is in no cluster subnet of these tests: pretend it is
+	// in 198.18.0.0/24 (TestConfigCheckAddresses checks the finding).
+	localAddrs = func() []netip.Addr { return []netip.Addr{netip.MustParseAddr("198.18.0.9")} }
+}
 
 // runConfigCheck runs `palisade config check --config path` in-process.
 func runConfigCheck(t *testing.T, path string, args ...string) (string, error) {
@@ -41,7 +48,7 @@ func TestConfigCheck(t *testing.T) {
 	writeConfigFile(t, bad, "[policy]\nexempt_connectors = [\"pal-no-such-user\"]\n")
 	out, err = runConfigCheck(t, bad)
 	ee, ok := err.(*ExitError)
-	if !ok || ee.ExitCode() != 1 || !strings.Contains(err.Error(), bad+`:2: policy.exempt_connectors: unknown user "pal-no-such-user"`) {
+	if !ok || ee.ExitCode() != 1 || !strings.Contains(out, bad+`:2: policy.exempt_connectors: unknown user "pal-no-such-user"`) {
 		t.Errorf("bad config: err %v, output %q", err, out)
 	}
 	if _, err := runConfigCheck(t, filepath.Join(dir, "missing.toml")); err == nil || !strings.Contains(err.Error(), "does not exist") {
@@ -112,5 +119,54 @@ func writeConfigFile(t *testing.T, path, data string) {
 	t.Helper()
 	if err := os.WriteFile(path, []byte(data), 0o644); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestConfigCheckAddresses: a subnet typo that leaves this node outside
+// every cluster subnet is an ERROR (exit 1); --remote (a configuration
+// management host) checks neither addresses nor names, which it reports as
+// warnings, and exits 0.
+func TestConfigCheckAddresses(t *testing.T) {
+	dir := t.TempDir()
+	key := writeKey(t, dir)
+	typo := filepath.Join(dir, "typo.toml")
+	writeConfigFile(t, typo, "[policy]\nexempt_listeners = [\"root\", \"pal-no-such-user\"]\n[cluster]\nsubnets = [\"198.81.0.0/24\"]\nkey_file = \""+key+"\"\n")
+	out, err := runConfigCheck(t, typo)
+	if ee, ok := err.(*ExitError); !ok || ee.Code != 1 ||
+		!strings.Contains(out, "# ERROR: "+typo+":4: cluster.subnets: none of this node's addresses (198.18.0.9) is in the cluster subnets (198.81.0.0/24)") ||
+		!strings.Contains(out, "# ERROR: "+typo+":2: policy.exempt_listeners: unknown user \"pal-no-such-user\"") {
+		t.Errorf("typo: %v\n%s", err, out)
+	}
+	out, err = runConfigCheck(t, typo, "--slurm-conf", "", "--remote")
+	if err != nil || strings.Contains(out, "# ERROR") || !strings.Contains(out, "# WARNING: "+typo+":2: policy.exempt_listeners: unknown user \"pal-no-such-user\"") {
+		t.Errorf("--remote: %v\n%s", err, out)
+	}
+}
+
+// TestKeyCheckHonoursConfig: `palisade --config X key check` checks X's
+// [cluster] key_file (it used to check /etc/palisade/cluster.key whatever X
+// said), and a key readable by others is refused.
+func TestKeyCheckHonoursConfig(t *testing.T) {
+	dir := t.TempDir()
+	key := writeKey(t, dir)
+	cfg := filepath.Join(dir, "c.toml")
+	writeConfigFile(t, cfg, "[cluster]\nsubnets = [\"198.18.0.0/24\"]\nkey_file = \""+key+"\"\n")
+	run := func() (string, error) {
+		var out bytes.Buffer
+		root := New()
+		root.SetOut(&out)
+		root.SetArgs([]string{"--config", cfg, "key", "check"})
+		err := root.Execute()
+		return out.String(), err
+	}
+	out, err := run()
+	if err != nil || !strings.HasPrefix(out, key+":\n") || !strings.Contains(out, "key 1: id ") {
+		t.Errorf("key check --config: %v\n%s", err, out)
+	}
+	if err := os.Chmod(key, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := run(); err == nil || !strings.Contains(err.Error(), key) {
+		t.Errorf("key mode 0644: %v\n%s", err, out)
 	}
 }

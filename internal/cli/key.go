@@ -1,12 +1,14 @@
 package cli
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"os"
 
 	"github.com/spf13/cobra"
 
+	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 )
 
@@ -57,16 +59,27 @@ swap the two lines everywhere and reload; remove the old key and reload.`,
 	check := &cobra.Command{
 		Use:   "check [FILE]",
 		Short: "Check a cluster key file (permissions, format) and print the key ids",
-		Args:  cobra.MaximumNArgs(1),
+		Long: `Check FILE, or the key file of --config ([cluster] key_file, default
+/etc/palisade/cluster.key): owned by root, mode 0600 or stricter, one or two
+keys. Prints which file was checked and the id of each key.`,
+		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			path := "/etc/palisade/cluster.key"
+			path := config.DefaultKeyFile
 			if len(args) == 1 {
 				path = args[0]
+			} else {
+				// The key the agent of --config loads (no file: the default).
+				cfg, err := config.LoadOrDefault(configPath)
+				if err != nil {
+					return err
+				}
+				path = cmp.Or(cfg.Cluster.KeyFile, config.DefaultKeyFile)
 			}
 			keys, err := userwall.LoadKeys(path)
 			if err != nil {
 				return err
 			}
+			fmt.Fprintf(cmd.OutOrStdout(), "%s:\n", path)
 			for i, k := range keys {
 				role := "seals and verifies"
 				if i > 0 {

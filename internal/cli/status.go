@@ -21,13 +21,18 @@ const (
 func statusCommand() *cobra.Command {
 	var (
 		asJSON, check, all bool
+		verbose, enforcing bool
 		pidFile            string
 		timeout            time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "status",
 		Short: "Show the data plane of this node: mode, agent, version, configuration, programs, counters, warnings",
-		Long: `Show what enforces on this node. As root the pinned kernel objects are
+		Long: `Show what enforces on this node. The first line says whether the node
+enforces and the worst of what is wrong (an ERROR breaks users' or Slurm's
+traffic: no cluster key, an exempt name that does not resolve, ...);
+--verbose adds every program attached and the kernel's features. As root
+the pinned kernel objects are
 inspected; other users see what the running agent reports (its state file),
 as the kernel objects are root's. Warnings include an agent that is not
 running, audit mode, a refused or pending reload, and config check's findings
@@ -51,22 +56,35 @@ drifting or not enforcing.`,
 			}
 			s, err := userwall.GetStatus(userwall.AgentOptions{ConfigPath: configPath, PidFile: pidFile})
 			if err != nil {
+				if enforcing {
+					return &ExitError{statusNotEnforced, "status: " + err.Error()}
+				}
 				return err
+			}
+			if enforcing {
+				// The programs in force decide, not the agent: a node whose
+				// agent restarts still isolates its users.
+				if s.Mode == "userwall" && (s.Enabled || s.Source == "agent") {
+					return nil
+				}
+				return &ExitError{statusNotEnforced, "this node does not enforce userwall: " + s.Headline}
 			}
 			code := statusOK
 			switch {
 			case s.Mode != "userwall":
 				code = statusNotEnforced
-			case len(s.Warnings) > 0:
+			case len(s.Warnings) > 0 || len(s.Errors) > 0:
 				code = statusWarnings
 			}
 			out := cmd.OutOrStdout()
-			return statusOutput(out, check, asJSON, s, func() { printStatus(out, s) }, code)
+			return statusOutput(out, check, asJSON, s, func() { printStatus(out, s, verbose) }, code)
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	cmd.Flags().BoolVar(&check, "check", false, "print nothing; only the exit status (0 enforcing, 1 warnings, 2 not enforcing)")
 	cmd.Flags().StringVar(&pidFile, "pid-file", "", "agent pid file (default: [agent] pid_file)")
+	cmd.Flags().BoolVar(&enforcing, "enforcing", false, "print nothing; exit 0 if the node's userwall programs are in force (warnings and audit mode included), 2 if not: for ExecStartPre= of units that must not start on an unprotected node")
+	cmd.Flags().BoolVarP(&verbose, "verbose", "v", false, "also list every program attached and the kernel's features")
 	cmd.Flags().BoolVar(&all, "all", false, "every node of [cluster] nodes, over the ident service (root)")
 	cmd.Flags().DurationVar(&timeout, "timeout", 2*time.Second, "with --all: how long to wait for each node")
 	return cmd
@@ -93,7 +111,7 @@ func clusterStatus(cmd *cobra.Command, pidFile string, timeout time.Duration, as
 	for _, v := range views {
 		switch v.State {
 		case userwall.NodeOK:
-		case userwall.NodeWarnings, userwall.NodeAudit:
+		case userwall.NodeWarnings, userwall.NodeErrors, userwall.NodeAudit:
 			code = max(code, statusWarnings)
 		default:
 			code = statusNotEnforced
@@ -149,9 +167,12 @@ func printCluster(out io.Writer, want string, views []userwall.NodeView) {
 			}
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%.12s\t%.12s\t%d\t%s\t%d\n", v.Name, v.Addr, v.State, mode, r.Version,
-			r.ConfigSHA, r.SharedSHA, r.Generation, last, len(r.Warnings))
+			r.ConfigSHA, r.SharedSHA, r.Generation, last, len(r.Warnings)+len(r.Errors))
 		if v.Error != "" {
 			notes = append(notes, fmt.Sprintf("%s: %s", v.Name, v.Error))
+		}
+		for _, e := range r.Errors {
+			notes = append(notes, fmt.Sprintf("%s: ERROR: %s", v.Name, e))
 		}
 		for _, w := range r.Warnings {
 			notes = append(notes, fmt.Sprintf("%s: WARNING: %s", v.Name, w))
@@ -166,13 +187,17 @@ func printCluster(out io.Writer, want string, views []userwall.NodeView) {
 	}
 }
 
-func printStatus(out io.Writer, s *userwall.Status) {
+func printStatus(out io.Writer, s *userwall.Status, verbose bool) {
+	fmt.Fprintf(out, "palisade:    %s\n", s.Headline)
 	mode := s.Mode
 	if s.Mode == "userwall" && s.Audit {
 		mode += " (AUDIT: nothing is refused)"
 	}
 	fmt.Fprintf(out, "mode:        %s\n", mode)
 	defer func() {
+		for _, e := range s.Errors {
+			fmt.Fprintf(out, "ERROR: %s\n", e)
+		}
 		for _, w := range s.Warnings {
 			fmt.Fprintf(out, "WARNING: %s\n", w)
 		}
@@ -209,19 +234,23 @@ func printStatus(out io.Writer, s *userwall.Status) {
 	}
 	fmt.Fprintf(out, "enforcing:   %v\npins:        %s\nnft table:   %v\nunix (LSM):  %v\ntc attach:   %s\n",
 		s.Enabled, s.PinDir, s.Nft, s.UnixLSM, s.Attach)
-	fmt.Fprintf(out, "\nprograms attached (%d):\n", len(s.Links))
-	tw := tabwriter.NewWriter(out, 2, 8, 2, ' ', 0)
-	for _, l := range s.Links {
-		fmt.Fprintf(tw, "  %s\t%s\t%s\tprog %d\n", l.Name, l.Type, l.Program, l.ProgID)
+	if !verbose {
+		fmt.Fprintf(out, "programs:    %d attached (--verbose lists them and the kernel's features)\n", len(s.Links))
+	} else {
+		fmt.Fprintf(out, "\nprograms attached (%d):\n", len(s.Links))
+		tw := tabwriter.NewWriter(out, 2, 8, 2, ' ', 0)
+		for _, l := range s.Links {
+			fmt.Fprintf(tw, "  %s\t%s\t%s\tprog %d\n", l.Name, l.Type, l.Program, l.ProgID)
+		}
+		tw.Flush()
 	}
-	tw.Flush()
 	fmt.Fprintln(out, "\ndecisions:")
-	tw = tabwriter.NewWriter(out, 2, 8, 2, ' ', 0)
+	tw := tabwriter.NewWriter(out, 2, 8, 2, ' ', 0)
 	for _, c := range s.Counters {
 		fmt.Fprintf(tw, "  %s\t%s\t%s\t%d\n", c.Path, c.Rule, c.Verdict(), c.Count)
 	}
 	tw.Flush()
-	if s.Kernel != nil {
+	if verbose && s.Kernel != nil {
 		fmt.Fprintln(out)
 		writeProbe(out, s.Kernel)
 	}

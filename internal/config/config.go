@@ -48,6 +48,12 @@ type Config struct {
 	Policy *policy.Policy
 	// Nodes is [cluster] nodes, parsed (may be empty).
 	Nodes []Node
+	// Unresolved are the exempt names NSS could not resolve (an unknown
+	// account, or the directory unreachable): ERROR findings, left out of
+	// Policy (which only makes fewer things exempt: nothing opens). A
+	// daemon runs with the rest and resolves them again (Resolve) instead
+	// of refusing to start over one name.
+	Unresolved []Finding
 
 	Rules      PolicyConfig       `toml:"policy"`
 	Cluster    ClusterConfig      `toml:"cluster"`
@@ -281,6 +287,9 @@ func Parse(name string, data []byte, res identity.Resolver) (cfg *Config, err er
 	c.Policy = &policy.Policy{SystemPortMax: 1023}
 	c.buildPolicy(res, func(key, value string, err error) {
 		blame(strings.Split(key, ".")[0], &policy.KeyError{Key: strings.SplitN(key, ".", 2)[1], Value: value, Err: err})
+	}, func(key, value string, err error) {
+		c.Unresolved = append(c.Unresolved, Finding{Severity: Problem, Level: Problem.String(), Key: key, Line: loc.line(key, value),
+			Msg: fmt.Sprintf("%v: not exempt until it resolves (the agent retries at every group refresh, [agent] group_refresh)", err)})
 	})
 	for _, s := range c.planeSections() {
 		var err error
@@ -325,6 +334,24 @@ func Parse(name string, data []byte, res identity.Resolver) (cfg *Config, err er
 	return c, nil
 }
 
+// Resolve resolves the file's names again (Unresolved ones may resolve
+// now): the policy built from it and the names that still do not resolve.
+// The file is not read again: this is the configuration in force.
+func (c *Config) Resolve(res identity.Resolver) (*policy.Policy, []Finding, error) {
+	n, err := Parse(c.Path, c.data, res)
+	if err != nil {
+		return nil, nil, err
+	}
+	return n.Policy, n.Unresolved, nil
+}
+
+// isName: a principal to look up in NSS (not a number, not empty); a
+// lookup failure of a name is "unresolved", not invalid.
+func isName(s string) bool {
+	s = strings.TrimPrefix(s, "@")
+	return s != "" && strings.ContainsFunc(s, func(r rune) bool { return r < '0' || r > '9' })
+}
+
 // planeSections are the data planes' tables.
 func (c *Config) planeSections() []struct {
 	name string
@@ -334,8 +361,9 @@ func (c *Config) planeSections() []struct {
 }
 
 // buildPolicy validates the three policy tables into c.Policy and c.Nodes,
-// reporting each problem through bad (key is "section.key").
-func (c *Config) buildPolicy(res identity.Resolver, bad func(key, value string, err error)) {
+// reporting each problem through bad and each exempt name NSS cannot
+// resolve through unresolved (key is "section.key").
+func (c *Config) buildPolicy(res identity.Resolver, bad, unresolved func(key, value string, err error)) {
 	p := c.Policy
 	if v := c.Rules.SystemPortMax; v != nil {
 		if *v < 0 || *v > 65535 {
@@ -350,6 +378,10 @@ func (c *Config) buildPolicy(res identity.Resolver, bad func(key, value string, 
 		for _, pr := range list {
 			if g, ok := strings.CutPrefix(string(pr), "@"); ok {
 				gid, err := identity.GID(res, g)
+				if err != nil && isName(g) {
+					unresolved(key, string(pr), err)
+					continue
+				}
 				if err != nil {
 					bad(key, string(pr), err)
 					continue
@@ -363,6 +395,10 @@ func (c *Config) buildPolicy(res identity.Resolver, bad func(key, value string, 
 				continue
 			}
 			uid, err := identity.UID(res, string(pr))
+			if err != nil && isName(string(pr)) {
+				unresolved(key, string(pr), err)
+				continue
+			}
 			if err != nil {
 				bad(key, string(pr), err)
 				continue

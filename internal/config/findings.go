@@ -23,9 +23,11 @@ const (
 	// Warning: a risky but working setting; the file is applied.
 	Warning Severity = iota
 	// Problem: the file is valid, but the node will not work as the site
-	// expects (Slurm's accounts not exempt): `config check` exits 1. A
-	// running agent still applies it (it never refuses to enforce), and
-	// `palisade status` reports it.
+	// expects (Slurm's accounts not exempt, an exempt name that does not
+	// resolve, no address of the node in the cluster subnets): `config
+	// check` exits 1 and a reload is refused. An agent that starts with it
+	// still enforces (it never refuses to start over one), and `palisade
+	// status`, the metrics and the log report it.
 	Problem
 )
 
@@ -70,6 +72,13 @@ type CheckOptions struct {
 	SlurmConf string
 	// Resolver resolves Slurm's account names (nil = identity.System()).
 	Resolver identity.Resolver
+	// LocalAddrs are the node's addresses, checked against the cluster
+	// subnets (nil: not checked).
+	LocalAddrs []netip.Addr
+	// Elsewhere: the file is checked for other nodes (a configuration
+	// management host): names that do not resolve here are warnings, and
+	// neither Slurm's accounts nor this host's addresses are checked.
+	Elsewhere bool
 }
 
 // Findings lists what `config check` reports about a valid configuration
@@ -84,6 +93,16 @@ func (c *Config) Findings(o CheckOptions) []Finding {
 		out = append(out, Finding{Severity: sev, Level: sev.String(), Key: key, Line: loc.line(key, ""), Msg: fmt.Sprintf(format, args...)})
 	}
 	p := c.Policy
+	for _, f := range c.Unresolved {
+		if o.Elsewhere {
+			f.Severity, f.Level = Warning, Warning.String()
+			f.Msg += " (not resolvable on this host: check on a node)"
+		}
+		out = append(out, f)
+	}
+	if !o.Elsewhere {
+		c.addrFindings(o.LocalAddrs, add)
+	}
 
 	switch max := p.SystemPortMax; {
 	case max == 65535:
@@ -127,8 +146,65 @@ func (c *Config) Findings(o CheckOptions) []Finding {
 	if a.IdentPort == 0 && len(p.ClusterSubnets) > 0 {
 		add(Warning, "agent.ident_port", "0: `palisade explain` and `who` on other nodes cannot ask this node who owns a socket")
 	}
-	c.slurmFindings(o, add)
+	if !o.Elsewhere {
+		c.slurmFindings(o, add)
+	}
 	return out
+}
+
+// addrFindings checks the node's own addresses against the cluster: a node
+// outside every cluster subnet (a typo such as 198.81.0.0/24 for
+// 198.18.0.0/24) takes the other nodes, on its own networks, for
+// off-cluster hosts and refuses its users' cross-node traffic.
+func (c *Config) addrFindings(local []netip.Addr, add func(Severity, string, string, ...any)) {
+	p := c.Policy
+	if local == nil || len(p.ClusterSubnets) == 0 {
+		return
+	}
+	var mine []netip.Addr
+	for _, a := range local {
+		a = a.Unmap()
+		if a.IsLoopback() || a.IsLinkLocalUnicast() || a.IsMulticast() || a.IsUnspecified() {
+			continue
+		}
+		mine = append(mine, a)
+	}
+	if len(mine) == 0 {
+		return
+	}
+	var in []netip.Addr
+	for _, a := range mine {
+		if p.InCluster(a) {
+			in = append(in, a)
+		}
+	}
+	if len(in) == 0 {
+		var subnets []string
+		for _, s := range p.ClusterSubnets {
+			subnets = append(subnets, s.String())
+		}
+		add(Problem, "cluster.subnets", "none of this node's addresses (%s) is in the cluster subnets (%s): the other nodes on its networks are "+
+			"off-cluster to it, and users' cross-node traffic is refused both ways (a typo in cluster.subnets?)",
+			joinAddrs(mine), strings.Join(subnets, ", "))
+		return
+	}
+	if len(c.Nodes) == 0 {
+		return
+	}
+	for _, n := range c.Nodes {
+		if slices.Contains(in, n.Addr) {
+			return
+		}
+	}
+	add(Warning, "cluster.nodes", "this node (%s) is not in the node list: status --all and explain do not know it by name", joinAddrs(in))
+}
+
+func joinAddrs(as []netip.Addr) string {
+	s := make([]string, len(as))
+	for i, a := range as {
+		s[i] = a.String()
+	}
+	return strings.Join(s, ", ")
 }
 
 // metricsAddrProblem says what is risky about a metrics address ("" = nothing).

@@ -134,6 +134,12 @@ type agent struct {
 	exempt    groupExempts        // "@group" exemptions' members
 	notes     []string
 	pinDir    string
+	// nodeAddrs are the node's addresses (syncAddrs), checked against
+	// the cluster subnets; lastResolve is the last attempt to resolve the
+	// configuration's unresolved names.
+	nodeAddrs   []netip.Addr
+	lastResolve time.Time
+	usr1        chan os.Signal // SIGUSR1: reopen the event log
 
 	// stateMu guards state, which the metrics goroutine reads.
 	stateMu sync.Mutex
@@ -172,10 +178,17 @@ func ReadPid(path string) int {
 // ctx ends or SIGTERM/SIGINT. Leaving does not remove anything: the pinned
 // programs go on enforcing (restart adopts them; --uninstall removes them).
 func RunAgent(ctx context.Context, o AgentOptions) error {
+	// SIGUSR1 reopens the event log only (logrotate's postrotate): no
+	// reload of the policy every day. Caught from the start: its default
+	// action would end an agent still loading.
+	usr1 := make(chan os.Signal, 1)
+	signal.Notify(usr1, syscall.SIGUSR1)
+	defer signal.Stop(usr1)
 	a, err := newAgent(o)
 	if err != nil {
 		return err
 	}
+	a.usr1 = usr1
 	unlock, err := a.lockNamespace()
 	if err != nil {
 		return err
@@ -429,6 +442,7 @@ func (a *agent) loop(ctx context.Context) error {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)
+
 	addrs := newSubscription("address", subscriptionGap, func(ch chan netlink.AddrUpdate, done chan struct{}) error {
 		return netlink.AddrSubscribe(ch, done)
 	})
@@ -454,6 +468,10 @@ func (a *agent) loop(ctx context.Context) error {
 			daemon.SdNotify(false, daemon.SdNotifyReloading)
 			a.reload()
 			daemon.SdNotify(false, daemon.SdNotifyReady)
+		case <-a.usr1:
+			a.reopenEvents(a.cfg)
+			a.log.Info("event log reopened", "path", a.cfg.Agent.EventLog)
+			a.setState(func(s *AgentState) { s.LogReopens++; s.Notes = a.notes })
 		case _, ok := <-addrs.C():
 			a.nodeChanged(addrs, ok && drain(addrs.C()))
 		case _, ok := <-links.C():
@@ -466,6 +484,9 @@ func (a *agent) loop(ctx context.Context) error {
 			a.applyGroupExempts()
 		case <-tick.C:
 			a.syncNode()
+			if len(a.cfg.Unresolved) > 0 && time.Since(a.lastResolve) >= a.cfg.Agent.GroupRefreshInterval() {
+				a.resolveAgain()
+			}
 			if err := a.dp.RefreshClock(); err != nil {
 				a.log.Warn("clock offset not refreshed", "err", err)
 			}
@@ -575,7 +596,11 @@ func (a *agent) syncAddrs() error {
 		}
 	}
 	a.localAddrs.Store(&set)
-	return a.dp.SetLocalAddrs(addrs)
+	if err := a.dp.SetLocalAddrs(addrs); err != nil {
+		return err
+	}
+	a.nodeAddrs = addrs
+	return nil
 }
 
 // repairNft restores the reject table if anything of it is gone.
@@ -713,4 +738,40 @@ func (a *agent) startIdent(ctx context.Context) (stop func()) {
 		case <-time.After(2 * time.Second):
 		}
 	}
+}
+
+// resolveAgain resolves the exempt names that did not resolve (a directory
+// outage at boot, an account created later) and applies those that do now;
+// until then the node enforces without them (fewer exemptions: nothing is
+// opened) and reports them.
+func (a *agent) resolveAgain() {
+	a.lastResolve = time.Now()
+	pol, unresolved, err := a.cfg.Resolve(nil)
+	if err != nil {
+		a.log.Warn("exempt names not resolved again", "err", err)
+		return
+	}
+	if len(unresolved) == len(a.cfg.Unresolved) {
+		return
+	}
+	if err := a.dp.Fits(a.exempt.withUIDs(pol)); err != nil {
+		a.log.Error("exempt names resolved, but the policy does not fit", "err", err)
+		return
+	}
+	if err := a.dp.ApplyPolicy(a.exempt.withUIDs(pol), a.cfg.Agent.Audit); err != nil {
+		a.log.Error("exempt names resolved, but the policy was not applied", "err", err)
+		if rerr := a.dp.ApplyPolicy(a.exempt.withUIDs(a.cfg.Policy), a.cfg.Agent.Audit); rerr != nil {
+			a.log.Error("running policy not restored", "err", rerr)
+		}
+		return
+	}
+	a.cfg.Policy, a.cfg.Unresolved = pol, unresolved
+	if a.ident != nil {
+		a.ident.SetPolicy(pol)
+	}
+	a.exempt.setGroups(pol)
+	a.members.Refresh()
+	fs := a.findings(a.cfg)
+	a.log.Info("exempt names resolved and applied", "still_unresolved", len(unresolved))
+	a.setState(func(s *AgentState) { s.Findings, s.Unresolved = fs, len(unresolved) })
 }

@@ -34,6 +34,7 @@ type NodeReport struct {
 	LastReloadError string    `json:"last_reload_error,omitempty"`
 	Links           int       `json:"links"`
 	Warnings        []string  `json:"warnings,omitempty"`
+	Errors          []string  `json:"errors,omitempty"`
 }
 
 // report is the agent's answer to status queries (ident service). It runs
@@ -46,7 +47,7 @@ func (a *agent) report() (json.RawMessage, error) {
 	}
 	host, _ := os.Hostname()
 	r := NodeReport{Host: host, Mode: s.Mode, Enforcing: s.Enabled && !s.Audit, Audit: s.Audit,
-		Links: len(s.Links), Warnings: s.Warnings}
+		Links: len(s.Links), Warnings: s.Warnings, Errors: s.Errors}
 	if st := s.Agent; st != nil {
 		r.Version, r.Commit, r.ConfigSHA, r.SharedSHA = st.Version, st.Commit, st.ConfigSHA, st.SharedSHA
 		r.Generation, r.Started, r.LastReload, r.LastReloadError = st.Generation, st.Started, st.LastReload, st.LastReloadError
@@ -58,6 +59,7 @@ func (a *agent) report() (json.RawMessage, error) {
 const (
 	NodeOK         = "ok"
 	NodeWarnings   = "warnings"
+	NodeErrors     = "errors" // enforcing, with what breaks users' traffic (no key, config ERRORs)
 	NodeAudit      = "audit"
 	NodeDown       = "down"  // no answer: agent (or node) down
 	NodeDrift      = "drift" // another cluster-wide configuration
@@ -108,6 +110,8 @@ func ClusterView(ctx context.Context, nodes []config.Node, port uint16, timeout 
 				v.State = NodeAudit
 			case !r.Enforcing:
 				v.State = NodeNotEnforce
+			case len(r.Errors) > 0:
+				v.State = NodeErrors
 			case len(r.Warnings) > 0:
 				v.State = NodeWarnings
 			default:

@@ -31,11 +31,13 @@ const (
 
 // cgroupHooks are attached to the root of the cgroup v2 hierarchy, in this
 // order: the owner recorders first (so that every socket created from then
-// on has an owner), the check at delivery last.
+// on has an owner; the release hook before the one that hands out loop
+// tokens, so that every token is given back), the check at delivery last.
 var cgroupHooks = []struct {
 	link, prog string
 	attach     ebpf.AttachType
 }{
+	{"sock_release", "uw_sock_release", ebpf.AttachCgroupInetSockRelease},
 	{"sock_create", "uw_sock_create", ebpf.AttachCGroupInetSockCreate},
 	{"post_bind4", "uw_post_bind4", ebpf.AttachCGroupInet4PostBind},
 	{"post_bind6", "uw_post_bind6", ebpf.AttachCGroupInet6PostBind},

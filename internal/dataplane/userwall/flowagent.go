@@ -51,6 +51,7 @@ func (a *agent) setFlowConfig() {
 		names[n.Addr.Unmap()] = n.Name
 	}
 	a.flows.setNodes(names)
+	a.flows.resize(a.cfg.Agent.FlowHistory)
 	a.flows.audit.Store(a.cfg.Agent.Audit)
 }
 

@@ -229,6 +229,8 @@ type flowRecorder struct {
 	buckets map[int64]map[groupKey]*AuditGroup // minute → groups
 	minutes []int64                            // ascending
 	ngroups int
+	// maxGroups bounds ngroups (maxAuditGroups; tests use less).
+	maxGroups int
 
 	Recorded, Dropped, Enriched, Unresolved atomic.Uint64
 	dropLog                                 logEvery
@@ -281,9 +283,28 @@ func newFlowRecorder(history int, log *slog.Logger, node string, res *ident.Reso
 		cache:       map[lookupKey]lookupEntry{},
 		ring:        make([]Flow, 0, history),
 		buckets:     map[int64]map[groupKey]*AuditGroup{},
+		maxGroups:   maxAuditGroups,
 	}
 	r.nodes.Store(&map[netip.Addr]string{})
 	return r
+}
+
+// resize keeps the newest n flows from now on (a reload's flow_history).
+func (r *flowRecorder) resize(n int) {
+	if n <= 0 {
+		n = 1
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if n == cap(r.ring) {
+		return
+	}
+	old := len(r.ring)
+	ring := make([]Flow, 0, n)
+	for i := max(0, old-n); i < old; i++ { // oldest kept first
+		ring = append(ring, r.ring[(r.next-old+i+cap(r.ring))%cap(r.ring)])
+	}
+	r.ring, r.next = ring, len(ring)%n
 }
 
 // setNodes names the cluster's nodes by address (main loop).
@@ -528,7 +549,7 @@ func (r *flowRecorder) group(f *Flow) (groupKey, int64) {
 		}
 		b[k] = g
 		r.ngroups++
-		for r.ngroups > maxAuditGroups && len(r.minutes) > 1 {
+		for r.ngroups > r.maxGroups && len(r.minutes) > 1 {
 			old := r.minutes[0]
 			r.minutes = r.minutes[1:]
 			r.ngroups -= len(r.buckets[old])

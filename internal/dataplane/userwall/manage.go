@@ -111,12 +111,18 @@ type Status struct {
 	Audit bool `json:"audit"`
 	// Keys are the ids of the cluster keys in force (the first seals);
 	// KeyError says why the configured key file is not usable.
-	Keys     []uint8   `json:"key_ids,omitempty"`
-	KeyError string    `json:"key_error,omitempty"`
-	Warnings []string  `json:"warnings,omitempty"`
+	Keys     []uint8  `json:"key_ids,omitempty"`
+	KeyError string   `json:"key_error,omitempty"`
+	Warnings []string `json:"warnings,omitempty"`
+	// Errors are what breaks users' or Slurm's traffic while the node
+	// enforces: no usable cluster key, config check's ERRORs for the
+	// running configuration. Status exits 1 with them, as with warnings.
+	Errors   []string  `json:"errors,omitempty"`
 	Counters []Counter `json:"counters"`
 	// Kernel is the feature probe of this node's kernel.
 	Kernel *Probe `json:"kernel,omitempty"`
+	// Headline is Summary(): status's first line.
+	Headline string `json:"summary"`
 }
 
 // GetStatus inspects the pins of the caller's namespace.
@@ -251,18 +257,52 @@ func getStatus(o AgentOptions, probe bool) (*Status, error) {
 			s.Warnings = append(s.Warnings, "audit mode: refusals are reported, NOT enforced")
 		}
 		if s.KeyError != "" {
-			s.Warnings = append(s.Warnings, "no usable cluster key ("+s.KeyError+"): identity from other nodes is not trusted, cross-node user traffic is refused")
-		}
-		if !s.UnixLSM {
-			why := "BPF LSM programs could not be loaded or attached"
-			if ok, how := LSMActive(); !ok && how != "" && how[0] == '/' {
-				why = "the bpf LSM is not enabled (" + how + "); boot with lsm=...,bpf"
-			}
-			s.Warnings = append(s.Warnings, "abstract Unix sockets are NOT isolated: "+why)
+			s.Errors = append(s.Errors, "no usable cluster key ("+s.KeyError+"): identity from other nodes is not trusted, cross-node user traffic is refused")
 		}
 	}
 	s.addAgentState(cfg, cfgErr == nil)
+	// Last: on a kernel without the bpf LSM it is always there, and the
+	// summary line names the first warning.
+	if s.Mode == "userwall" && s.Source == "kernel" && !s.UnixLSM {
+		why := "BPF LSM programs could not be loaded or attached"
+		if ok, how := LSMActive(); !ok && how != "" && how[0] == '/' {
+			why = "the bpf LSM is not enabled (" + how + "); boot with lsm=...,bpf"
+		}
+		s.Warnings = append(s.Warnings, "abstract Unix sockets are NOT isolated: "+why)
+	}
+	s.Headline = s.Summary()
 	return s, nil
+}
+
+// Summary is status's first line: whether the node enforces and the worst
+// of what is wrong, so that a glance (or `head -1`) tells.
+func (s *Status) Summary() string {
+	more := func(n int) string {
+		if n <= 0 {
+			return ""
+		}
+		return fmt.Sprintf(" (+%d more below)", n)
+	}
+	var state string
+	switch {
+	case s.Mode == "none":
+		return "NOT ENFORCING: no userwall programs in force on this node"
+	case s.Mode != "userwall":
+		state = "UNKNOWN"
+	case s.Audit:
+		state = "AUDIT (nothing is refused)"
+	case !s.Enabled && s.Source == "kernel":
+		state = "NOT ENFORCING (programs disabled)"
+	default:
+		state = "enforcing"
+	}
+	switch {
+	case len(s.Errors) > 0:
+		return fmt.Sprintf("%s, ERROR: %s%s", state, s.Errors[0], more(len(s.Errors)-1+len(s.Warnings)))
+	case len(s.Warnings) > 0:
+		return fmt.Sprintf("%s, WARNING: %s%s", state, s.Warnings[0], more(len(s.Warnings)-1))
+	}
+	return state + ", no warnings"
 }
 
 func linkTypeName(t link.Type) string {

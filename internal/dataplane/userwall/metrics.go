@@ -30,6 +30,10 @@ var (
 		"1 if the node is in audit mode (decides and logs, refuses nothing).", nil, nil)
 	descFindings = prometheus.NewDesc("palisade_config_findings",
 		"Findings of config check for the running configuration, by level (WARNING, ERROR).", []string{"level"}, nil)
+	descKeyLoaded = prometheus.NewDesc("palisade_cluster_key_loaded",
+		"1 if the configured cluster key is in force; 0: the node seals with a random key and trusts no identity from other nodes (users' cross-node traffic is refused).", nil, nil)
+	descUnresolved = prometheus.NewDesc("palisade_config_unresolved_names",
+		"Exempt names of the running configuration that NSS cannot resolve (not exempt until they do; retried at every group refresh).", nil, nil)
 	descDecisions = prometheus.NewDesc("palisade_userwall_decisions_total",
 		"Connection decisions taken in the kernel, by path and rule; verdict allow, deny, or audit (refused by the rules, let through by audit mode).", []string{"path", "rule", "verdict"}, nil)
 	descLinks = prometheus.NewDesc("palisade_userwall_programs_attached",
@@ -43,7 +47,9 @@ var (
 	descSamples = prometheus.NewDesc("palisade_userwall_allowed_samples_total",
 		"Allowed verdicts reported for the flows (sampled), or only counted because the CPU's budget of flow_samples a second was spent (over_budget).", []string{"outcome"}, nil)
 	descFlows = prometheus.NewDesc("palisade_userwall_flows_total",
-		"Verdicts the agent's flow recorder kept (recorded) or could not keep up with (dropped); processes named or not (named, unnamed).", []string{"outcome"}, nil)
+		"Verdicts the agent's flow recorder kept (recorded) or could not keep up with (dropped).", []string{"outcome"}, nil)
+	descFlowProcs = prometheus.NewDesc("palisade_userwall_flow_process_lookups_total",
+		"Lookups of a flow end's process: named, or not (socket gone, lookup budget spent, node not answering).", []string{"outcome"}, nil)
 	descTop = prometheus.NewDesc("palisade_userwall_refusals_top",
 		"Refusals (verdict deny) and would-be refusals (audit) of the last hour, for the 10 largest (listener, port, connector, rule) groups only: a bounded label set.", []string{"listener", "port", "connector", "rule", "verdict"}, nil)
 	descWriteErrors = prometheus.NewDesc("palisade_agent_state_write_errors_total",
@@ -56,7 +62,7 @@ const topN = 10
 type collector struct{ a *agent }
 
 func (c collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descConfigInfo, descConfigShared, descConfigGen, descConfigReload, descConfigReloadOK, descAudit, descFindings, descBuildInfo, descDecisions, descLinks, descLSM, descEntries, descEvents, descSamples, descFlows, descTop, descWriteErrors} {
+	for _, d := range []*prometheus.Desc{descConfigInfo, descConfigShared, descConfigGen, descConfigReload, descConfigReloadOK, descAudit, descFindings, descKeyLoaded, descUnresolved, descBuildInfo, descDecisions, descLinks, descLSM, descEntries, descEvents, descSamples, descFlows, descFlowProcs, descTop, descWriteErrors} {
 		ch <- d
 	}
 }
@@ -99,6 +105,12 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 	for level, v := range n {
 		ch <- prometheus.MustNewConstMetric(descFindings, prometheus.GaugeValue, v, level)
 	}
+	key := 0.0
+	if st.KeyLoaded {
+		key = 1
+	}
+	ch <- prometheus.MustNewConstMetric(descKeyLoaded, prometheus.GaugeValue, key)
+	ch <- prometheus.MustNewConstMetric(descUnresolved, prometheus.GaugeValue, float64(st.Unresolved))
 	d := c.a.dp
 	if cs, err := d.ReadCounters(); err == nil {
 		for _, x := range cs {
@@ -135,10 +147,10 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descSamples, prometheus.CounterValue, float64(es.Unsampled), "over_budget")
 	}
 	if f := c.a.flows; f != nil {
-		for outcome, n := range map[string]uint64{"recorded": f.Recorded.Load(), "dropped": f.Dropped.Load(),
-			"named": f.Enriched.Load(), "unnamed": f.Unresolved.Load()} {
-			ch <- prometheus.MustNewConstMetric(descFlows, prometheus.CounterValue, float64(n), outcome)
-		}
+		ch <- prometheus.MustNewConstMetric(descFlows, prometheus.CounterValue, float64(f.Recorded.Load()), "recorded")
+		ch <- prometheus.MustNewConstMetric(descFlows, prometheus.CounterValue, float64(f.Dropped.Load()), "dropped")
+		ch <- prometheus.MustNewConstMetric(descFlowProcs, prometheus.CounterValue, float64(f.Enriched.Load()), "named")
+		ch <- prometheus.MustNewConstMetric(descFlowProcs, prometheus.CounterValue, float64(f.Unresolved.Load()), "unnamed")
 		for _, g := range f.topRefusals(topN) {
 			conn := g.Src
 			if g.Connector != nil {

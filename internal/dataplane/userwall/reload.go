@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -34,8 +35,10 @@ type AgentState struct {
 	// Generation counts configurations applied since the agent started
 	// (1 = the one it started with); Reloads counts SIGHUPs handled,
 	// applied or refused.
-	Generation      uint64    `json:"generation"`
-	Reloads         uint64    `json:"reloads"`
+	Generation uint64 `json:"generation"`
+	Reloads    uint64 `json:"reloads"`
+	// LogReopens counts SIGUSR1s handled: event log reopened (logrotate).
+	LogReopens      uint64    `json:"log_reopens"`
 	LastReload      time.Time `json:"last_reload"`
 	LastReloadError string    `json:"last_reload_error,omitempty"`
 	Audit           bool      `json:"audit"`
@@ -49,6 +52,12 @@ type AgentState struct {
 	Findings []config.Finding `json:"findings,omitempty"`
 	// Notes are problems of the running agent (a metrics address not bound).
 	Notes []string `json:"notes,omitempty"`
+	// KeyLoaded: the configured cluster key is in force (else the node
+	// seals with a random key and trusts no other node's identity).
+	KeyLoaded bool `json:"key_loaded"`
+	// Unresolved counts exempt names NSS could not resolve (retried at
+	// every group refresh).
+	Unresolved int `json:"unresolved_names,omitempty"`
 }
 
 // StatePath is the agent state file that belongs to a pid file.
@@ -96,8 +105,36 @@ func (a *agent) stateSnapshot() AgentState {
 	return a.state
 }
 
-func findings(cfg *config.Config) []config.Finding {
-	return cfg.Findings(config.CheckOptions{SlurmConf: config.SlurmConfPath()})
+// findings are config check's findings for cfg on this node: its
+// addresses, its Slurm, its key file, its directory.
+func (a *agent) findings(cfg *config.Config) []config.Finding {
+	fs := cfg.Findings(config.CheckOptions{SlurmConf: config.SlurmConfPath(), LocalAddrs: a.nodeAddrs})
+	if f, ok := KeyFinding(cfg); ok {
+		fs = append(fs, f)
+	}
+	return fs
+}
+
+// problems are the ERROR findings among fs.
+func problems(fs []config.Finding) []config.Finding {
+	var out []config.Finding
+	for _, f := range fs {
+		if f.Severity == config.Problem {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+// logFindings logs each finding, ERRORs at level error.
+func (a *agent) logFindings(cfg *config.Config, fs []config.Finding) {
+	for _, f := range fs {
+		if f.Severity == config.Problem {
+			a.log.Error("configuration: " + f.String(cfg.Path))
+		} else {
+			a.log.Warn("configuration: " + f.String(cfg.Path))
+		}
+	}
 }
 
 func (a *agent) initState() {
@@ -106,12 +143,10 @@ func (a *agent) initState() {
 	a.setState(func(s *AgentState) {
 		*s = AgentState{PID: os.Getpid(), Version: v.Version, Commit: v.Commit, Started: time.Now().UTC(),
 			Config: cfg.Path, ConfigSHA: cfg.SHA256, SharedSHA: cfg.SharedSHA256(), Generation: 1, Audit: cfg.Agent.Audit,
-			UnenforcedNodes: cfg.Cluster.UnenforcedNodes, UnixLSM: a.dp.LSMErr() == nil, PinDir: a.pinDir, Findings: findings(cfg),
-			Notes: a.notes}
+			UnenforcedNodes: cfg.Cluster.UnenforcedNodes, UnixLSM: a.dp.LSMErr() == nil, PinDir: a.pinDir, Findings: a.findings(cfg),
+			Notes: a.notes, KeyLoaded: a.keyErr == nil, Unresolved: len(cfg.Unresolved)}
 	})
-	for _, f := range a.stateSnapshot().Findings {
-		a.log.Warn("configuration: "+f.String(cfg.Path), "level", f.Level)
-	}
+	a.logFindings(cfg, a.stateSnapshot().Findings)
 }
 
 // needsRestart names the settings a reload cannot apply: where the
@@ -141,10 +176,8 @@ func (a *agent) reload() {
 	if err != nil {
 		a.log.Error("configuration refused; the running configuration stays", "err", err)
 	} else {
-		fs = findings(a.cfg)
-		for _, f := range fs {
-			a.log.Warn("configuration: "+f.String(a.cfg.Path), "level", f.Level)
-		}
+		fs = a.findings(a.cfg)
+		a.logFindings(a.cfg, fs)
 		a.log.Info("configuration reloaded", "path", a.cfg.Path, "sha256", a.cfg.SHA256,
 			"generation", a.stateSnapshot().Generation+1, "audit", a.cfg.Agent.Audit)
 	}
@@ -161,6 +194,7 @@ func (a *agent) reload() {
 		s.Generation++
 		s.Config, s.ConfigSHA, s.SharedSHA, s.Audit = a.cfg.Path, a.cfg.SHA256, a.cfg.SharedSHA256(), a.cfg.Agent.Audit
 		s.UnenforcedNodes, s.Findings, s.Notes = a.cfg.Cluster.UnenforcedNodes, fs, a.notes
+		s.KeyLoaded, s.Unresolved = a.keyErr == nil, len(a.cfg.Unresolved)
 	})
 }
 
@@ -173,6 +207,18 @@ func (a *agent) applyReload() error {
 	if keys := needsRestart(&a.cfg.Agent, &cfg.Agent); len(keys) > 0 {
 		a.reopenEvents(a.cfg)
 		return fmt.Errorf("%s changed: needs a restart (systemctl restart palisade-agent); nothing applied", strings.Join(keys, ", "))
+	}
+	// What config check calls an ERROR (no usable key, an exempt name that
+	// does not resolve, Slurm's accounts not exempt, this node outside the
+	// cluster subnets) would break users' or Slurm's traffic: the running
+	// configuration stays. (At start the agent enforces it anyway.)
+	if errs := problems(a.findings(cfg)); len(errs) > 0 {
+		a.reopenEvents(a.cfg)
+		msgs := make([]string, len(errs))
+		for i, f := range errs {
+			msgs[i] = f.String(cfg.Path)
+		}
+		return fmt.Errorf("config check reports %d ERROR(s), nothing applied: %s", len(errs), strings.Join(msgs, "; "))
 	}
 	// "@group" exemptions: the members known now (a group new to the
 	// policy gets its members at the tracker's next round, Refresh below).
@@ -346,6 +392,35 @@ func SignalReload(o AgentOptions) error {
 	}
 }
 
+// SignalReopen asks the running agent to reopen its event log (SIGUSR1:
+// after logrotate moved it) and waits for its acknowledgement. Nothing else
+// is reloaded.
+func SignalReopen(o AgentOptions) error {
+	cfg, err := o.LoadConfig()
+	if err != nil {
+		return err
+	}
+	pid := ReadPid(cfg.Agent.PidFile)
+	if pid == 0 {
+		return fmt.Errorf("no running agent (%s)", cfg.Agent.PidFile)
+	}
+	before, serr := ReadState(cfg.Agent.PidFile)
+	if err := syscall.Kill(pid, syscall.SIGUSR1); err != nil {
+		return err
+	}
+	if serr != nil || before.PID != pid {
+		return nil
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
+		if s, err := ReadState(cfg.Agent.PidFile); err == nil && s.LogReopens > before.LogReopens {
+			return nil
+		}
+		time.Sleep(20 * time.Millisecond) // polling the acknowledgement
+	}
+	return errors.New("the agent did not acknowledge within 30 s")
+}
+
 // removeState removes the state file of an uninstalled node.
 func removeState(pidFile string) { os.Remove(StatePath(pidFile)) }
 
@@ -403,7 +478,15 @@ func (s *Status) addAgentState(cfg *config.Config, cfgOK bool) {
 		s.Warnings = append(s.Warnings, fmt.Sprintf("%s changed since the agent applied it (running sha256 %.12s, file %.12s): reload to apply", cfg.Path, st.ConfigSHA, cfg.SHA256))
 	}
 	for _, f := range st.Findings {
-		s.Warnings = append(s.Warnings, "configuration "+strings.ToLower(f.Level)+": "+f.String(st.Config))
+		if f.Level == config.Problem.String() {
+			// The key finding says what root's status already says.
+			if f.Key == "cluster.key_file" && slices.ContainsFunc(s.Errors, func(e string) bool { return strings.HasPrefix(e, "no usable cluster key") }) {
+				continue
+			}
+			s.Errors = append(s.Errors, "configuration: "+f.String(st.Config))
+			continue
+		}
+		s.Warnings = append(s.Warnings, "configuration warning: "+f.String(st.Config))
 	}
 	s.Warnings = append(s.Warnings, st.Notes...)
 }

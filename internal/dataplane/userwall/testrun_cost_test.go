@@ -10,6 +10,8 @@ package userwall
 //
 //	PALISADE_TESTRUN_COSTS=1 go test -run TestRunCosts -v ./internal/dataplane/userwall
 //
+// PALISADE_TESTRUN_SAMPLES=N sets flow_samples (default 0 here: none).
+//
 // `palisade-lab bench` reports the same programs' cost under real traffic
 // (run-time statistics); docs/benchmarks puts both side by side.
 
@@ -20,6 +22,7 @@ import (
 	"net/netip"
 	"os"
 	"sort"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -128,6 +131,11 @@ func TestRunCosts(t *testing.T) {
 	h := &harness{d: &Dataplane{coll: coll}, testSock: coll.Maps["test_sock"]}
 	w := worlds()[0]
 	w.samples = 0 // no allowed verdict reported
+	// PALISADE_TESTRUN_SAMPLES=N: the cost with [agent] flow_samples = N
+	// (runs beyond the budget take the over-budget path).
+	if n, err := strconv.Atoi(os.Getenv("PALISADE_TESTRUN_SAMPLES")); err == nil {
+		w.samples = uint32(n)
+	}
 	w.apply(t, h)
 	ifindex := remoteIfindex()
 	// The tc programs find the IP header through the interface's L2

@@ -83,6 +83,13 @@ type uwbpfUwLoId struct {
 	T     uint64
 }
 
+type uwbpfUwLoop struct {
+	_      structs.HostLayout
+	Cookie uint64
+	Uid    uint32
+	Gid    uint32
+}
+
 type uwbpfUwLpmKey struct {
 	_         structs.HostLayout
 	Prefixlen uint32
@@ -92,8 +99,11 @@ type uwbpfUwLpmKey struct {
 type uwbpfUwMark uint32
 
 const (
-	uwbpfUwMarkUW_MARK_RST  uwbpfUwMark = 1430406656
-	uwbpfUwMarkUW_MARK_ICMP uwbpfUwMark = 1430406657
+	uwbpfUwMarkUW_MARK_RST        uwbpfUwMark = 1430406656
+	uwbpfUwMarkUW_MARK_ICMP       uwbpfUwMark = 1430406657
+	uwbpfUwMarkUW_MARK_LOOP       uwbpfUwMark = 973078528
+	uwbpfUwMarkUW_MARK_LOOP_MASK  uwbpfUwMark = 4278190080
+	uwbpfUwMarkUW_MARK_LOOP_TOKEN uwbpfUwMark = 16777215
 )
 
 type uwbpfUwMemberKey struct {
@@ -211,6 +221,7 @@ const (
 	uwbpfMapLoIds                = "lo_ids"
 	uwbpfMapLoSeq                = "lo_seq"
 	uwbpfMapLocalAddrs           = "local_addrs"
+	uwbpfMapLoopSenders          = "loop_senders"
 	uwbpfMapMembers              = "members"
 	uwbpfMapOffcPorts            = "offc_ports"
 	uwbpfMapSettings             = "settings"
@@ -232,6 +243,7 @@ const (
 	uwbpfProgUwSkbEgress         = "uw_skb_egress"
 	uwbpfProgUwSkbIngress        = "uw_skb_ingress"
 	uwbpfProgUwSockCreate        = "uw_sock_create"
+	uwbpfProgUwSockRelease       = "uw_sock_release"
 	uwbpfProgUwTcEgress          = "uw_tc_egress"
 	uwbpfProgUwTcIngress         = "uw_tc_ingress"
 	uwbpfProgUwUnixMaySend       = "uw_unix_may_send"
@@ -303,6 +315,7 @@ type uwbpfProgramSpecs struct {
 	UwSkbEgress         *ebpf.ProgramSpec `ebpf:"uw_skb_egress"`
 	UwSkbIngress        *ebpf.ProgramSpec `ebpf:"uw_skb_ingress"`
 	UwSockCreate        *ebpf.ProgramSpec `ebpf:"uw_sock_create"`
+	UwSockRelease       *ebpf.ProgramSpec `ebpf:"uw_sock_release"`
 	UwTcEgress          *ebpf.ProgramSpec `ebpf:"uw_tc_egress"`
 	UwTcIngress         *ebpf.ProgramSpec `ebpf:"uw_tc_ingress"`
 	UwUnixMaySend       *ebpf.ProgramSpec `ebpf:"uw_unix_may_send"`
@@ -326,6 +339,7 @@ type uwbpfMapSpecs struct {
 	LoIds          *ebpf.MapSpec `ebpf:"lo_ids"`
 	LoSeq          *ebpf.MapSpec `ebpf:"lo_seq"`
 	LocalAddrs     *ebpf.MapSpec `ebpf:"local_addrs"`
+	LoopSenders    *ebpf.MapSpec `ebpf:"loop_senders"`
 	Members        *ebpf.MapSpec `ebpf:"members"`
 	OffcPorts      *ebpf.MapSpec `ebpf:"offc_ports"`
 	Settings       *ebpf.MapSpec `ebpf:"settings"`
@@ -385,6 +399,7 @@ type uwbpfMaps struct {
 	LoIds          *ebpf.Map `ebpf:"lo_ids"`
 	LoSeq          *ebpf.Map `ebpf:"lo_seq"`
 	LocalAddrs     *ebpf.Map `ebpf:"local_addrs"`
+	LoopSenders    *ebpf.Map `ebpf:"loop_senders"`
 	Members        *ebpf.Map `ebpf:"members"`
 	OffcPorts      *ebpf.Map `ebpf:"offc_ports"`
 	Settings       *ebpf.Map `ebpf:"settings"`
@@ -410,6 +425,7 @@ func (m *uwbpfMaps) Close() error {
 		m.LoIds,
 		m.LoSeq,
 		m.LocalAddrs,
+		m.LoopSenders,
 		m.Members,
 		m.OffcPorts,
 		m.Settings,
@@ -454,6 +470,7 @@ type uwbpfPrograms struct {
 	UwSkbEgress         *ebpf.Program `ebpf:"uw_skb_egress"`
 	UwSkbIngress        *ebpf.Program `ebpf:"uw_skb_ingress"`
 	UwSockCreate        *ebpf.Program `ebpf:"uw_sock_create"`
+	UwSockRelease       *ebpf.Program `ebpf:"uw_sock_release"`
 	UwTcEgress          *ebpf.Program `ebpf:"uw_tc_egress"`
 	UwTcIngress         *ebpf.Program `ebpf:"uw_tc_ingress"`
 	UwUnixMaySend       *ebpf.Program `ebpf:"uw_unix_may_send"`
@@ -475,6 +492,7 @@ func (p *uwbpfPrograms) Close() error {
 		p.UwSkbEgress,
 		p.UwSkbIngress,
 		p.UwSockCreate,
+		p.UwSockRelease,
 		p.UwTcEgress,
 		p.UwTcIngress,
 		p.UwUnixMaySend,

@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"syscall"
 	"time"
 
 	"github.com/palisade-hpc/palisade/lab/check/craft"
@@ -51,6 +52,30 @@ type ActSpec struct {
 	Stamp    string `json:"stamp,omitempty"` // "", "v1"
 	StampUID uint32 `json:"stamp_uid,omitempty"`
 	StampGID uint32 `json:"stamp_gid,omitempty"`
+	// Creds, for a step run as root: the ids the process takes before it
+	// opens its socket (a root daemon acting for a user: real uid 0,
+	// effective bob; or a set-uid-root program run by bob).
+	Creds *Creds `json:"creds,omitempty"`
+}
+
+// Creds are the uids and gid a step takes with setresuid/setresgid.
+type Creds struct {
+	RUID, EUID, SUID int
+	GID              int
+}
+
+// take sets the calling process's ids (every thread: syscall's versions).
+func (c *Creds) take() error {
+	if err := syscall.Setgroups([]int{c.GID}); err != nil {
+		return at("setgroups", err)
+	}
+	if err := syscall.Setresgid(-1, c.GID, -1); err != nil {
+		return at("setresgid", err)
+	}
+	if err := syscall.Setresuid(c.RUID, c.EUID, c.SUID); err != nil {
+		return at("setresuid", err)
+	}
+	return nil
 }
 
 // ActResult is what an act reports.
@@ -110,6 +135,11 @@ func (s ActSpec) wait() time.Duration {
 func act(s ActSpec, r *ActResult) error {
 	if s.Count <= 0 {
 		s.Count = 1
+	}
+	if s.Creds != nil {
+		if err := s.Creds.take(); err != nil {
+			return err
+		}
 	}
 	if s.Raw {
 		return actRaw(s)

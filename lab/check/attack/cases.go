@@ -51,6 +51,7 @@ func Cases() []*Case {
 	add(timeWait(), fastOpen())
 	add(abstractUnix("unix-stream"), abstractUnix("unix-dgram"))
 	add(casesV2()...)
+	add(casesV3()...)
 	add(casesUDP()...)
 	return cs
 }

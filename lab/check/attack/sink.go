@@ -1,6 +1,7 @@
 package attack
 
 import (
+	"bytes"
 	"encoding/json"
 	"io"
 	"os"
@@ -56,6 +57,10 @@ type SinkLine struct {
 	Bytes int    `json:"bytes,omitempty"` // "bytes": data without a nonce
 }
 
+// echoTag starts an EchoMark echo: another sink that receives one (a
+// reflection through a co-bound port) neither counts nor reports it.
+const echoTag = "PALECHO "
+
 // Serve binds spec's socket, prints a ready line (or an error line, and
 // returns the error) and then one line per nonce received until the
 // process ends.
@@ -90,7 +95,7 @@ func serve(spec SinkSpec, enc *json.Encoder, mu *sync.Mutex) error {
 	}
 	echo := func(nc string) []byte {
 		if spec.EchoMark {
-			return []byte("PALECHO " + nc + "\n")
+			return []byte(echoTag + nc + "\n")
 		}
 		return Payload(nc)
 	}
@@ -141,7 +146,7 @@ func serve(spec SinkSpec, enc *json.Encoder, mu *sync.Mutex) error {
 				return err
 			}
 			ns := nonces(buf[:n])
-			if len(ns) == 0 && spec.Any {
+			if len(ns) == 0 && spec.Any && !bytes.Contains(buf[:n], []byte(echoTag)) {
 				emit(SinkLine{Type: "bytes", Bytes: n, From: sockString(from)})
 			}
 			for _, nc := range ns {
@@ -169,7 +174,7 @@ func serve(spec SinkSpec, enc *json.Encoder, mu *sync.Mutex) error {
 			for len(got) < 4096 {
 				n, err := readFD(cfd, b)
 				if n <= 0 || err != nil {
-					if len(got) > 0 && spec.Any {
+					if len(got) > 0 && spec.Any && !bytes.Contains(got, []byte(echoTag)) {
 						emit(SinkLine{Type: "bytes", Bytes: len(got), From: sockString(from)})
 					}
 					break

@@ -89,9 +89,10 @@ type Result struct {
 // Users' identities in the testbed (testbed.Users): the victim alice, the
 // attacker bob.
 const (
-	Victim    = "alice"
-	Attacker  = "bob"
-	victimUID = 2001
+	Victim      = "alice"
+	Attacker    = "bob"
+	victimUID   = 2001
+	attackerUID = 2002
 )
 
 func newNonce() string {

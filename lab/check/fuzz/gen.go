@@ -164,6 +164,24 @@ func NewNodeAddrs(name string, eth4, eth6, ib4, ib6, ll netip.Addr) NodeAddrs {
 	return n
 }
 
+// loopTarget is a datagram sentinel on node (nil if none); cobind: most
+// likely one whose port another socket can share (SO_REUSEADDR).
+func (g *gen) loopTarget(node string, cobind bool) *Sentinel {
+	var c []*Sentinel
+	for _, s := range g.w.Sentinels {
+		if s.Node == node && !s.stream() {
+			c = append(c, s)
+			if cobind && s.Form == "reuse" {
+				c = append(c, s, s, s, s, s, s, s, s)
+			}
+		}
+	}
+	if len(c) == 0 {
+		return nil
+	}
+	return oneOf(g, c...)
+}
+
 func (w *World) isSentinelPort(p int) bool {
 	return slices.ContainsFunc(w.Sentinels, func(s *Sentinel) bool { return s.Port == p })
 }
@@ -300,12 +318,40 @@ func (g *gen) socketSteps(s int, me NodeAddrs) []Step {
 		bind = g.bindAddr(fam, me, t)
 	}
 	var sends []Step
+	looped := false
+	if loop := g.loopTarget(me.Name, true); loop != nil && !isStream(proto) && g.chance(0.15) {
+		// The class that looped copies open: co-bind the port of one of
+		// the owner's UDP sockets on this node and send to a group or
+		// broadcast address, whose copy this node delivers to itself.
+		fam = loop.Fam
+		if loop.Dual {
+			fam = 6
+		}
+		proto = loop.Proto
+		steps[0].Fam, steps[0].Proto = fam, proto
+		bind = netip.AddrPortFrom(oneOf(g, loop.Addr, pick(fam, netip.IPv4Unspecified(), netip.IPv6Unspecified())), uint16(loop.Port)).String()
+		if loop.Form == "ll" {
+			bind = netip.AddrPortFrom(loop.Addr, uint16(loop.Port)).String()
+		}
+		t = g.loopTarget(me.Name, false)
+		for n := 0; n < 50 && (t.Proto != proto || (t.Form != "wild" && t.Form != "mcast")); n++ {
+			t = g.loopTarget(me.Name, false)
+		}
+		looped = true
+	}
 	for n := 1 + g.r.IntN(2); n > 0; n-- {
 		tt := t
 		if n == 1 && g.chance(0.3) {
 			tt = g.target()
 		}
 		sends = append(sends, g.sendSteps(s, tt, fam, proto, me)...)
+	}
+	if looped {
+		for i := range sends {
+			if sends[i].Addr != "" && g.chance(0.7) {
+				sends[i].Addr = g.groupAddr(fam, me, t.Port)
+			}
+		}
 	}
 	var opts []Step
 	need := func(p float64, opt, val string) {
@@ -316,7 +362,7 @@ func (g *gen) socketSteps(s int, me NodeAddrs) []Step {
 	if bind != "" {
 		ap := netip.MustParseAddrPort(bind)
 		if g.w.isSentinelPort(int(ap.Port())) {
-			need(0.6, "SO_REUSEADDR", "1")
+			need(map[bool]float64{false: 0.6, true: 0.85}[looped], "SO_REUSEADDR", "1")
 			need(0.3, "SO_REUSEPORT", "1")
 		}
 		if !g.w.isLocal(me.Name, ap.Addr()) {
@@ -439,6 +485,19 @@ func (g *gen) dstAddr(t *Sentinel, fam int, me NodeAddrs) string {
 	}
 	if !a.IsValid() {
 		a = pick(fam, n.Eth0V4, n.Eth0V6)
+	}
+	return netip.AddrPortFrom(a, uint16(port)).String()
+}
+
+// groupAddr is a broadcast or multicast address whose copy node me loops
+// back to itself.
+func (g *gen) groupAddr(fam int, me NodeAddrs, port int) string {
+	var a netip.Addr
+	if fam == 4 {
+		a = oneOf(g, me.Eth0Bcast4, me.IBBcast4, netip.MustParseAddr("255.255.255.255"), netip.MustParseAddr("224.0.0.1"), group4)
+	} else {
+		a = oneOf(g, netip.MustParseAddr("ff02::1").WithZone("eth0"), group6.WithZone("eth0"),
+			netip.AddrFrom16(me.Eth0Bcast4.As16()), netip.AddrFrom16(netip.MustParseAddr("224.0.0.1").As16()))
 	}
 	return netip.AddrPortFrom(a, uint16(port)).String()
 }

@@ -681,7 +681,7 @@ func (f *fuzzer) round(i int, prog *Program) {
 	leaks := f.leaks(at)
 	if len(leaks) > 0 {
 		fd := &Finding{Round: i, Program: prog, Leaks: leaks}
-		fd.Known = knownFinding(fd)
+		fd.Known = knownFinding(f.world, fd)
 		rep.Findings = append(rep.Findings, fd)
 		f.logf("fuzz: round %d: LEAK %s", i, describeLeaks(leaks))
 		if f.shouldMinimize(fd) {
@@ -921,7 +921,7 @@ func (f *fuzzer) sweep() {
 	for _, er := range late {
 		if ls := f.leaks(er); len(ls) > 0 {
 			fd := &Finding{Round: er.round, Program: er.prog, Leaks: ls}
-			fd.Known = knownFinding(fd)
+			fd.Known = knownFinding(f.world, fd)
 			f.report.Findings = append(f.report.Findings, fd)
 			seen[er.round] = true
 		}
@@ -953,8 +953,10 @@ func (f *fuzzer) attributeBytes() {
 			continue
 		}
 		if l, bad := f.judge(er, StepResult{I: -1}, receipt{b.tag, b.from}); bad {
-			f.report.Findings = append(f.report.Findings, &Finding{Round: er.round, Program: er.prog,
-				Leaks: []Leak{{Sentinel: l.Sentinel, Step: -1, From: l.From, Rule: l.Rule + fmt.Sprintf(", %d bytes without a nonce", b.n)}}})
+			fd := &Finding{Round: er.round, Program: er.prog,
+				Leaks: []Leak{{Sentinel: l.Sentinel, Step: -1, From: l.From, Rule: l.Rule + fmt.Sprintf(", %d bytes without a nonce", b.n)}}}
+			fd.Known = knownFinding(f.world, fd)
+			f.report.Findings = append(f.report.Findings, fd)
 		}
 	}
 }

@@ -204,8 +204,9 @@ func TestStatusAsUser(t *testing.T) {
 }
 
 // TestSlurmAccountsMustBeExempt: with only root (and svc) exempt — the
-// defaults a site starts from — Slurm's own account is a user to userwall
-// and `sinfo` fails; `config check` on the node says so, naming the line to
+// defaults a site starts from — a reload is refused (config check's
+// ERROR); an agent started with it makes Slurm's own account a user to
+// userwall and `sinfo` fails; `config check` on the node says so, naming the line to
 // add; with "slurm" exempt both ways Slurm works again.
 func TestSlurmAccountsMustBeExempt(t *testing.T) {
 	needTestbed(t)
@@ -233,9 +234,12 @@ func TestSlurmAccountsMustBeExempt(t *testing.T) {
 			t.Fatalf("%s: exemptions not found in the testbed configuration", name)
 		}
 		os.WriteFile(tb.ConfigPath(name), []byte(c), 0o644)
-		if out, err := reloadNode(t, name); err != nil {
-			t.Fatalf("%s: reload: %v %s", name, err, out)
+		// config check's ERROR: a reload is refused, the running
+		// configuration stays; an agent that starts with it enforces it.
+		if out, err := reloadNode(t, name); err == nil || !strings.Contains(out, `SlurmUser "slurm"`) {
+			t.Errorf("%s: reload without Slurm's account exempt: %v %s", name, err, out)
 		}
+		restartAgent(t, name)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()

@@ -159,58 +159,6 @@ func TestKeyRotation(t *testing.T) {
 	}
 }
 
-// TestNoKeyFailsClosed: an agent whose key file is missing or readable by
-// others trusts no identity from other nodes, keeps its users' local
-// traffic, and says so in status.
-func TestNoKeyFailsClosed(t *testing.T) {
-	needTestbed(t)
-	listen(t, "node1", "alice", "tcp", "::", 5311)
-	listen(t, "node2", "alice", "tcp", "::", 5312)
-	path := tb.ClusterKeyPath()
-	k, err := uw.LoadKeys(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cp := tb.ConfigPath("node2")
-	cfg, _ := os.ReadFile(cp)
-	loose := filepath.Join(tb.Dir, "palisade-loose.key")
-	body, _ := os.ReadFile(path)
-	os.WriteFile(loose, body, 0o644) // the right key, but world-readable
-	defer func() {
-		os.WriteFile(cp, cfg, 0o644)
-		waitKeys(t, "node2", ids(k[0]))
-	}()
-	for _, bad := range []string{filepath.Join(tb.Dir, "no-such.key"), loose} {
-		os.WriteFile(cp, []byte(strings.Replace(string(cfg), path, bad, 1)), 0o644)
-		// The agent's acknowledgement: its log says it has no cluster key
-		// (once per distinct reason).
-		logPath := filepath.Join(tb.LogDir(), "node2-agent.log")
-		countMsg := func() int {
-			b, _ := os.ReadFile(logPath)
-			return strings.Count(string(b), "no cluster key")
-		}
-		before := countMsg()
-		syscall.Kill(uw.ReadPid(AgentPidFile(tb, "node2")), syscall.SIGHUP)
-		deadline := time.Now().Add(10 * time.Second)
-		for countMsg() == before {
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: the agent did not report the missing key after reload", bad)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
-		s := status(t, "node2")
-		warned := slices.ContainsFunc(s.Warnings, func(w string) bool { return strings.Contains(w, "no usable cluster key") })
-		if !warned {
-			t.Errorf("%s: no warning in status: %v", bad, s.Warnings)
-		}
-		notDelivered(t, "node2", "alice", "tcp", n1addr(), 5311) // not believed on node1
-		run(t, []tcase{
-			{"node2", "alice", "tcp", "::1", 5312, "OK", nil}, // local traffic still works
-			{"node2", "bob", "tcp", "::1", 5312, eperm, nil},  // and is still isolated
-		})
-	}
-}
-
 // notDelivered: the attempt got no answer from the listener. A stamp under a
 // key the receiver does not hold is refused early when its 4-bit key id is
 // unknown there (reset / ICMP) and dropped at the socket when the id happens

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -37,14 +38,27 @@ func (TestbedMode) Down(ctx context.Context, tb *testbed.Testbed) error { return
 // namespaces but in the caller's mount namespace: `ip netns exec` would give
 // it a fresh sysfs without the host's bpffs and cgroup2 mounts, where pins
 // would be invisible to the next command (restart, uninstall).
+//
+// The agent (and its --reload, systemd's ExecReload=) runs as the shipped
+// unit runs it: its capabilities and sandboxing (UnitSandbox), so that
+// whatever the unit forbids fails here too.
 func nodeCommand(ctx context.Context, tb *testbed.Testbed, n testbed.Node, args ...string) *exec.Cmd {
 	// With a directory, the node's accounts view (its passwd, group,
 	// nsswitch.conf and SSSD) in a mount namespace of its own.
 	argv := append([]string{"--net=/run/netns/" + n.NetNS, "--uts=" + n.UTS, "--"}, tb.IdentityPrefix(n.Name)...)
+	if len(args) > 0 && args[0] == "agent" && !slices.Contains(args, "--uninstall") {
+		u, err := AgentUnit()
+		if err != nil {
+			panic("palisade-agent.service: " + err.Error()) // a unit the lab cannot run is a bug of this change
+		}
+		argv = append(argv, u.Prefix()...)
+	}
 	argv = append(append(argv, tb.Binary), args...)
 	argv = append(argv, "--config", tb.ConfigPath(n.Name))
 	cmd := exec.CommandContext(ctx, "nsenter", argv...)
-	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"}
+	// The node's /etc/slurm/slurm.conf (the agent checks Slurm's accounts
+	// in it) is the testbed's: the agent runs in the host's mount namespace.
+	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8", "SLURM_CONF=" + tb.SlurmConf()}
 	return cmd
 }
 

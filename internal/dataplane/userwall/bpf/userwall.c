@@ -75,6 +75,10 @@ char LICENSE[] SEC("license") = "GPL";
 enum uw_mark {
 	UW_MARK_RST = 0x55424600,
 	UW_MARK_ICMP = 0x55424601,
+	/* A looped copy's sender token: tag in the high byte, token below. */
+	UW_MARK_LOOP = 0x3a000000, /* bit 31 clear: lo tokens (UW_LO_TOKEN) have it */
+	UW_MARK_LOOP_MASK = 0xff000000,
+	UW_MARK_LOOP_TOKEN = 0x00ffffff,
 };
 
 #define MAX_GROUPS 128
@@ -319,6 +323,31 @@ struct {
 	__type(key, int);
 	__type(value, struct uw_peers);
 } udp_peers SEC(".maps");
+
+/* The sender of a node's own looped multicast/broadcast copies, known from
+ * the sending socket: its copies carry no stamp (the kernel clones them
+ * before tc egress) and, for IPv4, see no cgroup egress program either (the
+ * clone has no socket). So each user datagram socket gets, at creation, a
+ * token — the low 24 bits of its cookie — as its socket mark, which the
+ * kernel copies into every packet it sends, looped copies included; this map
+ * holds the token's socket and owner from creation to release (exact: no
+ * stale entry can stand for another socket). A token a live socket already
+ * holds (2^24 sockets apart) leaves the new socket without one: its looped
+ * copies are unattributed, refused at user sockets, never credited to
+ * someone else. Users cannot set a socket mark (CAP_NET_ADMIN). */
+struct uw_loop {
+	__u64 cookie;
+	__u32 uid;
+	__u32 gid;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 262144);
+	__type(key, __u32);
+	__type(value, struct uw_loop);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} loop_senders SEC(".maps");
 
 /*
  * Loopback datagrams that cannot carry a stamp (larger than an skb may grow
@@ -915,11 +944,41 @@ static __always_inline int parse(struct __sk_buff *skb, __u32 l3, struct pkt *p)
  * this namespace, with the ids of that moment (what sg/newgrp set).
  */
 
-static __always_inline void current_owner(struct uw_owner *o)
+/*
+ * task_owner: THE identity of the current task, the one place it is decided
+ * (docs/userwall.md, "Identity"). It is what the kernel acts with: the
+ * filesystem ids, which the kernel records as a new socket's owner (sk_uid,
+ * the socket inode's i_uid) and checks file access with — the effective ids
+ * unless setfsuid() moved them. Never the real uid: a root daemon acting for
+ * a user after seteuid() (slurmstepd opening a step's I/O connection, sshd's
+ * privilege-separated children) is that user.
+ *
+ * Exemption is all-or-nothing: when the fs uid is an exempt connector (root,
+ * a service) but another uid of the task (real, effective, saved) is not, the
+ * task is that user — a set-uid-root program run by bob, or a daemon half-way
+ * through dropping privileges, is bob, never root.
+ */
+static __always_inline void task_owner(struct uw_owner *o)
 {
-	__u64 ug = bpf_get_current_uid_gid();
-	o->uid = (__u32)ug;
-	o->gid = (__u32)(ug >> 32);
+	struct task_struct *t = bpf_get_current_task_btf();
+	const struct cred *cr = BPF_CORE_READ(t, cred);
+	__u32 uid = BPF_CORE_READ(cr, fsuid.val), gid = BPF_CORE_READ(cr, fsgid.val);
+	if (bpf_map_lookup_elem(&exempt_conn, &uid)) {
+		__u32 ruid = BPF_CORE_READ(cr, uid.val), euid = BPF_CORE_READ(cr, euid.val),
+		      suid = BPF_CORE_READ(cr, suid.val);
+		if (!bpf_map_lookup_elem(&exempt_conn, &ruid)) {
+			uid = ruid;
+			gid = BPF_CORE_READ(cr, gid.val);
+		} else if (!bpf_map_lookup_elem(&exempt_conn, &euid)) {
+			uid = euid;
+			gid = BPF_CORE_READ(cr, egid.val);
+		} else if (!bpf_map_lookup_elem(&exempt_conn, &suid)) {
+			uid = suid;
+			gid = BPF_CORE_READ(cr, sgid.val);
+		}
+	}
+	o->uid = uid;
+	o->gid = gid;
 	o->set = 1;
 	o->pad = 0;
 }
@@ -930,12 +989,33 @@ int uw_sock_create(struct bpf_sock *ctx)
 	if (bpf_get_netns_cookie(ctx) != netns_cookie)
 		return 1;
 	struct uw_owner init;
-	current_owner(&init);
+	task_owner(&init);
 	struct uw_owner *o = bpf_sk_storage_get(&sk_owners, ctx, &init, BPF_SK_STORAGE_GET_F_CREATE);
 	/* A user socket without an owner record would escape the check at
 	 * delivery: refuse it (fail closed) rather than let it be created. */
 	if (!o && init.uid != 0)
 		return 0;
+	if (ctx->type == SOCK_DGRAM && dgram_proto(ctx->protocol) && ctx->mark == 0) {
+		/* The looped-copy token (loop_senders). */
+		__u64 ck = bpf_get_socket_cookie(ctx);
+		__u32 tok = ck & UW_MARK_LOOP_TOKEN;
+		struct uw_loop v = {.cookie = ck, .uid = init.uid, .gid = init.gid};
+		if (!bpf_map_update_elem(&loop_senders, &tok, &v, BPF_NOEXIST))
+			ctx->mark = UW_MARK_LOOP | tok;
+	}
+	return 1;
+}
+
+/* A datagram socket's token dies with it (only its own entry is deleted). */
+SEC("cgroup/sock_release")
+int uw_sock_release(struct bpf_sock *ctx)
+{
+	if ((ctx->mark & UW_MARK_LOOP_MASK) != UW_MARK_LOOP)
+		return 1;
+	__u32 tok = ctx->mark & UW_MARK_LOOP_TOKEN;
+	struct uw_loop *e = bpf_map_lookup_elem(&loop_senders, &tok);
+	if (e && e->cookie == bpf_get_socket_cookie(ctx))
+		bpf_map_delete_elem(&loop_senders, &tok);
 	return 1;
 }
 
@@ -946,7 +1026,7 @@ static __always_inline int post_bind(struct bpf_sock *ctx)
 	if (bpf_get_netns_cookie(ctx) != netns_cookie)
 		return 1;
 	struct uw_owner init;
-	current_owner(&init);
+	task_owner(&init);
 	bpf_sk_storage_get(&sk_owners, ctx, &init, BPF_SK_STORAGE_GET_F_CREATE);
 	return 1;
 }
@@ -1025,7 +1105,9 @@ static __always_inline int bind_check(struct bpf_sock_addr *ctx, int v4)
 	__u16 port = bpf_ntohs(ctx->user_port);
 	if (port == 0 || port <= c->system_port_max)
 		return 1;
-	__u32 uid = (__u32)bpf_get_current_uid_gid();
+	struct uw_owner me;
+	task_owner(&me);
+	__u32 uid = me.uid;
 	if (bpf_map_lookup_elem(&exempt_conn, &uid))
 		return 1;
 	struct bpf_sock_tuple t = {};
@@ -1466,37 +1548,21 @@ int uw_skb_ingress(struct __sk_buff *skb)
 			skb->mark = li->mark;
 		}
 	}
-	if (st == S_NONE && !test_mode && skb->pkt_type == PACKET_LOOPBACK && p.proto == IPPROTO_UDP &&
+	if (st == S_NONE && !test_mode && skb->pkt_type == PACKET_LOOPBACK && dgram_proto(p.proto) &&
 	    lpm_has(&local_addrs, p.src)) {
 		/* A multicast/broadcast copy this node looped back to its own
 		 * sockets: it was copied before tc egress and has no stamp. Its
-		 * sender is the socket bound to its source address and port
-		 * (connected, if so, to its destination): no other user can
-		 * hold that port there (uw_bind4/6), nor send from an address
-		 * that is not the node's (uw_skb_egress). */
-		struct bpf_sock_tuple t = {};
-		struct bpf_sock *snd;
-		if (p.v4) {
-			__builtin_memcpy(&t.ipv4.saddr, &p.dst[12], 4);
-			__builtin_memcpy(&t.ipv4.daddr, &p.src[12], 4);
-			t.ipv4.sport = bpf_htons(p.dport);
-			t.ipv4.dport = bpf_htons(p.sport);
-			snd = bpf_sk_lookup_udp(skb, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
-		} else {
-			__builtin_memcpy(t.ipv6.saddr, p.dst, 16);
-			__builtin_memcpy(t.ipv6.daddr, p.src, 16);
-			t.ipv6.sport = bpf_htons(p.dport);
-			t.ipv6.dport = bpf_htons(p.sport);
-			snd = bpf_sk_lookup_udp(skb, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
-		}
-		if (snd) {
-			struct uw_owner *so = owner_of(snd);
-			if (so) {
-				p.uid = so->uid;
-				p.gid = so->gid;
+		 * sender is named by the token its socket marks it with
+		 * (loop_senders), never by a lookup on address and port, which
+		 * returns the best receiving socket: possibly another user's. */
+		if ((skb->mark & UW_MARK_LOOP_MASK) == UW_MARK_LOOP) {
+			__u32 tok = skb->mark & UW_MARK_LOOP_TOKEN;
+			struct uw_loop *snd = bpf_map_lookup_elem(&loop_senders, &tok);
+			if (snd) {
+				p.uid = snd->uid;
+				p.gid = snd->gid;
 				st = S_VALID;
 			}
-			bpf_sk_release(snd);
 		}
 	}
 	__u32 rule = decide(c, &p, st, l, sk);
@@ -1837,6 +1903,10 @@ int uw_tc_ingress(struct __sk_buff *skb)
 SEC("tc")
 int uw_tc_egress(struct __sk_buff *skb)
 {
+	/* A loop token (the socket mark, loop_senders) is for this node's own copies: the packet
+	 * leaves with the mark it had before. */
+	if ((skb->mark & UW_MARK_LOOP_MASK) == UW_MARK_LOOP)
+		skb->mark = 0;
 	int l3 = l3_offset(skb);
 	int look = needs_look(skb, l3);
 	if (!look)
@@ -2009,13 +2079,6 @@ static __always_inline int current_has_group(__u32 gid)
 	return 0;
 }
 
-static __always_inline void current_ids(__u32 *uid, __u32 *gid)
-{
-	struct task_struct *t = bpf_get_current_task_btf();
-	const struct cred *cred = BPF_CORE_READ(t, cred);
-	*uid = BPF_CORE_READ(cred, euid.val);
-	*gid = BPF_CORE_READ(cred, egid.val);
-}
 
 
 
@@ -2081,7 +2144,10 @@ static __always_inline int check_unix(struct sock *sk, struct sock *other, int s
 	if (so)
 		lgid = BPF_CORE_READ(so, file, f_cred, egid.val);
 	__u32 cuid, cgid;
-	current_ids(&cuid, &cgid);
+	struct uw_owner me;
+	task_owner(&me);
+	cuid = me.uid;
+	cgid = me.gid;
 	__u32 rule = decide_user(cuid, luid, cuid != luid && current_has_group(lgid));
 	/* The answer of a datagram server to a client that wrote to it (the
 	 * client's autobound or named socket belongs to the client, whom the
