@@ -53,6 +53,12 @@ ERROR, 0 otherwise (also with warnings, unless --strict). Nothing is applied.`,
 				return &ExitError{1, "invalid configuration:\n" + err.Error()}
 			}
 			out := cmd.OutOrStdout()
+			var fs []config.Finding
+			if !remote {
+				// Hostlist node names, looked up here as status --all
+				// would (their findings are part of Findings).
+				cfg.ResolveNodes(nil)
+			}
 			fmt.Fprint(out, cfg.Describe(identity.System()))
 			fmt.Fprintf(out, "# config sha256 %s\n", cfg.SHA256)
 			var problems, warnings int
@@ -60,7 +66,7 @@ ERROR, 0 otherwise (also with warnings, unless --strict). Nothing is applied.`,
 			if !remote {
 				opts.LocalAddrs = localAddrs()
 			}
-			fs := cfg.Findings(opts)
+			fs = append(fs, cfg.Findings(opts)...)
 			if f, ok := userwall.KeyFinding(cfg); ok && !remote {
 				fs = append(fs, f)
 			}

@@ -3,6 +3,7 @@ package cli
 import (
 	"fmt"
 	"io"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -96,7 +97,10 @@ func clusterStatus(cmd *cobra.Command, pidFile string, timeout time.Duration, as
 	if err != nil {
 		return err
 	}
-	if len(cfg.Nodes) == 0 {
+	// Hostlist names are resolved now; one that does not resolve is
+	// reported as down, with why.
+	unresolved := cfg.ResolveNodes(nil)
+	if len(cfg.Nodes) == 0 && len(unresolved) == 0 {
 		return fmt.Errorf("%s lists no [cluster] nodes: the cluster view asks each of them (or use the Prometheus queries of docs/deploy.md)", cfg.Path)
 	}
 	if cfg.Agent.IdentPort == 0 {
@@ -106,6 +110,15 @@ func clusterStatus(cmd *cobra.Command, pidFile string, timeout time.Duration, as
 	views, err := userwall.ClusterView(cmd.Context(), cfg.Nodes, uint16(cfg.Agent.IdentPort), timeout, want)
 	if err != nil {
 		return &ExitError{statusNotEnforced, "status --all: " + err.Error()}
+	}
+	for _, pn := range cfg.PendingNodes {
+		why := "not resolvable"
+		for _, f := range unresolved {
+			if strings.HasPrefix(f.Msg, "node "+pn.Name+" ") || strings.HasPrefix(f.Msg, "node "+pn.Name+":") {
+				why = f.Msg
+			}
+		}
+		views = append(views, userwall.NodeView{Name: pn.Name, State: userwall.NodeDown, Error: why})
 	}
 	code := statusOK
 	for _, v := range views {
@@ -150,8 +163,12 @@ func printCluster(out io.Writer, want string, views []userwall.NodeView) {
 	var notes []string
 	for _, v := range views {
 		r := v.Report
+		addr := "-"
+		if v.Addr.IsValid() {
+			addr = v.Addr.String()
+		}
 		if r == nil {
-			fmt.Fprintf(tw, "%s\t%s\t%s\t-\t-\t-\t-\t-\t-\t-\n", v.Name, v.Addr, v.State)
+			fmt.Fprintf(tw, "%s\t%s\t%s\t-\t-\t-\t-\t-\t-\t-\n", v.Name, addr, v.State)
 			notes = append(notes, fmt.Sprintf("%s: %s", v.Name, v.Error))
 			continue
 		}
@@ -166,7 +183,7 @@ func printCluster(out io.Writer, want string, views []userwall.NodeView) {
 				last += " REFUSED"
 			}
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%.12s\t%.12s\t%d\t%s\t%d\n", v.Name, v.Addr, v.State, mode, r.Version,
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%.12s\t%.12s\t%d\t%s\t%d\n", v.Name, addr, v.State, mode, r.Version,
 			r.ConfigSHA, r.SharedSHA, r.Generation, last, len(r.Warnings)+len(r.Errors))
 		if v.Error != "" {
 			notes = append(notes, fmt.Sprintf("%s: %s", v.Name, v.Error))

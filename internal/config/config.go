@@ -7,17 +7,21 @@
 package config
 
 import (
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"io/fs"
+	"net"
 	"net/netip"
 	"os"
 	"regexp"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"time"
 
 	"github.com/BurntSushi/toml"
 
@@ -46,8 +50,16 @@ type Config struct {
 
 	// Policy is the validated rule set built from Rules, Cluster and OffCluster.
 	Policy *policy.Policy
-	// Nodes is [cluster] nodes, parsed (may be empty).
+	// Nodes is [cluster] nodes, parsed (may be empty): those listed with
+	// their addresses, and those of hostlist entries once ResolveNodes
+	// resolved them.
 	Nodes []Node
+	// PendingNodes are the names of [cluster] nodes given as a hostlist
+	// ("node[001-500]") not yet resolved: they are looked up lazily
+	// (ResolveNodes), when a command needs their addresses.
+	PendingNodes []PendingNode
+	// nodeFindings are ResolveNodes' findings (part of Findings).
+	nodeFindings []Finding
 	// Unresolved are the exempt names NSS could not resolve (an unknown
 	// account, or the directory unreachable): ERROR findings, left out of
 	// Policy (which only makes fewer things exempt: nothing opens). A
@@ -115,6 +127,91 @@ type Node struct {
 	// the site rules' from_nodes).
 	Addr  netip.Addr
 	Addrs []netip.Addr
+}
+
+// PendingNode is a node name from a hostlist entry of [cluster] nodes.
+type PendingNode struct {
+	Name  string
+	Line  int
+	entry string // the hostlist it came from (for Line)
+}
+
+// LookupHost resolves a node name (hosts file, DNS): the default lookup of
+// ResolveNodes and of unenforced node names.
+func LookupHost(name string) ([]netip.Addr, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	as, err := net.DefaultResolver.LookupNetIP(ctx, "ip", name)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]netip.Addr, 0, len(as))
+	for _, a := range as {
+		if a = a.Unmap(); !slices.Contains(out, a) {
+			out = append(out, a)
+		}
+	}
+	// IPv4 first (a node's Addr, what tools reach it at), as resolvers'
+	// order varies.
+	slices.SortStableFunc(out, func(a, b netip.Addr) int {
+		switch {
+		case a.Is4() == b.Is4():
+			return 0
+		case a.Is4():
+			return -1
+		}
+		return 1
+	})
+	return out, nil
+}
+
+// ResolveNodes resolves the pending hostlist names (lookup nil: LookupHost,
+// in parallel) into Nodes. Each name that does not resolve, or resolves
+// outside the cluster subnets, is a finding (and stays pending); the
+// others become nodes with all their addresses.
+func (c *Config) ResolveNodes(lookup func(string) ([]netip.Addr, error)) []Finding {
+	if lookup == nil {
+		lookup = LookupHost
+	}
+	type result struct {
+		addrs []netip.Addr
+		err   error
+	}
+	res := make([]result, len(c.PendingNodes))
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 32)
+	for i, pn := range c.PendingNodes {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			res[i].addrs, res[i].err = lookup(pn.Name)
+		}()
+	}
+	wg.Wait()
+	var out []Finding
+	var still []PendingNode
+	for i, pn := range c.PendingNodes {
+		r := res[i]
+		f := Finding{Severity: Warning, Level: Warning.String(), Key: "cluster.nodes", Line: pn.Line}
+		switch {
+		case r.err != nil || len(r.addrs) == 0:
+			f.Msg = fmt.Sprintf("node %s: not resolvable (%v): status --all, explain and flows cannot reach it (fix the hosts file or DNS, or list it as name=address)", pn.Name, r.err)
+		case len(c.Policy.ClusterSubnets) > 0 && slices.ContainsFunc(r.addrs, func(a netip.Addr) bool { return !c.Policy.InCluster(a) }):
+			out := r.addrs[slices.IndexFunc(r.addrs, func(a netip.Addr) bool { return !c.Policy.InCluster(a) })]
+			f.Severity, f.Level = Problem, Problem.String()
+			f.Msg = fmt.Sprintf("node %s resolves to %s, outside cluster.subnets", pn.Name, out)
+		default:
+			c.Nodes = append(c.Nodes, Node{Name: pn.Name, Addr: r.addrs[0], Addrs: r.addrs})
+			continue
+		}
+		out = append(out, f)
+		still = append(still, pn)
+	}
+	c.PendingNodes = still
+	c.nodeFindings = out
+	return out
 }
 
 // ConfigError is one problem in a configuration file. Error() reads
@@ -288,9 +385,15 @@ func Parse(name string, data []byte, res identity.Resolver) (cfg *Config, err er
 	c.buildPolicy(res, func(key, value string, err error) {
 		blame(strings.Split(key, ".")[0], &policy.KeyError{Key: strings.SplitN(key, ".", 2)[1], Value: value, Err: err})
 	}, func(key, value string, err error) {
-		c.Unresolved = append(c.Unresolved, Finding{Severity: Problem, Level: Problem.String(), Key: key, Line: loc.line(key, value),
-			Msg: fmt.Sprintf("%v: not exempt until it resolves (the agent retries at every group refresh, [agent] group_refresh)", err)})
+		msg := fmt.Sprintf("%v: not exempt until it resolves (the agent retries at every group refresh, [agent] group_refresh)", err)
+		if key == "cluster.unenforced_nodes" {
+			msg = fmt.Sprintf("%v (the agent retries at every group refresh)", err)
+		}
+		c.Unresolved = append(c.Unresolved, Finding{Severity: Problem, Level: Problem.String(), Key: key, Line: loc.line(key, value), Msg: msg})
 	})
+	for i := range c.PendingNodes {
+		c.PendingNodes[i].Line = loc.line("cluster.nodes", c.PendingNodes[i].entry)
+	}
 	for _, s := range c.planeSections() {
 		var err error
 		switch v := s.v.(type) {
@@ -436,6 +539,28 @@ func (c *Config) buildPolicy(res identity.Resolver, bad, unresolved func(key, va
 	}
 	names, addrs := map[string]bool{}, map[netip.Addr]string{}
 	for _, s := range c.Cluster.Nodes {
+		if !strings.Contains(s, "=") {
+			// A hostlist of names ("node[001-500]"): resolved lazily.
+			hosts, err := policy.ExpandHostlist(strings.TrimSpace(s))
+			if err == nil {
+				if i := slices.IndexFunc(hosts, func(h string) bool { return !nodeName.MatchString(h) }); i >= 0 {
+					err = fmt.Errorf("bad node name %q in %q", hosts[i], s)
+				}
+			}
+			if err != nil {
+				bad("cluster.nodes", s, fmt.Errorf("%v (want name=address[,address...] or a hostlist such as node[01-16,20])", err))
+				continue
+			}
+			for _, h := range hosts {
+				if names[h] {
+					bad("cluster.nodes", s, fmt.Errorf("duplicate node name %q", h))
+					break
+				}
+				names[h] = true
+				c.PendingNodes = append(c.PendingNodes, PendingNode{Name: h, entry: s})
+			}
+			continue
+		}
 		n, err := parseNode(s)
 		switch {
 		case err != nil:
@@ -463,6 +588,10 @@ func (c *Config) buildPolicy(res identity.Resolver, bad, unresolved func(key, va
 	}
 
 	for _, s := range c.Cluster.UnenforcedNodes {
+		if _, err := netip.ParsePrefix(strings.TrimSpace(s)); err != nil && !strings.ContainsAny(s, "/:") {
+			c.unenforcedNames(s, bad, unresolved)
+			continue
+		}
 		pfx, err := parseSubnet(s)
 		if err == nil && len(p.ClusterSubnets) > 0 && !p.InCluster(pfx.Addr()) {
 			err = fmt.Errorf("%s is outside cluster.subnets", pfx)
@@ -487,6 +616,49 @@ func (c *Config) buildPolicy(res identity.Resolver, bad, unresolved func(key, va
 		p.OffClusterPorts = append(p.OffClusterPorts, r)
 	}
 }
+
+// unenforcedNames adds the addresses of the [cluster] nodes a hostlist of
+// unenforced_nodes names: listed ones from [cluster] nodes, hostlist ones
+// looked up now. A name that does not resolve is unresolved (its
+// identity-less traffic is refused, not admitted, until it does: the
+// agent retries).
+func (c *Config) unenforcedNames(s string, bad, unresolved func(key, value string, err error)) {
+	const key = "cluster.unenforced_nodes"
+	hosts, err := policy.ExpandHostlist(strings.TrimSpace(s))
+	if err != nil {
+		bad(key, s, fmt.Errorf("%v (want CIDR or a hostlist of [cluster] nodes such as node[01-16])", err))
+		return
+	}
+	p := c.Policy
+	for _, h := range hosts {
+		var addrs []netip.Addr
+		if i := slices.IndexFunc(c.Nodes, func(n Node) bool { return n.Name == h }); i >= 0 {
+			addrs = c.Nodes[i].Addrs
+		} else if slices.ContainsFunc(c.PendingNodes, func(n PendingNode) bool { return n.Name == h }) {
+			as, err := lookupNode(h)
+			if err != nil || len(as) == 0 {
+				unresolved(key, s, fmt.Errorf("node %s: not resolvable (%v): its identity-less traffic is refused, not admitted as unverified", h, err))
+				continue
+			}
+			addrs = as
+		} else {
+			bad(key, s, fmt.Errorf("node %q is not in [cluster] nodes (its addresses come from there)", h))
+			return
+		}
+		for _, a := range addrs {
+			if len(p.ClusterSubnets) > 0 && !p.InCluster(a) {
+				bad(key, s, fmt.Errorf("node %s address %s is outside cluster.subnets", h, a))
+				return
+			}
+			if pfx := netip.PrefixFrom(a, a.BitLen()); !slices.Contains(p.UnenforcedNodes, pfx) {
+				p.UnenforcedNodes = append(p.UnenforcedNodes, pfx)
+			}
+		}
+	}
+}
+
+// lookupNode resolves node names for unenforced_nodes (a variable for tests).
+var lookupNode = LookupHost
 
 func parseSubnet(s string) (netip.Prefix, error) {
 	pfx, err := netip.ParsePrefix(strings.TrimSpace(s))

@@ -151,7 +151,7 @@ func TestParseErrors(t *testing.T) {
 		{"duplicate subnet", "[cluster]\nsubnets = [\"198.18.0.0/24\", \"198.18.0.0/24\"]\n",
 			[]string{f + `:2: cluster.subnets: duplicate subnet 198.18.0.0/24`}},
 		{"bad node", "[cluster]\nnodes = [\"node1 198.18.0.1\"]\n",
-			[]string{f + `:2: cluster.nodes: bad node "node1 198.18.0.1": want name=address`}},
+			[]string{f + `:2: cluster.nodes: bad hostlist "node1 198.18.0.1"`, `want name=address[,address...] or a hostlist`}},
 		{"bad node address", "[cluster]\nnodes = [\"node1=198.18.0.300\"]\n",
 			[]string{f + `:2: cluster.nodes: bad node "node1=198.18.0.300"`}},
 		{"duplicate node", "[cluster]\nnodes = [\"node1=198.18.0.1\", \"node1=198.18.0.2\"]\n",
@@ -383,5 +383,65 @@ func TestAddressFindings(t *testing.T) {
 	}
 	if fs := c.Findings(CheckOptions{LocalAddrs: local, Elsewhere: true}); len(fs) != 0 {
 		t.Errorf("elsewhere: %+v", fs)
+	}
+}
+
+// TestHostlistNodes: [cluster] nodes takes Slurm hostlists of names,
+// resolved lazily (ResolveNodes): a name that does not resolve is a
+// warning naming it, one outside the cluster subnets an ERROR; the others
+// become nodes. unenforced_nodes takes hostlists of those nodes: listed
+// ones give their addresses, hostlist ones are looked up, and one that
+// does not resolve is unresolved (its traffic refused, retried).
+func TestHostlistNodes(t *testing.T) {
+	fake := map[string][]netip.Addr{
+		"node01": {netip.MustParseAddr("198.18.0.1"), netip.MustParseAddr("2001:2::1")},
+		"node03": {netip.MustParseAddr("10.0.0.3")},
+	}
+	lookup := func(n string) ([]netip.Addr, error) {
+		if a, ok := fake[n]; ok {
+			return a, nil
+		}
+		return nil, errors.New("no such host")
+	}
+	defer func(old func(string) ([]netip.Addr, error)) { lookupNode = old }(lookupNode)
+	lookupNode = lookup
+	const f = "c.toml"
+	data := "[cluster]\nsubnets = [\"198.18.0.0/24\", \"2001:2::/64\"]\nnodes = [\"login1=198.18.0.100\",\n  \"node[01-03]\"]\nunenforced_nodes = [\"login1\", \"node[01-02]\"]\n"
+	c, err := Parse(f, []byte(data), users)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(c.Nodes) != 1 || len(c.PendingNodes) != 3 || c.PendingNodes[1].Name != "node02" || c.PendingNodes[1].Line != 4 {
+		t.Fatalf("nodes %+v pending %+v", c.Nodes, c.PendingNodes)
+	}
+	var un []string
+	for _, p := range c.Policy.UnenforcedNodes {
+		un = append(un, p.String())
+	}
+	if !slices.Equal(un, []string{"198.18.0.100/32", "198.18.0.1/32", "2001:2::1/128"}) {
+		t.Errorf("unenforced %v", un)
+	}
+	if len(c.Unresolved) != 1 || c.Unresolved[0].Key != "cluster.unenforced_nodes" || !strings.Contains(c.Unresolved[0].Msg, "node node02: not resolvable") {
+		t.Errorf("unresolved %+v", c.Unresolved)
+	}
+	fs := c.ResolveNodes(lookup)
+	if len(c.Nodes) != 2 || c.Nodes[1].Name != "node01" || len(c.Nodes[1].Addrs) != 2 || len(c.PendingNodes) != 2 {
+		t.Errorf("after resolving: nodes %+v pending %+v", c.Nodes, c.PendingNodes)
+	}
+	if len(fs) != 2 || fs[0].Level != "WARNING" || fs[0].Line != 4 || !strings.Contains(fs[0].Msg, "node node02: not resolvable") ||
+		fs[1].Level != "ERROR" || !strings.Contains(fs[1].Msg, "node node03 resolves to 10.0.0.3, outside cluster.subnets") {
+		t.Errorf("findings %+v", fs)
+	}
+	if got := c.Findings(CheckOptions{}); !slices.ContainsFunc(got, func(x Finding) bool { return strings.Contains(x.Msg, "node03") }) {
+		t.Errorf("Findings lack ResolveNodes' findings: %+v", got)
+	}
+	for _, bad := range []struct{ data, want string }{
+		{"[cluster]\nnodes = [\"node[01-\"]\n", "c.toml:2: cluster.nodes: bad hostlist"},
+		{"[cluster]\nnodes = [\"node1=198.18.0.1\", \"node[1-2]\"]\n", `duplicate node name "node1"`},
+		{"[cluster]\nunenforced_nodes = [\"node7\"]\n", `node "node7" is not in [cluster] nodes`},
+	} {
+		if _, err := Parse(f, []byte(bad.data), users); err == nil || !strings.Contains(err.Error(), bad.want) {
+			t.Errorf("%q: %v, want %q", bad.data, err, bad.want)
+		}
 	}
 }

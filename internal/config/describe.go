@@ -57,6 +57,9 @@ func (c *Config) Describe(res identity.Resolver) string {
 		}
 		nodes = append(nodes, n.Name+"="+strings.Join(as, ","))
 	}
+	for _, n := range c.PendingNodes {
+		nodes = append(nodes, n.Name) // not resolved (yet): by name
+	}
 	for _, r := range p.OffClusterPorts {
 		ports = append(ports, r.String())
 	}

@@ -100,6 +100,7 @@ func (c *Config) Findings(o CheckOptions) []Finding {
 		}
 		out = append(out, f)
 	}
+	out = append(out, c.nodeFindings...)
 	if !o.Elsewhere {
 		c.addrFindings(o.LocalAddrs, add)
 	}

@@ -193,6 +193,10 @@ func (c *Config) buildRules(res identity.Resolver, fail func(file string, line i
 			}
 			for _, name := range hosts {
 				addrs, known := nodeAddrs[name]
+				if !known && slices.ContainsFunc(c.PendingNodes, func(p PendingNode) bool { return p.Name == name }) {
+					badf("from_nodes", h, "node %q is in [cluster] nodes by name only (a hostlist): from_nodes needs its addresses there (name=address)", name)
+					break
+				}
 				if !known {
 					badf("from_nodes", h, "node %q is not in [cluster] nodes (its addresses come from there)", name)
 					break

@@ -14,6 +14,17 @@ import (
 // socket carries its creator's effective gid, so the listeners' gids are
 // among these.
 func LocalGIDs() ([]uint32, error) {
+	return localIDs(func(c procfs.Creds) []uint32 { return c.GIDs })
+}
+
+// LocalUIDs lists every uid (real, effective, saved, filesystem) that a
+// process in the caller's network namespace runs with: the node's users,
+// whose groups a reply's reverse check needs.
+func LocalUIDs() ([]uint32, error) {
+	return localIDs(func(c procfs.Creds) []uint32 { return c.UIDs })
+}
+
+func localIDs(ids func(procfs.Creds) []uint32) ([]uint32, error) {
 	self, err := os.Readlink("/proc/self/ns/net")
 	if err != nil {
 		return nil, err
@@ -35,13 +46,13 @@ func LocalGIDs() ([]uint32, error) {
 		if err != nil {
 			continue // gone meanwhile
 		}
-		for _, g := range c.GIDs {
-			seen[g] = true
+		for _, id := range ids(c) {
+			seen[id] = true
 		}
 	}
 	out := make([]uint32, 0, len(seen))
-	for g := range seen {
-		out = append(out, g)
+	for id := range seen {
+		out = append(out, id)
 	}
 	slices.Sort(out)
 	return out, nil

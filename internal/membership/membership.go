@@ -65,6 +65,14 @@ type Config struct {
 	Files func() (*identity.Table, error)
 	// LocalGIDs lists the gids processes on this node run with.
 	LocalGIDs func() ([]uint32, error)
+	// LocalUIDs lists the uids processes on this node run with: their
+	// groups are tracked like a refused connector's, for as long as they
+	// run here (a reply's reverse check needs the local user's groups).
+	LocalUIDs func() ([]uint32, error)
+	// ApplyKnown loads the users whose groups were looked up (their last
+	// lookup succeeded): for them the data plane takes membership alone,
+	// not the gid a connection carries.
+	ApplyKnown func(uids []uint32) error
 	// ExtraGIDs are gids always tracked (groups named in exemptions).
 	ExtraGIDs func() []uint32
 	// Apply loads a complete membership into the data plane.
@@ -108,6 +116,7 @@ type Tracker struct {
 	mu     sync.Mutex
 	groups map[uint32][]uint32 // tracked gid → member uids (last answer)
 	users  map[uint32][]uint32 // refused connector uid → its gids
+	known  map[uint32]bool     // users whose last lookup succeeded
 	lastAt map[uint32]time.Time
 	names  map[string]name // member name → uid, with when it was asked
 	pairs  int
@@ -134,7 +143,7 @@ func New(cfg Config) *Tracker {
 	return &Tracker{
 		cfg: cfg, lim: rate.NewLimiter(cfg.Rate, cfg.Burst),
 		seen: make(chan uint32, 256), wake: make(chan struct{}, 1), period: make(chan time.Duration, 1),
-		groups: map[uint32][]uint32{}, users: map[uint32][]uint32{}, lastAt: map[uint32]time.Time{}, names: map[string]name{},
+		groups: map[uint32][]uint32{}, users: map[uint32][]uint32{}, known: map[uint32]bool{}, lastAt: map[uint32]time.Time{}, names: map[string]name{},
 	}
 }
 
@@ -227,6 +236,14 @@ func (t *Tracker) round(ctx context.Context, full bool, newUIDs ...uint32) {
 			want[g] = true
 		}
 	}
+	var local []uint32
+	if t.cfg.LocalUIDs != nil {
+		uids, err := t.cfg.LocalUIDs()
+		if err != nil {
+			errs = append(errs, err)
+		}
+		local = uids
+	}
 	t.mu.Lock()
 	var ask []uint32
 	for g := range want {
@@ -241,7 +258,7 @@ func (t *Tracker) round(ctx context.Context, full bool, newUIDs ...uint32) {
 			changed = true
 		}
 	}
-	users := newUIDs
+	users := slices.Clone(newUIDs)
 	if full {
 		users = slices.Collect(maps.Keys(t.users))
 		// Forget the least recently refused beyond the bound.
@@ -251,9 +268,17 @@ func (t *Tracker) round(ctx context.Context, full bool, newUIDs ...uint32) {
 			for _, u := range byAge[:over] {
 				delete(t.lastAt, u)
 				delete(t.users, u)
+				delete(t.known, u)
 			}
 			changed = true
 		}
+	}
+	now := time.Now()
+	for _, u := range local {
+		if _, tracked := t.lastAt[u]; !tracked {
+			users = append(users, u)
+		}
+		t.lastAt[u] = now // kept while a process of u runs here
 	}
 	t.mu.Unlock()
 	if len(ask) == 0 && len(users) == 0 && !full && !changed {
@@ -266,6 +291,8 @@ func (t *Tracker) round(ctx context.Context, full bool, newUIDs ...uint32) {
 		errs = append(errs, err)
 	}
 	userGIDs := map[uint32][]uint32{}
+	slices.Sort(users)
+	users = slices.Compact(users)
 	for _, u := range users {
 		if ctx.Err() != nil || t.wait(ctx, 1) != nil {
 			break
@@ -288,9 +315,16 @@ func (t *Tracker) round(ctx context.Context, full bool, newUIDs ...uint32) {
 	}
 	for _, u := range users {
 		if _, tracked := t.lastAt[u]; tracked {
-			t.users[u] = userGIDs[u]
+			gids, ok := userGIDs[u]
+			t.users[u] = gids
+			if ok {
+				t.known[u] = true
+			} else {
+				delete(t.known, u) // failed: the carried gid counts again
+			}
 		}
 	}
+	known := slices.Sorted(maps.Keys(t.known))
 	m := identity.Membership{}
 	add := func(uid, gid uint32) {
 		if !slices.Contains(m[uid], gid) {
@@ -325,6 +359,13 @@ func (t *Tracker) round(ctx context.Context, full bool, newUIDs ...uint32) {
 	}
 	if t.cfg.Apply != nil {
 		if err := t.cfg.Apply(m); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	// Known after their memberships are in: never a window where a known
+	// user's group is missing.
+	if t.cfg.ApplyKnown != nil {
+		if err := t.cfg.ApplyKnown(known); err != nil {
 			errs = append(errs, err)
 		}
 	}

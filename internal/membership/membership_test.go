@@ -235,3 +235,64 @@ func TestGetent(t *testing.T) {
 		t.Error("a failing getent is not an error")
 	}
 }
+
+// The node's own users and the connectors it has looked up are "known"
+// (their carried gid stops counting) only after a lookup succeeded, and a
+// user's removal from a group reaches the data plane at the next round.
+func TestKnownUsers(t *testing.T) {
+	d := newDir()
+	d.init[2001] = []uint32{2001, 2100}
+	var l loaded
+	var kmu sync.Mutex
+	var known []uint32
+	tr := New(Config{
+		Lookup:    d,
+		LocalGIDs: func() ([]uint32, error) { return nil, nil },
+		LocalUIDs: func() ([]uint32, error) { return []uint32{2001}, nil },
+		Apply:     l.apply,
+		ApplyKnown: func(u []uint32) error {
+			kmu.Lock()
+			defer kmu.Unlock()
+			known = slices.Clone(u)
+			return nil
+		},
+		Refresh: time.Hour, Scan: time.Hour,
+	})
+	getKnown := func() []uint32 { kmu.Lock(); defer kmu.Unlock(); return known }
+	tr.Load(context.Background())
+	// The local user's groups are in, though no local process runs with
+	// 2100 (a reply's reverse check on this node needs them).
+	if m := l.get(); !m.Has(2001, 2100) || !slices.Equal(getKnown(), []uint32{2001}) {
+		t.Fatalf("after load: membership %v, known %v", m, getKnown())
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { tr.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	wait := func(what string, ok func() bool) {
+		t.Helper()
+		deadline := time.Now().Add(5 * time.Second)
+		for !ok() {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: membership %v, known %v", what, l.get(), getKnown())
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	// A connector that claimed a group (Seen) becomes known with its groups.
+	tr.Seen(2005)
+	wait("claiming connector known", func() bool { return slices.Contains(getKnown(), 2005) && l.get().Has(2005, 2100) })
+	// Removed from 2100 in the directory: gone at the next round, and
+	// still known (so its processes' carried 2100 no longer counts).
+	d.mu.Lock()
+	d.init[2005] = []uint32{2500}
+	d.mu.Unlock()
+	tr.Refresh()
+	wait("revoked", func() bool { return !l.get().Has(2005, 2100) && slices.Contains(getKnown(), 2005) })
+	// A failed lookup makes the user unknown again (not "member of nothing").
+	d.mu.Lock()
+	delete(d.init, 2005)
+	d.mu.Unlock()
+	tr.Refresh()
+	wait("lookup failed", func() bool { return !slices.Contains(getKnown(), 2005) })
+}

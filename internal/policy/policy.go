@@ -39,10 +39,19 @@ type Identity struct {
 	GID uint32
 	// Groups are the supplementary groups (the connector's; ignored for listeners).
 	Groups []uint32
+	// GroupsKnown: Groups are every group the directory gives the user now
+	// (a remote connector whose groups the deciding node looked up). GID,
+	// carried from another node, is then only a claim: a user removed from
+	// a group is refused however long his process has run with it.
+	GroupsKnown bool
 }
 
-// HasGroup reports whether gid is the effective gid or a supplementary group.
+// HasGroup reports whether gid is the effective gid or a supplementary group
+// (only the latter when the groups are known: see GroupsKnown).
 func (id Identity) HasGroup(gid uint32) bool {
+	if id.GroupsKnown {
+		return slices.Contains(id.Groups, gid)
+	}
 	return id.GID == gid || slices.Contains(id.Groups, gid)
 }
 

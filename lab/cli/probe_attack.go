@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"time"
 
 	"github.com/palisade-hpc/palisade/lab/check/attack"
 	"github.com/palisade-hpc/palisade/lab/check/fuzz"
@@ -26,9 +27,21 @@ func probeSinkCmd() *cobra.Command {
 			if err := json.Unmarshal([]byte(spec), &s); err != nil {
 				return fmt.Errorf("bad --spec: %w", err)
 			}
-			// The starter holds our stdin: when it closes it, we are done.
-			go func() { io.Copy(io.Discard, os.Stdin); os.Exit(0) }()
-			return attack.Serve(s, cmd.OutOrStdout())
+			// The starter holds our stdin: its first line opens a gated
+			// sink's gate; when it closes stdin, we are done.
+			gate := make(chan struct{})
+			go func() {
+				rd := bufio.NewReader(os.Stdin)
+				if s.Gated {
+					if _, err := rd.ReadString('\n'); err != nil {
+						os.Exit(0)
+					}
+					close(gate)
+				}
+				io.Copy(io.Discard, rd)
+				os.Exit(0)
+			}()
+			return attack.ServeGated(s, cmd.OutOrStdout(), gate)
 		},
 	}
 	c.Flags().StringVar(&spec, "spec", "", "socket description (JSON)")
@@ -84,6 +97,7 @@ func probeSentinelCmd() *cobra.Command {
 func probeFuzzCmd() *cobra.Command {
 	var prog, prefix string
 	var peer bool
+	var wait time.Duration
 	c := &cobra.Command{
 		Use:   "fuzz --prog BASE64 --prefix HEX [--peer]",
 		Short: "Run one fuzzer program (or, with --peer, its fd-passing peer) and print what each call returned",
@@ -97,6 +111,9 @@ func probeFuzzCmd() *cobra.Command {
 			if err := json.Unmarshal(b, &p); err != nil {
 				return fmt.Errorf("bad --prog: %w", err)
 			}
+			if wait > 0 {
+				fuzz.ConnectWait = wait
+			}
 			if peer {
 				fuzz.ExecPeer(p.PeerSteps, prefix, cmd.OutOrStdout())
 				return nil
@@ -108,5 +125,6 @@ func probeFuzzCmd() *cobra.Command {
 	c.Flags().StringVar(&prog, "prog", "", "the program (JSON, base64url)")
 	c.Flags().StringVar(&prefix, "prefix", "", "nonce prefix of this run (hex)")
 	c.Flags().BoolVar(&peer, "peer", false, "be the peer that receives the program's passed sockets")
+	c.Flags().DurationVar(&wait, "wait", 0, "bound on a connect (default 700ms)")
 	return c
 }

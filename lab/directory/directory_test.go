@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -121,6 +122,77 @@ func TestDirectoryUserwall(t *testing.T) {
 			t.Errorf("bob added to proj1: took %v, bound %v", d, bound)
 		} else {
 			t.Logf("bob added to proj1: applied in %v (bound %v)", d.Round(time.Millisecond), bound)
+		}
+	})
+	t.Run("revocation-live-process", func(t *testing.T) {
+		// bob's process started under sg proj1 keeps egid 2100 after bob
+		// leaves proj1 in the directory: the gid its connections carry is a
+		// claim, checked against membership on the listener's node. alice
+		// listens on node2 under sg proj1; bob's long-lived shell on node1
+		// (sg proj1) connects once per line it reads.
+		lctx, lcancel := context.WithCancel(ctx)
+		defer lcancel()
+		l := dt.Command(lctx, "node2", "alice", "sg", "proj1", "-c",
+			"exec "+dt.LabBinary+" probe listen --ports 29502 --exit-on-stdin-eof --lifetime 10m")
+		lin, _ := l.StdinPipe()
+		lout, _ := l.StdoutPipe()
+		if err := l.Start(); err != nil {
+			t.Fatal(err)
+		}
+		defer func() { lin.Close(); lcancel(); l.Wait() }()
+		if line, err := bufio.NewReader(lout).ReadString('\n'); err != nil || !strings.Contains(line, `"gid":2100`) {
+			t.Fatalf("listener: %q %v", line, err)
+		}
+		b := dt.Command(lctx, "node1", "bob", "sg", "proj1", "-c",
+			"while read x; do "+dt.LabBinary+" probe connect tcp:198.18.0.2:29502; echo PALEND; done")
+		bin, _ := b.StdinPipe()
+		bout, _ := b.StdoutPipe()
+		if err := b.Start(); err != nil {
+			t.Fatal(err)
+		}
+		defer func() { bin.Close(); lcancel(); b.Wait() }()
+		br := bufio.NewReader(bout)
+		allowed := func() bool {
+			if _, err := io.WriteString(bin, "go\n"); err != nil {
+				t.Fatal(err)
+			}
+			ok := false
+			for {
+				line, err := br.ReadString('\n')
+				if err != nil {
+					t.Fatalf("bob's sg proj1 shell: %v", err)
+				}
+				if strings.HasPrefix(line, "PALEND") {
+					return ok
+				}
+				if strings.Contains(line, `"start"`) && !strings.Contains(line, "2100") {
+					t.Fatalf("bob's process does not run with proj1: %s", line)
+				}
+				ok = ok || strings.Contains(line, `"allowed":true`)
+			}
+		}
+		until := func(want bool) time.Duration {
+			t0 := time.Now()
+			for allowed() != want {
+				if time.Since(t0) > bound+10*time.Second {
+					t.Fatalf("bob's live sg proj1 process still allowed=%v after %v", !want, time.Since(t0))
+				}
+				time.Sleep(100 * time.Millisecond) // sampling the kernel's decision; there is nothing to wait on
+			}
+			return time.Since(t0)
+		}
+		until(true)
+		modify := func(op string) {
+			if err := dt.LDAPModify(ctx, "dn: cn=proj1,ou=groups,"+testbed.LDAPBase+"\nchangetype: modify\n"+op+": memberUid\nmemberUid: bob\n"); err != nil {
+				t.Fatal(err)
+			}
+		}
+		modify("delete")
+		defer modify("add")
+		if d := until(false); d > bound {
+			t.Errorf("bob removed from proj1: his live process was refused after %v, bound %v", d, bound)
+		} else {
+			t.Logf("bob removed from proj1: his live sg proj1 process refused cross-node after %v (bound %v)", d.Round(time.Millisecond), bound)
 		}
 	})
 	t.Run("exempt-group", func(t *testing.T) {

@@ -241,6 +241,7 @@ func newAgent(o AgentOptions) (*agent, error) {
 	if cfg.Default {
 		log.Warn("no configuration file; using the built-in default policy", "path", o.ConfigPath)
 	}
+	cfg.ResolveNodes(nil) // hostlist node names (flows); findings if not
 	probe, err := ProbeKernel()
 	if err != nil {
 		return nil, fmt.Errorf("kernel feature probe: %w", err)

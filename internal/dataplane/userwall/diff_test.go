@@ -259,6 +259,7 @@ type world struct {
 	keys    []Key // keys[0] seals; all verify
 	local   []netip.Addr
 	members identity.Membership
+	known   []uint32 // users whose groups the node looked up (a carried gid is only a claim)
 	audit   bool
 	samples uint32 // allowed verdicts reported per second and CPU
 	enabled bool
@@ -278,6 +279,9 @@ func (w *world) apply(t *testing.T, h *harness) {
 		t.Fatal(err)
 	}
 	if err := d.SetMembers(w.members); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.SetKnownUsers(w.known); err != nil {
 		t.Fatal(err)
 	}
 	if err := d.SetInterfaces(map[int]int{1: 14}); err != nil {
@@ -551,7 +555,7 @@ const unknownGID = ^uint32(0)
 // reach is policy.Decide for a trusted connector, except that an unknown
 // gid names no group.
 func (w *world) reach(cuid, cgid, luid, lgid uint32, port uint16, proto policy.Proto) policy.Verdict {
-	conn := policy.Identity{UID: cuid, GID: cgid, Groups: w.members[cuid]}
+	conn := policy.Identity{UID: cuid, GID: cgid, Groups: w.members[cuid], GroupsKnown: slices.Contains(w.known, cuid)}
 	if lgid == unknownGID {
 		conn.GID, conn.Groups = 0, nil
 		lgid = 1 // a gid the connector then cannot have (GID 0 != 1, no groups)
@@ -660,7 +664,11 @@ func (w *world) expect(c *tcase) (deliver bool, rule uwbpfUwRule, path uwbpfUwPa
 	}
 	// Allowed verdicts are reported too where sampling is on (a budget no
 	// test exhausts), except at system ports (counted before any look).
-	event = !v.Allow || rule == uwbpfUwRuleR_UNVERIFIED || (w.samples > 0 && c.dport > w.pol.SystemPortMax)
+	// A share that rests on the carried gid alone is reported every time:
+	// the agent then looks up the connector's groups.
+	claim := rule == uwbpfUwRuleR_SHARED_GROUP && cgid == lgid && !slices.Contains(w.known, cuid) &&
+		!slices.Contains(w.members[cuid], lgid)
+	event = !v.Allow || rule == uwbpfUwRuleR_UNVERIFIED || claim || (w.samples > 0 && c.dport > w.pol.SystemPortMax)
 	return v.Allow || w.audit, rule, pathFor(c.proto), st, event
 }
 
@@ -773,7 +781,7 @@ func worlds() []*world {
 		return out
 	}
 	return []*world{
-		{name: "rotation", enabled: true, samples: 1 << 30, keys: []Key{k0, k1}, local: local, members: members, offset: 1_700_000_000_000_000_000,
+		{name: "rotation", enabled: true, samples: 1 << 30, keys: []Key{k0, k1}, local: local, members: members, known: []uint32{uBob, uCarol}, offset: 1_700_000_000_000_000_000,
 			pol: &policy.Policy{SystemPortMax: 1023, ExemptConnectors: []uint32{uRoot, uSvc}, ExemptListeners: []uint32{uRoot, uDaemon},
 				ClusterSubnets:  pfx("198.18.0.0/24", "2001:2:0:1::/64"),
 				OffClusterPorts: []policy.PortRange{{First: 8443, Last: 8443}, {First: 9000, Last: 9100}},
@@ -781,7 +789,7 @@ func worlds() []*world {
 		{name: "one-key", enabled: true, keys: []Key{k1}, local: local, members: members, offset: 1_700_000_123_456_789_012,
 			pol: &policy.Policy{SystemPortMax: 5000, ExemptConnectors: []uint32{uRoot}, ExemptListeners: []uint32{uRoot},
 				ClusterSubnets: pfx("198.18.0.0/16", "2001:2::/48"), OffClusterPorts: []policy.PortRange{{First: 5001, Last: 5003}}}},
-		{name: "audit", enabled: true, audit: true, keys: []Key{k0}, local: local, members: members, offset: 1_650_000_000_000_000_000,
+		{name: "audit", enabled: true, audit: true, keys: []Key{k0}, local: local, members: members, known: []uint32{uBob}, offset: 1_650_000_000_000_000_000,
 			pol: &policy.Policy{SystemPortMax: 1023, ExemptConnectors: []uint32{uSvc}, ExemptListeners: []uint32{uDaemon},
 				ClusterSubnets:  pfx("198.18.0.0/24", "2001:2:0:1::/64"),
 				UnenforcedNodes: pfx("198.18.7.0/24")}},

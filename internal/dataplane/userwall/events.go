@@ -269,7 +269,7 @@ func (s *eventSink) handle(raw []byte) {
 		s.Malformed.Add(1)
 		return
 	}
-	if s.seen != nil && r.HasConnector != 0 && !ruleAllows(r.Rule) {
+	if s.seen != nil && r.HasConnector != 0 && (!ruleAllows(r.Rule) || r.Claim != 0) {
 		s.seen(r.Cuid)
 	}
 	e := s.decodeRecord(&r)

@@ -226,6 +226,16 @@ func (d *Dataplane) SetLocalAddrs(addrs []netip.Addr) error {
 	return syncSized(d, "local_addrs", want)
 }
 
+// SetKnownUsers makes the known-users set exactly uids: the users whose every
+// group is in the members map, for whom a carried gid is no longer trusted.
+func (d *Dataplane) SetKnownUsers(uids []uint32) error {
+	want := map[uint32]bool{}
+	for _, u := range uids {
+		want[u] = true
+	}
+	return syncSet(d.Map("known_users"), want)
+}
+
 // SetMembers loads NSS group membership (uid in gid) for the cross-node
 // group rule: the SYN carries only the connector's uid and effective gid.
 func (d *Dataplane) SetMembers(m identity.Membership) error {

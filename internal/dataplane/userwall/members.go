@@ -20,10 +20,12 @@ import (
 func (a *agent) newMembers() *membership.Tracker {
 	c := &a.cfg.Agent
 	return membership.New(membership.Config{
-		Lookup:    &membership.Getent{},
-		Files:     func() (*identity.Table, error) { return identity.ReadFiles("/etc/passwd", "/etc/group") },
-		LocalGIDs: membership.LocalGIDs,
-		ExtraGIDs: a.exempt.groups,
+		Lookup:     &membership.Getent{},
+		Files:      func() (*identity.Table, error) { return identity.ReadFiles("/etc/passwd", "/etc/group") },
+		LocalGIDs:  membership.LocalGIDs,
+		LocalUIDs:  membership.LocalUIDs,
+		ApplyKnown: a.dp.SetKnownUsers,
+		ExtraGIDs:  a.exempt.groups,
 		Apply: func(m identity.Membership) error {
 			err := a.dp.SetMembers(m)
 			a.exempt.note(m)

@@ -204,6 +204,7 @@ func (a *agent) applyReload() error {
 		a.reopenEvents(a.cfg)
 		return err
 	}
+	cfg.ResolveNodes(nil) // hostlist node names; findings if not
 	if keys := needsRestart(&a.cfg.Agent, &cfg.Agent); len(keys) > 0 {
 		a.reopenEvents(a.cfg)
 		return fmt.Errorf("%s changed: needs a restart (systemctl restart palisade-agent); nothing applied", strings.Join(keys, ", "))

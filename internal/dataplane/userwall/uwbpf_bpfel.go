@@ -57,7 +57,9 @@ type uwbpfUwEvent struct {
 	Audit        uint8
 	Stamp        uint8
 	Polite       uint8
+	Claim        uint8
 	Comm         [16]int8
+	_            [7]byte
 }
 
 type uwbpfUwKey struct {
@@ -218,6 +220,7 @@ const (
 	uwbpfMapFlowBudget           = "flow_budget"
 	uwbpfMapIfaces               = "ifaces"
 	uwbpfMapKeys                 = "keys"
+	uwbpfMapKnownUsers           = "known_users"
 	uwbpfMapLoIds                = "lo_ids"
 	uwbpfMapLoSeq                = "lo_seq"
 	uwbpfMapLocalAddrs           = "local_addrs"
@@ -336,6 +339,7 @@ type uwbpfMapSpecs struct {
 	FlowBudget     *ebpf.MapSpec `ebpf:"flow_budget"`
 	Ifaces         *ebpf.MapSpec `ebpf:"ifaces"`
 	Keys           *ebpf.MapSpec `ebpf:"keys"`
+	KnownUsers     *ebpf.MapSpec `ebpf:"known_users"`
 	LoIds          *ebpf.MapSpec `ebpf:"lo_ids"`
 	LoSeq          *ebpf.MapSpec `ebpf:"lo_seq"`
 	LocalAddrs     *ebpf.MapSpec `ebpf:"local_addrs"`
@@ -396,6 +400,7 @@ type uwbpfMaps struct {
 	FlowBudget     *ebpf.Map `ebpf:"flow_budget"`
 	Ifaces         *ebpf.Map `ebpf:"ifaces"`
 	Keys           *ebpf.Map `ebpf:"keys"`
+	KnownUsers     *ebpf.Map `ebpf:"known_users"`
 	LoIds          *ebpf.Map `ebpf:"lo_ids"`
 	LoSeq          *ebpf.Map `ebpf:"lo_seq"`
 	LocalAddrs     *ebpf.Map `ebpf:"local_addrs"`
@@ -422,6 +427,7 @@ func (m *uwbpfMaps) Close() error {
 		m.FlowBudget,
 		m.Ifaces,
 		m.Keys,
+		m.KnownUsers,
 		m.LoIds,
 		m.LoSeq,
 		m.LocalAddrs,

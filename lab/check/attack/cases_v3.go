@@ -3,6 +3,8 @@ package attack
 import (
 	"fmt"
 	"net/netip"
+
+	uwlab "github.com/palisade-hpc/palisade/lab/modes/userwall"
 )
 
 // Cases of round 3 (issue 20): identity is what the kernel acts with.
@@ -15,6 +17,7 @@ func casesV3() []*Case {
 	}
 	cs = append(cs, deputy("setuid-root", "tcp", false), deputy("saved-uid", "udp", false))
 	cs = append(cs, loopSpecific("bcast"), loopSpecific("allhosts"), loopSpecific("allnodes"))
+	cs = append(cs, predatesAgent(true, 4), predatesAgent(false, 4), predatesAgent(false, 6))
 	return cs
 }
 
@@ -91,6 +94,36 @@ func loopSpecific(kind string) *Case {
 			att.Bind, att.ReuseAddr = ap(wild(fam), q), true
 			r.Attack(e, s, e.A.Name, Attacker, "udp from *:"+itoa(q)+" (co-bound) → "+group, ActSpec{Sock: att, Dst: group, Count: 3})
 			r.Control(e, s, e.A.Name, Victim, "udp → "+group, ActSpec{Sock: send, Dst: group, Count: 3})
+			return nil
+		}}
+}
+
+// predatesAgent: a datagram socket created while no agent ran and bound
+// later by sendto (autobind fires no bind hook; the iterator sees only
+// bound sockets) had no owner record, and a socket without one was open to
+// everyone.
+func predatesAgent(local bool, fam int) *Case {
+	return &Case{Name: fmt.Sprintf("udp-socket-predates-agent-%s-v%d", where(local), fam), Class: "missing-state",
+		Why: "alice's UDP socket was created while A had no agent (first deployment, an uninstall, an upgrade that changed the owner map's layout) and bound by its first sendto after the agent started: it has no owner record",
+		Run: func(e *Env, r *Run) error {
+			r.Defer(func() { e.restoreAgent(e.A) })
+			if err := uwlab.StopAgent(e.Ctx, e.TB, e.A); err != nil {
+				return err
+			}
+			spec := SinkSpec{Sock: sock("udp", fam), SendFirst: []string{ap(eth(e.B, fam), e.Port+5)}}
+			s, err := e.SinkGated(r, e.A.Name, Victim, spec, func() error { return uwlab.StartAgent(e.Ctx, e.TB, e.A) })
+			if err != nil {
+				return err
+			}
+			bound, err := netip.ParseAddrPort(s.Addr)
+			if err != nil {
+				return fmt.Errorf("sink address %q: %v", s.Addr, err)
+			}
+			node, dst := e.path(local, fam)
+			to := ap(dst, int(bound.Port()))
+			act := ActSpec{Sock: sock("udp", fam), Dst: to, Count: 3}
+			r.Attack(e, s, node, Attacker, "udp → "+to+" (a socket older than the agent)", act)
+			r.Control(e, s, node, Victim, "udp → "+to, act)
 			return nil
 		}}
 }

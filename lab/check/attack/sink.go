@@ -39,6 +39,10 @@ type SinkSpec struct {
 	// Any reports data without a nonce too ("bytes" lines): no byte
 	// reaches the socket unseen.
 	Any bool `json:"any,omitempty"`
+	// Gated: once the socket exists (before SendFirst), print a "created"
+	// line and wait for a line on stdin (the starter changes the node
+	// meanwhile: e.g. starts the agent, so the socket predates it).
+	Gated bool `json:"gated,omitempty"`
 }
 
 // SinkLine is one line of sink output: "ready" once bound (with the bound
@@ -66,7 +70,14 @@ const echoTag = "PALECHO "
 // process ends.
 func Serve(spec SinkSpec, out io.Writer) error {
 	var mu sync.Mutex
-	return serve(spec, json.NewEncoder(out), &mu)
+	return serve(spec, json.NewEncoder(out), &mu, nil)
+}
+
+// ServeGated is Serve for a Gated spec: gate is closed when the starter
+// says go on.
+func ServeGated(spec SinkSpec, out io.Writer, gate <-chan struct{}) error {
+	var mu sync.Mutex
+	return serve(spec, json.NewEncoder(out), &mu, gate)
 }
 
 // ServeAll serves every spec in one process (a line per socket's ready or
@@ -77,7 +88,7 @@ func ServeAll(specs []SinkSpec, out io.Writer) error {
 	enc := json.NewEncoder(out)
 	errs := make(chan error, len(specs))
 	for _, s := range specs {
-		go func() { errs <- serve(s, enc, &mu) }()
+		go func() { errs <- serve(s, enc, &mu, nil) }()
 	}
 	var last error
 	for range specs {
@@ -86,7 +97,7 @@ func ServeAll(specs []SinkSpec, out io.Writer) error {
 	return last
 }
 
-func serve(spec SinkSpec, enc *json.Encoder, mu *sync.Mutex) error {
+func serve(spec SinkSpec, enc *json.Encoder, mu *sync.Mutex, gate <-chan struct{}) error {
 	emit := func(l SinkLine) {
 		l.Tag = spec.Tag
 		mu.Lock()
@@ -103,6 +114,10 @@ func serve(spec SinkSpec, enc *json.Encoder, mu *sync.Mutex) error {
 	if err != nil {
 		emit(SinkLine{Type: "error", Error: err.Error(), Errno: Errno(err)})
 		return err
+	}
+	if spec.Gated && gate != nil {
+		emit(SinkLine{Type: "created", PID: os.Getpid()})
+		<-gate
 	}
 	if spec.stream() {
 		if err := unix.Listen(fd, 128); err != nil {

@@ -110,6 +110,13 @@ func asUser(u string) string {
 
 // Sink starts a victim socket as user on node and waits until it is bound.
 func (e *Env) Sink(r *Run, node, user string, spec SinkSpec) (*Sink, error) {
+	return e.SinkGated(r, node, user, spec, nil)
+}
+
+// SinkGated is Sink for a Gated spec: between runs once the socket exists
+// and before it is bound or sends (nil: not gated).
+func (e *Env) SinkGated(r *Run, node, user string, spec SinkSpec, between func() error) (*Sink, error) {
+	spec.Gated = between != nil
 	b, _ := json.Marshal(spec)
 	cmd := e.TB.Command(e.Ctx, node, asUser(user), e.TB.LabBinary, "probe", "sink", "--spec", string(b))
 	stdin, err := cmd.StdinPipe()
@@ -129,12 +136,17 @@ func (e *Env) Sink(r *Run, node, user string, spec SinkSpec) (*Sink, error) {
 	s := &Sink{Node: node, User: user, Spec: spec, cmd: cmd, stdin: stdin, got: map[string]string{}, cond: make(chan struct{})}
 	r.sinks = append(r.sinks, s)
 	ready := make(chan SinkLine, 1)
+	created := make(chan struct{}, 1)
 	go func() {
 		sc := bufio.NewScanner(out)
 		first := true
 		for sc.Scan() {
 			var l SinkLine
 			if json.Unmarshal(sc.Bytes(), &l) != nil {
+				continue
+			}
+			if l.Type == "created" {
+				created <- struct{}{}
 				continue
 			}
 			if first {
@@ -156,6 +168,21 @@ func (e *Env) Sink(r *Run, node, user string, spec SinkSpec) (*Sink, error) {
 			ready <- SinkLine{Type: "error", Error: "exited: " + strings.TrimSpace(stderr.String())}
 		}
 	}()
+	if between != nil {
+		select {
+		case <-created:
+		case l := <-ready:
+			return s, &SinkError{Errno: l.Errno, Msg: fmt.Sprintf("sink %s@%s %s: %s", user, node, spec.Proto, l.Error)}
+		case <-time.After(15 * time.Second):
+			return s, fmt.Errorf("sink %s@%s: socket not created after 15 s", user, node)
+		}
+		if err := between(); err != nil {
+			return s, err
+		}
+		if _, err := io.WriteString(stdin, "go\n"); err != nil {
+			return s, err
+		}
+	}
 	select {
 	case l := <-ready:
 		if l.Type != "ready" {

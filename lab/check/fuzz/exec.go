@@ -51,9 +51,10 @@ func Nonce(prefix string, i int, peer bool) string {
 	return fmt.Sprintf("%s%04x", prefix, i)
 }
 
-// connectWait bounds a non-blocking connect (and a Fast Open send) so that
-// a silently dropped SYN costs a program little.
-const connectWait = 700 * time.Millisecond
+// ConnectWait bounds a non-blocking connect (and a Fast Open send) so that
+// a silently dropped SYN costs a program little (`probe fuzz --wait`; the
+// runner gives more under emulation).
+var ConnectWait = 700 * time.Millisecond
 
 // peerName is the abstract Unix socket the peer of run prefix listens on.
 func peerName(prefix string) string { return "@palfuzz-" + prefix }
@@ -393,7 +394,7 @@ func connect(fd int, sa unix.Sockaddr) error {
 }
 
 func waitConnected(fd int) error {
-	deadline := time.Now().Add(connectWait)
+	deadline := time.Now().Add(ConnectWait)
 	for {
 		left := time.Until(deadline)
 		if left <= 0 {

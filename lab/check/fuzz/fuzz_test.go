@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/palisade-hpc/palisade/lab/check"
 	uwlab "github.com/palisade-hpc/palisade/lab/modes/userwall"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
@@ -148,5 +149,49 @@ func TestFuzzCatchesAuditNode(t *testing.T) {
 	}
 	if !rep.Failed() || !strings.Contains(out.String(), fmt.Sprintf("seed %d", rep.Seed)) {
 		t.Errorf("a run with a finding must fail and print its seed")
+	}
+}
+
+// TestFuzzSeesSharedGroup: the data plane lets bob, a proj1 member, reach
+// alice's sockets under sg proj1 (rule shared-group). Judged by an
+// expectation without that rule, the same fuzzer must report his deliveries
+// there — and only there: the judge tells the rules apart, and the
+// attackers' programs really reach what the rule opens.
+func TestFuzzSeesSharedGroup(t *testing.T) {
+	needTestbed(t)
+	base, err := check.Expect("userwall")
+	if err != nil {
+		t.Fatal(err)
+	}
+	noShared := func(c *check.Case) check.Verdict {
+		d := *c
+		d.Connector.Groups = nil
+		d.Connector.GID = d.Connector.UID // private group = uid in the testbed
+		return base(&d)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	rep, err := Run(ctx, tb, Options{Duration: 90 * time.Second, Seed: fuzzSeed, Mode: "userwall", Log: t.Logf,
+		Expect: noShared, Minimize: -1, StopAfter: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	rep.Write(&out)
+	t.Logf("\n%s", out.String())
+	var shared int
+	for _, fd := range rep.Findings {
+		if fd.Known != "" {
+			continue
+		}
+		for _, l := range fd.Leaks {
+			if fd.Program.User != "bob" || !strings.Contains(l.Sentinel, "/alice+proj1/") {
+				t.Errorf("round %d: %s's leak into %s: only bob's into proj1 sentinels are expected", fd.Round, fd.Program.User, l.Sentinel)
+			}
+			shared++
+		}
+	}
+	if shared == 0 {
+		t.Errorf("judged without shared-group, no delivery of bob into proj1 sentinels in %d programs", rep.Rounds)
 	}
 }

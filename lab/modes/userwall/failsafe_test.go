@@ -2,6 +2,7 @@ package userwall
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -423,5 +424,48 @@ func TestSlurmdGate(t *testing.T) {
 	}
 	if code, out := gate(); code != 0 {
 		t.Errorf("enforcing again: exit %d %q", code, out)
+	}
+}
+
+// TestStatusAllHostlist: [cluster] nodes as a Slurm hostlist of names
+// ("node[1-2]"), resolved when status --all runs (the node's hosts file):
+// each node is asked at its address; a name that does not resolve is
+// "down" with the reason, not a failure of the whole view.
+func TestStatusAllHostlist(t *testing.T) {
+	needTestbed(t)
+	p := tb.ConfigPath("node1")
+	orig, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.WriteFile(p, orig, 0o644)
+	c := regexp.MustCompile(`(?m)^nodes = .*$`).ReplaceAllString(string(orig), `nodes = ["node[1-2]", "palnode9"]`)
+	if c == string(orig) {
+		t.Fatal("no nodes line in node1's configuration")
+	}
+	os.WriteFile(p, []byte(c), 0o644)
+	cmd := tb.Command(context.Background(), "node1", "", tb.Binary, "status", "--all", "--json", "--timeout", "1s", "--config", p)
+	out, _ := cmd.Output()
+	var view struct {
+		Nodes []uw.NodeView `json:"nodes"`
+	}
+	if err := json.Unmarshal(out, &view); err != nil {
+		t.Fatalf("status --all: %v\n%s", err, out)
+	}
+	got := map[string]uw.NodeView{}
+	for _, v := range view.Nodes {
+		got[v.Name] = v
+	}
+	for i, name := range []string{"node1", "node2"} {
+		v := got[name]
+		if v.Addr != tb.Nodes[i].Eth0V4 || v.Report == nil || v.Report.Mode != "userwall" {
+			t.Errorf("%s: %+v", name, v)
+		}
+	}
+	if v := got["palnode9"]; v.State != uw.NodeDown || !strings.Contains(v.Error, "node palnode9: not resolvable") {
+		t.Errorf("palnode9: %+v", v)
+	}
+	if cmd.ProcessState.ExitCode() != 2 {
+		t.Errorf("exit %d, want 2 (a node down)", cmd.ProcessState.ExitCode())
 	}
 }

@@ -219,6 +219,8 @@ struct uw_event {
 	__u8 audit;         /* 1: refused in audit mode (let through) */
 	__u8 stamp;         /* enum uw_stamp */
 	__u8 polite;        /* 1: tc ingress (refused before the stack) */
+	__u8 claim;         /* 1: allowed on the connector's carried gid alone, its
+			     * groups not yet known here: the agent looks them up */
 	char comm[16];
 };
 
@@ -308,6 +310,15 @@ struct {
 	__type(value, __u8);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 } members SEC(".maps");
+
+/* Users whose every group is in members (see known_user). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, __u32);
+	__type(value, __u8);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} known_users SEC(".maps");
 
 /* Owner (creator's uid/gid) of each inet socket of this namespace. */
 struct {
@@ -616,10 +627,23 @@ static __always_inline __u32 decide_user(__u32 cuid, __u32 luid, int group_ok)
 	return R_DENIED;
 }
 
-/* Remote group test: the carried effective gid, or NSS membership. */
+/* Is every group of uid (its initgroups) in members? The agent keeps it so
+ * for the node's own users and for connectors it has seen. */
+static __always_inline int known_user(__u32 uid)
+{
+	return bpf_map_lookup_elem(&known_users, &uid) != 0;
+}
+
+/* Remote group test: membership as this node knows it now. The connector's
+ * carried effective gid is a claim: it counts only while this node does not
+ * know the connector's groups (the first connections of a user whose primary
+ * group is the listener's, which no member list names); once known, a user
+ * removed from the group is refused however old his process (revocation
+ * within group_refresh plus the directory cache). */
 static __always_inline __u32 decide_ids(__u32 cuid, __u32 cgid, __u32 luid, __u32 lgid)
 {
-	int group_ok = cuid != luid && lgid != (__u32)-1 && (cgid == lgid || member(cuid, lgid));
+	int group_ok = cuid != luid && lgid != (__u32)-1 &&
+		       (member(cuid, lgid) || (cgid == lgid && !known_user(cuid)));
 	return decide_user(cuid, luid, group_ok);
 }
 
@@ -1193,6 +1217,16 @@ static __always_inline void note_peer(struct bpf_sock_addr *ctx, const __u8 *add
 		return;
 	if (bpf_get_netns_cookie(ctx) != netns_cookie || !uw_cfg())
 		return;
+	/* A datagram socket created before the agent ran and bound only now,
+	 * by this connect or send (autobind fires no bind hook, and the
+	 * iterator sees only bound sockets), has no owner record: it gets the
+	 * identity of the task that binds it, so that no socket of this
+	 * namespace can receive without one. */
+	if (!owner_of(ctx->sk)) {
+		struct uw_owner init;
+		task_owner(&init);
+		bpf_sk_storage_get(&sk_owners, ctx->sk, &init, BPF_SK_STORAGE_GET_F_CREATE);
+	}
 	struct uw_peers *ps = bpf_sk_storage_get(&udp_peers, ctx->sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 	if (!ps)
 		return;
@@ -1404,7 +1438,7 @@ static __always_inline int sample_allowed(const struct uw_config *c)
 }
 
 static __always_inline void report(struct pkt *p, __u32 rule, __u32 path, __u8 st, struct uw_owner *l,
-				   __u8 audit, __u8 polite)
+				   __u8 audit, __u8 polite, __u8 claim)
 {
 	struct uw_event e = {};
 	e.cuid = p->uid;
@@ -1423,6 +1457,7 @@ static __always_inline void report(struct pkt *p, __u32 rule, __u32 path, __u8 s
 	e.audit = audit;
 	e.stamp = st;
 	e.polite = polite;
+	e.claim = claim;
 	emit(&e);
 }
 
@@ -1524,7 +1559,7 @@ int uw_skb_ingress(struct __sk_buff *skb)
 		if (bpf_map_lookup_elem(&exempt_lis, &l->uid))
 			return 1;
 		tally(c, path_of(skb, p.proto), R_UNCLASSIFIED);
-		report(&p, R_UNCLASSIFIED, path_of(skb, p.proto), S_NONE, l, c->audit, 0);
+		report(&p, R_UNCLASSIFIED, path_of(skb, p.proto), S_NONE, l, c->audit, 0, 0);
 		return c->audit ? 1 : 0;
 	}
 
@@ -1571,8 +1606,11 @@ int uw_skb_ingress(struct __sk_buff *skb)
 	/* Refusals and unverified admissions are always reported; other
 	 * allowed verdicts within this CPU's budget (the flows). */
 	int ok = allows(rule);
-	if (!ok || rule == R_UNVERIFIED || sample_allowed(c))
-		report(&p, rule, path, st, l, ok ? 0 : c->audit, 0);
+	/* Shared on the carried gid alone: reported every time until the
+	 * agent knows the connector's groups (then membership decides). */
+	__u8 claim = rule == R_SHARED_GROUP && p.gid == l->gid && !known_user(p.uid) && !member(p.uid, l->gid);
+	if (!ok || rule == R_UNVERIFIED || claim || sample_allowed(c))
+		report(&p, rule, path, st, l, ok ? 0 : c->audit, 0, claim);
 	return ok || c->audit;
 }
 
@@ -1878,7 +1916,7 @@ int uw_tc_ingress(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	__u32 path = path_of(skb, p.proto);
 	count(path, rule);
-	report(&p, rule, path, st, &lo, 0, 1);
+	report(&p, rule, path, st, &lo, 0, 1, 0);
 	skb->mark = udp ? UW_MARK_ICMP : UW_MARK_RST;
 	return TC_ACT_OK;
 }
