@@ -76,6 +76,11 @@ with --quiet prints nothing and exits 1 unless the connection is allowed.`,
 			ctx, cancel := context.WithTimeout(cmd.Context(), timeout+time.Second)
 			defer cancel()
 			lis, answered, lerr := ia.ownerOf(ctx, netip.Addr{}, target, proto)
+			if !src.IsValid() {
+				// Within a node the kernel sends from the dialled
+				// address: what site rules' sources see.
+				src = target.Addr().Unmap()
+			}
 			c := policy.Conn{Source: src, Connector: conn, Listener: lis.Identity(), Port: target.Port(), Proto: proto,
 				Node: listenerNode(cfg, target.Addr())}
 			v := pol.Decide(c)

@@ -47,6 +47,8 @@ type Config struct {
 	SHA256 string
 	// data is the file's text (for the lines of Findings).
 	data []byte
+	// included are the files [policy] include named, as read.
+	included []includedFile
 
 	// Policy is the validated rule set built from Rules, Cluster and OffCluster.
 	Policy *policy.Policy
@@ -308,11 +310,17 @@ func LoadOrDefault(path string) (*Config, error) {
 // (usually the path). res resolves user names (nil: identity.System()).
 // Every problem found is reported (joined), each as a *ConfigError.
 func Parse(name string, data []byte, res identity.Resolver) (cfg *Config, err error) {
+	return parse(name, data, res, nil)
+}
+
+// parse is Parse; included, when not nil, stands for the files [policy]
+// include names (Resolve: the files as first read).
+func parse(name string, data []byte, res identity.Resolver, included []includedFile) (cfg *Config, err error) {
 	if res == nil {
 		res = identity.System()
 	}
 	sum := sha256.Sum256(data)
-	c := &Config{Path: name, SHA256: hex.EncodeToString(sum[:]), data: data}
+	c := &Config{Path: name, SHA256: hex.EncodeToString(sum[:]), data: data, included: included}
 	loc := newLocator(data)
 	var errs []error
 	fail := func(line int, key, format string, args ...any) {
@@ -423,8 +431,8 @@ func Parse(name string, data []byte, res identity.Resolver) (cfg *Config, err er
 		// The configuration's identity covers the included files too.
 		h := sha256.New()
 		h.Write(data)
-		for _, d := range incl {
-			h.Write(d)
+		for _, f := range incl {
+			h.Write(f.data)
 		}
 		c.SHA256 = hex.EncodeToString(h.Sum(nil))
 	}
@@ -441,7 +449,9 @@ func Parse(name string, data []byte, res identity.Resolver) (cfg *Config, err er
 // now): the policy built from it and the names that still do not resolve.
 // The file is not read again: this is the configuration in force.
 func (c *Config) Resolve(res identity.Resolver) (*policy.Policy, []Finding, error) {
-	n, err := Parse(c.Path, c.data, res)
+	// The included files as they were read: not again from disk, where
+	// they may have changed untested.
+	n, err := parse(c.Path, c.data, res, append([]includedFile{}, c.included...))
 	if err != nil {
 		return nil, nil, err
 	}

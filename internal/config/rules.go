@@ -73,11 +73,24 @@ type ruleFile struct {
 
 var ruleName = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$`)
 
+// includedFile is one file [policy] include named, as read.
+type includedFile struct {
+	path string
+	data []byte
+}
+
 // loadIncludes reads the files [policy] include names (globs relative to the
 // main file's directory), in order, each file's matches sorted, and appends
-// their rules and tests after the main file's.
-func (c *Config) loadIncludes(fail func(file string, line int, key, format string, args ...any)) [][]byte {
-	var datas [][]byte
+// their rules and tests after the main file's. With c.included set (not
+// nil), those files are used instead of the disk.
+func (c *Config) loadIncludes(fail func(file string, line int, key, format string, args ...any)) []includedFile {
+	if c.included != nil {
+		for _, f := range c.included {
+			c.addIncluded(f.path, f.data, fail)
+		}
+		return c.included
+	}
+	var files []includedFile
 	dir := filepath.Dir(c.Path)
 	seen := map[string]bool{}
 	for _, pat := range c.Rules.Include {
@@ -103,29 +116,35 @@ func (c *Config) loadIncludes(fail func(file string, line int, key, format strin
 				}
 				continue
 			}
-			datas = append(datas, data)
-			var rf ruleFile
-			md, err := toml.Decode(string(data), &rf)
-			if err != nil {
-				ce := decodeError(m, err).(*ConfigError)
-				fail(ce.File, ce.Line, ce.Key, "%s", ce.Msg)
-				continue
-			}
-			loc := newLocator(data)
-			for _, k := range md.Undecoded() {
-				fail(m, loc.line(k.String(), ""), k.String(), "unknown key (an included file holds only [[rule]] and [[test]])")
-			}
-			for i := range rf.Rule {
-				rf.Rule[i].file, rf.Rule[i].line = m, loc.arrayLine("rule", i, "", "")
-			}
-			for i := range rf.Test {
-				rf.Test[i].file, rf.Test[i].line = m, loc.arrayLine("test", i, "", "")
-			}
-			c.SiteRules = append(c.SiteRules, rf.Rule...)
-			c.Tests = append(c.Tests, rf.Test...)
+			files = append(files, includedFile{m, data})
+			c.addIncluded(m, data, fail)
 		}
 	}
-	return datas
+	c.included = files
+	return files
+}
+
+// addIncluded appends the rules and tests of the included file m.
+func (c *Config) addIncluded(m string, data []byte, fail func(file string, line int, key, format string, args ...any)) {
+	var rf ruleFile
+	md, err := toml.Decode(string(data), &rf)
+	if err != nil {
+		ce := decodeError(m, err).(*ConfigError)
+		fail(ce.File, ce.Line, ce.Key, "%s", ce.Msg)
+		return
+	}
+	loc := newLocator(data)
+	for _, k := range md.Undecoded() {
+		fail(m, loc.line(k.String(), ""), k.String(), "unknown key (an included file holds only [[rule]] and [[test]])")
+	}
+	for i := range rf.Rule {
+		rf.Rule[i].file, rf.Rule[i].line = m, loc.arrayLine("rule", i, "", "")
+	}
+	for i := range rf.Test {
+		rf.Test[i].file, rf.Test[i].line = m, loc.arrayLine("test", i, "", "")
+	}
+	c.SiteRules = append(c.SiteRules, rf.Rule...)
+	c.Tests = append(c.Tests, rf.Test...)
 }
 
 // buildRules validates the [[rule]] entries into c.Policy.Rules and the
@@ -334,11 +353,12 @@ func principals(res identity.Resolver, list []policy.Principal, bad func(value s
 
 // locatorFor is the locator of the main file or of an included one.
 func (c *Config) locatorFor(file string) *locator {
-	if file == c.Path || file == "" {
-		return newLocator(c.data)
+	for _, f := range c.included {
+		if f.path == file && file != c.Path {
+			return newLocator(f.data)
+		}
 	}
-	data, _ := os.ReadFile(file)
-	return newLocator(data)
+	return newLocator(c.data)
 }
 
 // KeyLineValue is the line of an element of a key's array (0 if absent).

@@ -411,6 +411,12 @@ func TestSiteRuleIncludes(t *testing.T) {
 	if _, err := c.RunTests(siteUsers); err != nil {
 		t.Error(err)
 	}
+	// Resolve (names again, the agent's retry) uses the files as read,
+	// not a change made since, which no test has passed.
+	write(filepath.Join(dir, "policy.d", "20-b.toml"), "[[rule]]\nname = \"changed\"\naction = \"allow\"\nports = [6000]\n")
+	if pol, _, err := c.Resolve(siteUsers); err != nil || len(pol.Rules) != 3 || pol.SiteRule("third") == nil {
+		t.Errorf("Resolve read the changed file: %v %+v", err, pol)
+	}
 	// An error in an included file names that file and line.
 	write(filepath.Join(dir, "policy.d", "20-b.toml"), "[[rule]]\nname = \"third\"\naction = \"allow\"\nports = [5000, 70000]\n")
 	_, err = Parse(main, data, siteUsers)

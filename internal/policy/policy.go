@@ -46,9 +46,17 @@ type Identity struct {
 	GroupsKnown bool
 }
 
+// NoGID is the gid of an owner whose group is not known (a socket adopted
+// without file credentials): it names no group, not even for an identity
+// that carries it.
+const NoGID = ^uint32(0)
+
 // HasGroup reports whether gid is the effective gid or a supplementary group
 // (only the latter when the groups are known: see GroupsKnown).
 func (id Identity) HasGroup(gid uint32) bool {
+	if gid == NoGID {
+		return false
+	}
 	if id.GroupsKnown {
 		return slices.Contains(id.Groups, gid)
 	}
@@ -168,11 +176,16 @@ func (p *Policy) InCluster(addr netip.Addr) bool {
 //  7. default-deny.
 //
 // Among 3-6 the order only changes which allowing rule is reported.
-func (p *Policy) Decide(c Conn) Verdict {
+func (p *Policy) Decide(c Conn) Verdict { return p.DecideTrusted(c, p.InCluster(c.Source)) }
+
+// DecideTrusted is Decide for a data plane that knows whether the
+// connector's identity is proven (userwall: a valid stamp from the cluster,
+// this node or a link-local address) rather than inferring it from the
+// source address; Source still decides the site rules' sources.
+func (p *Policy) DecideTrusted(c Conn, trusted bool) Verdict {
 	if c.Port <= p.SystemPortMax {
 		return Verdict{true, RuleSystemPort}
 	}
-	trusted := p.InCluster(c.Source)
 	for i := range p.Rules {
 		if r := &p.Rules[i]; r.Matches(c, trusted) {
 			return Verdict{r.Allow, Rule(r.Name)}

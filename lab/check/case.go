@@ -138,17 +138,21 @@ func (c *Case) Local() bool { return c.Connector.Node == c.Listener.Node }
 // Managed reports whether the listener is on a cluster node.
 func (c *Case) Managed() bool { return c.Listener.Node != OutsideHost }
 
-// Conn is the case as the policy core's input: Source is zero for a local
-// connection.
+// Conn is the case as the policy core's input: Source is the address the
+// listener's node sees (for a connection within a node, the dialled local
+// address: the kernel picks it as the source), zero for a Unix socket;
+// Node is the listener's node (site rules' on_nodes).
 func (c *Case) Conn() policy.Conn {
 	conn := policy.Conn{Connector: c.Connector.Identity(), Listener: c.Listener.Identity(),
-		Port: c.Dst.Port(), Proto: c.Proto}
-	if c.Path == Unix {
+		Port: c.Dst.Port(), Proto: c.Proto, Node: c.Listener.Node}
+	switch {
+	case c.Path == Unix:
 		// No port: an abstract socket is always a user service.
 		conn.Port = 65535
-	}
-	if !c.Local() {
+	case !c.Local():
 		conn.Source = c.Src
+	default:
+		conn.Source = c.Dst.Addr()
 	}
 	return conn
 }

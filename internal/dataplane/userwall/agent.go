@@ -22,6 +22,7 @@ import (
 	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/membership"
+	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/internal/sys/cgroup2"
 	"github.com/palisade-hpc/palisade/internal/sys/nldump"
 	"github.com/palisade-hpc/palisade/internal/sys/procfs"
@@ -60,11 +61,6 @@ func (o *AgentOptions) LoadTestedConfig() (*config.Config, error) {
 	}
 	if _, err := cfg.RunTests(nil); err != nil {
 		return nil, fmt.Errorf("policy tests failed:\n%w", err)
-	}
-	if len(cfg.Policy.Rules) > 0 {
-		// Until the programs enforce them: never let explain and the
-		// kernel disagree.
-		return nil, fmt.Errorf("%s: [[rule]]: site rules are not enforced by userwall yet; remove them", cfg.Path)
 	}
 	return cfg, nil
 }
@@ -132,8 +128,11 @@ type agent struct {
 	stopIdent func()
 	members   *membership.Tracker // fills the kernel's members map (internal/membership)
 	exempt    groupExempts        // "@group" exemptions' members
-	notes     []string
-	pinDir    string
+	// sitePolicy is the applied policy, for naming site rules in events
+	// (the event sink's goroutine reads it).
+	sitePolicy atomic.Pointer[policy.Policy]
+	notes      []string
+	pinDir     string
 	// nodeAddrs are the node's addresses (syncAddrs), checked against
 	// the cluster subnets; lastResolve is the last attempt to resolve the
 	// configuration's unresolved names.
@@ -394,6 +393,7 @@ func (a *agent) startServices(ctx context.Context, svc *services) error {
 		return err
 	}
 	a.sink.seen = a.members.Seen
+	a.sink.site = a.siteVerdict
 	a.flows = a.newFlows()
 	a.sink.flows = a.flows
 	flowCtx, stopFlows := context.WithCancel(ctx)
@@ -538,6 +538,7 @@ func (a *agent) install(cgroupRoot string) error {
 	if err := a.dp.ApplyPolicy(a.exempt.withUIDs(a.cfg.Policy), a.cfg.Agent.Audit); err != nil {
 		return err
 	}
+	a.sitePolicy.Store(a.cfg.Policy)
 	if err := InstallNft(); err != nil {
 		return err
 	}
@@ -739,6 +740,18 @@ func (a *agent) startIdent(ctx context.Context) (stop func()) {
 		case <-time.After(2 * time.Second):
 		}
 	}
+}
+
+// siteVerdict decides an event's facts with the running policy and the
+// membership the kernel has (the event sink names site rules with it).
+func (a *agent) siteVerdict(c policy.Conn, trusted bool) policy.Verdict {
+	p := a.sitePolicy.Load()
+	if p == nil {
+		return policy.Verdict{Rule: policy.RuleDenied}
+	}
+	c.Connector.Groups, c.Listener.Groups = a.dp.SiteMembers(c.Connector.UID), a.dp.SiteMembers(c.Listener.UID)
+	c.Node = a.dp.SiteNode()
+	return p.DecideTrusted(c, trusted)
 }
 
 // resolveAgain resolves the exempt names that did not resolve (a directory

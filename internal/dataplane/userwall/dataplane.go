@@ -78,6 +78,13 @@ type Dataplane struct {
 	// Load, ended by Commit or Rollback, driver goroutine only.
 	mig *migration
 
+	// Node is the node name site rules' on_nodes are matched against
+	// ("": the host name).
+	Node string
+	// siteMu guards site: the site rules' compiled maps are written by the
+	// main loop (ApplyPolicy) and the membership tracker (SetMembers).
+	siteMu sync.Mutex
+	site   siteState
 	// AllowSamples is how many allowed verdicts a second each CPU reports
 	// (the flows); ApplyPolicy writes it. Driver goroutine only.
 	AllowSamples uint32

@@ -113,7 +113,7 @@ func newHarnessMode(t *testing.T, testMode uint32) *harness {
 		t.Fatal(err)
 	}
 	h := &harness{
-		d:        &Dataplane{coll: coll},
+		d:        &Dataplane{coll: coll, Node: diffNode},
 		ingress:  coll.Programs["uw_skb_ingress"],
 		egress:   coll.Programs["uw_tc_egress"],
 		counters: coll.Maps["counters"],
@@ -552,24 +552,22 @@ func (w *world) isLocal(a netip.Addr) bool {
 // socket adopted without file credentials): it matches no group.
 const unknownGID = ^uint32(0)
 
-// reach is policy.Decide for a trusted connector, except that an unknown
-// gid names no group.
-func (w *world) reach(cuid, cgid, luid, lgid uint32, port uint16, proto policy.Proto) policy.Verdict {
-	conn := policy.Identity{UID: cuid, GID: cgid, Groups: w.members[cuid], GroupsKnown: slices.Contains(w.known, cuid)}
-	if lgid == unknownGID {
-		conn.GID, conn.Groups = 0, nil
-		lgid = 1 // a gid the connector then cannot have (GID 0 != 1, no groups)
-	}
-	return w.pol.Decide(policy.Conn{Source: netip.Addr{}, Connector: conn,
-		Listener: policy.Identity{UID: luid, GID: lgid}, Port: port, Proto: proto})
+// reach is policy.Decide for a trusted connector from src, the listener on
+// node ("" another node): groups are the members map's (an unknown gid,
+// policy.NoGID, names no group).
+func (w *world) reach(src netip.Addr, node string, cuid, cgid, luid, lgid uint32, port uint16, proto policy.Proto) policy.Verdict {
+	return w.pol.DecideTrusted(policy.Conn{Source: src, Connector: policy.Identity{UID: cuid, GID: cgid, Groups: w.members[cuid], GroupsKnown: slices.Contains(w.known, cuid)},
+		Listener: policy.Identity{UID: luid, GID: lgid, Groups: w.members[luid]}, Port: port, Proto: proto, Node: node}, true)
 }
 
 // offCluster is policy.Decide for a source without a trusted identity.
-func (w *world) offCluster(port uint16, proto policy.Proto) policy.Verdict {
-	p := *w.pol
-	p.ClusterSubnets = nil
-	return p.Decide(policy.Conn{Source: netip.MustParseAddr("100.127.255.254"), Port: port, Proto: proto})
+func (w *world) offCluster(src netip.Addr, luid, lgid uint32, port uint16, proto policy.Proto) policy.Verdict {
+	return w.pol.DecideTrusted(policy.Conn{Source: src, Listener: policy.Identity{UID: luid, GID: lgid, Groups: w.members[luid]},
+		Port: port, Proto: proto, Node: diffNode}, false)
 }
+
+// diffNode is the node the harness's data plane is (site rules' on_nodes).
+const diffNode = "node1"
 
 var ruleByName = func() map[string]uwbpfUwRule {
 	m := map[string]uwbpfUwRule{}
@@ -629,13 +627,13 @@ func (w *world) expect(c *tcase) (deliver bool, rule uwbpfUwRule, path uwbpfUwPa
 	var v policy.Verdict
 	switch {
 	case c.dport <= w.pol.SystemPortMax:
-		v = w.reach(0, 0, 0, 0, c.dport, proto) // system-port, whoever asks
+		v = w.reach(c.src, diffNode, 0, 0, 0, 0, c.dport, proto) // system-port, whoever asks
 	case trusted:
-		v = w.reach(cuid, cgid, luid, lgid, c.dport, proto)
+		v = w.reach(c.src, diffNode, cuid, cgid, luid, lgid, c.dport, proto)
 	case !w.isLocal(c.src) && inAny(w.pol.UnenforcedNodes, c.src):
 		v = policy.Verdict{Allow: true, Rule: "unverified"} // staged rollout
 	default:
-		v = w.offCluster(c.dport, proto)
+		v = w.offCluster(c.src, luid, lgid, c.dport, proto)
 	}
 	// UDP replies: the socket sent to exactly this source, and its owner
 	// could reach the sender's socket. "Could reach" is policy.Decide on the
@@ -648,7 +646,9 @@ func (w *world) expect(c *tcase) (deliver bool, rule uwbpfUwRule, path uwbpfUwPa
 	offCluster := !inAny(w.pol.ClusterSubnets, c.src) && !w.isLocal(c.src) && !c.src.Unmap().IsLinkLocalUnicast()
 	if !v.Allow && (c.proto == ipUDP || c.proto == ipUDPLite) && c.sock.HasPeer != 0 &&
 		c.sock.PeerPort == c.sport && netip.AddrFrom16(c.sock.Peer) == netip.AddrFrom16(c.src.As16()) {
-		if c.sport <= w.pol.SystemPortMax || (trusted && w.reach(luid, lgid, cuid, cgid, c.sport, proto).Allow) ||
+		// The reverse direction: from this node's address (the
+		// packet's destination) to a listener on another node.
+		if c.sport <= w.pol.SystemPortMax || (trusted && w.reach(c.dst, "", luid, lgid, cuid, cgid, c.sport, proto).Allow) ||
 			(!trusted && offCluster) {
 			v = policy.Verdict{Allow: true, Rule: "udp-reply"}
 		}
@@ -659,6 +659,12 @@ func (w *world) expect(c *tcase) (deliver bool, rule uwbpfUwRule, path uwbpfUwPa
 		v.Rule = RuleUnstamped
 	}
 	rule, ok := ruleByName[string(v.Rule)]
+	if w.pol.SiteRule(v.Rule) != nil {
+		rule, ok = uwbpfUwRuleR_SITE_DENY, true
+		if v.Allow {
+			rule = uwbpfUwRuleR_SITE_ALLOW
+		}
+	}
 	if !ok {
 		panic("no C rule for " + v.Rule)
 	}
@@ -795,7 +801,72 @@ func worlds() []*world {
 				UnenforcedNodes: pfx("198.18.7.0/24")}},
 		{name: "disabled", enabled: false, keys: []Key{k0}, local: local, members: members,
 			pol: &policy.Policy{SystemPortMax: 1023}},
+		{name: "site", enabled: true, keys: []Key{k0, k1}, local: local, members: members, offset: 1_700_000_000_000_000_000,
+			pol: &policy.Policy{SystemPortMax: 1023, ExemptConnectors: []uint32{uRoot, uSvc}, ExemptListeners: []uint32{uRoot, uDaemon},
+				ClusterSubnets:  pfx("198.18.0.0/24", "2001:2:0:1::/64"),
+				OffClusterPorts: []policy.PortRange{{First: 8443, Last: 8443}},
+				UnenforcedNodes: pfx("198.18.7.0/24"),
+				Rules:           siteRules()}},
 	}
+}
+
+// siteRules has a site rule of every kind, on the worlds' users, groups,
+// addresses and ports.
+func siteRules() []policy.SiteRule {
+	pr := func(a, b uint16) []policy.PortRange { return []policy.PortRange{{First: a, Last: b}} }
+	pfx := func(s string) []netip.Prefix { return []netip.Prefix{netip.MustParsePrefix(s)} }
+	return []policy.SiteRule{
+		{Name: "mon", Allow: true, FromGroups: []uint32{gProj}, Ports: pr(9100, 9199)},
+		{Name: "no-bob-here", From: []uint32{uBob}, Nodes: []string{"node1", "node3"}, Ports: pr(6000, 6099)},
+		{Name: "lab-udp", Allow: true, Sources: pfx("100.64.0.0/10"), Ports: pr(7000, 7010), Proto: policy.UDP},
+		{Name: "portal", Allow: true, From: []uint32{uSvc}, Ports: pr(8000, 8999)},
+		{Name: "portal-rest", From: []uint32{uSvc}},
+		{Name: "alice-group-from-half", Allow: true, ToGroups: []uint32{uAlice}, Sources: pfx("198.18.0.0/25")},
+		{Name: "no-project-tcp", Relation: policy.SharedGroup, Ports: pr(12000, 12999), Proto: policy.TCP},
+		{Name: "own-debug-v6", Allow: true, Relation: policy.SameUser, Sources: pfx("2001:2:0:1::/64"), Ports: pr(7777, 7777)},
+		{Name: "node2-only", Nodes: []string{"node2"}, Ports: pr(1024, 65535)},
+		{Name: "daemon-udp", Allow: true, To: []uint32{uDaemon}, Proto: policy.UDP},
+		{Name: "upper-half-not-carol", Sources: append(pfx("198.18.0.128/25"), pfx("2001:2:0:1::/80")...), To: []uint32{uCarol}},
+		{Name: "outside-v6", Allow: true, Sources: pfx("2001:2:0:7::/64"), Ports: []policy.PortRange{{First: 9000, Last: 9100}, {First: 5001, Last: 5003}}},
+		{Name: "udp-lite-any", Allow: true, From: []uint32{uCarol}, To: []uint32{uBob}, Ports: pr(20000, 40000)},
+	}
+}
+
+// randomSiteRules draws n site rules from the worlds' pools.
+func randomSiteRules(r *rand.Rand, n int) []policy.SiteRule {
+	var out []policy.SiteRule
+	prefixes := []string{"198.18.0.0/24", "198.18.0.0/25", "198.18.0.128/26", "198.18.0.1/32", "100.64.0.0/10", "100.64.0.0/12",
+		"127.0.0.0/8", "2001:2:0:1::/64", "2001:2:0:1::/96", "2001:2:0:7::/64", "2001:2:ff::/48", "198.19.0.0/16", "169.254.0.0/16"}
+	for i := 0; i < n; i++ {
+		ru := policy.SiteRule{Name: fmt.Sprintf("r%d", i), Allow: r.IntN(2) == 0}
+		if r.IntN(3) == 0 {
+			ru.From = append(ru.From, pick(r, uids))
+		}
+		if r.IntN(4) == 0 {
+			ru.FromGroups = append(ru.FromGroups, pick(r, []uint32{gProj, uAlice, uBob, 0}))
+		}
+		if r.IntN(3) == 0 {
+			ru.To = append(ru.To, pick(r, uids))
+		}
+		if r.IntN(4) == 0 {
+			ru.ToGroups = append(ru.ToGroups, pick(r, []uint32{gProj, uAlice, uCarol}))
+		}
+		for j := r.IntN(3); j > 0 && r.IntN(2) == 0; j-- {
+			ru.Sources = append(ru.Sources, netip.MustParsePrefix(pick(r, prefixes)))
+		}
+		if r.IntN(4) == 0 {
+			ru.Nodes = []string{pick(r, []string{"node1", "node2"})}
+		}
+		for j := r.IntN(3); j > 0; j-- {
+			a := uint16(1024 + r.IntN(64512))
+			b := a + uint16(r.IntN(int(min(2000, 65535-int(a)))+1))
+			ru.Ports = append(ru.Ports, policy.PortRange{First: a, Last: b})
+		}
+		ru.Proto = pick(r, []policy.Proto{0, 0, policy.TCP, policy.UDP})
+		ru.Relation = pick(r, []policy.Relation{0, 0, 0, policy.SameUser, policy.SharedGroup})
+		out = append(out, ru)
+	}
+	return out
 }
 
 // Source and destination address pools.
@@ -869,7 +940,8 @@ func randomCase(r *rand.Rand, w *world, remoteIf int) *tcase {
 		case 0:
 			return uint16(max(0, spm-2+r.IntN(5)))
 		case 1:
-			return pick(r, []uint16{53, 123, 8443, 9000, 9100, 9101, 5001, 5003, 5004, 1024})
+			return pick(r, []uint16{53, 123, 8443, 9000, 9100, 9101, 5001, 5003, 5004, 1024,
+				9150, 6050, 7005, 8080, 12345, 7777, 30000}) // the last ones: the site world's rules
 		case 2:
 			return uint16(1 + r.IntN(1024))
 		default:
@@ -937,7 +1009,13 @@ func TestDifferential(t *testing.T) {
 	r := rand.New(rand.NewPCG(seed, 0x9e))
 	_, _, foreign := keySet()
 	ws := worlds()
-	share := []int{40, 25, 25, 10} // percent of the cases per world
+	// Random site rules: many, so that rule order and every mask mix.
+	rw := *ws[0]
+	rw.name, rw.pol = "site-random", &policy.Policy{}
+	*rw.pol = *ws[0].pol
+	rw.pol.Rules = randomSiteRules(r, 300)
+	ws = append(ws, &rw)
+	share := []int{25, 15, 15, 5, 20, 20} // percent of the cases per world
 	stats := map[string]int{}
 	fails := 0
 	for wi, w := range ws {
@@ -961,7 +1039,7 @@ func TestDifferential(t *testing.T) {
 	}
 	t.Logf("verdicts: %v", stats)
 	// The generator must reach every rule the ingress program can take.
-	for _, want := range []string{"same-user/deliver", "shared-group/deliver", "system-port/deliver",
+	for _, want := range []string{"site-allow/deliver", "site-deny/drop", "same-user/deliver", "shared-group/deliver", "system-port/deliver",
 		"exempt-connector/deliver", "exempt-listener/deliver", "off-cluster-port/deliver",
 		"off-cluster-denied/drop", "default-deny/drop", "udp-reply/deliver", "unverified/deliver",
 		"unclassified/drop", "none/deliver", "default-deny/deliver"} {

@@ -21,6 +21,7 @@ import (
 	"golang.org/x/time/rate"
 
 	"github.com/palisade-hpc/palisade/internal/identity"
+	"github.com/palisade-hpc/palisade/internal/policy"
 )
 
 // Party is one end of a refused connection.
@@ -33,18 +34,21 @@ type Party struct {
 
 // Event is one denial, as written to the event log (one JSON object a line).
 type Event struct {
-	Time      time.Time `json:"time"`
-	Node      string    `json:"node"`
-	Verdict   string    `json:"verdict"`
-	Rule      string    `json:"rule"`
-	Path      string    `json:"path"`
-	Proto     string    `json:"proto"`
-	Connector *Party    `json:"connector,omitempty"` // nil: no trusted identity (off-cluster)
-	Listener  Party     `json:"listener"`
-	Src       string    `json:"src,omitempty"`
-	Dst       string    `json:"dst"`
-	PID       uint32    `json:"pid,omitempty"`
-	Comm      string    `json:"comm,omitempty"`
+	Time    time.Time `json:"time"`
+	Node    string    `json:"node"`
+	Verdict string    `json:"verdict"`
+	Rule    string    `json:"rule"`
+	// SiteRule names the site rule ([[rule]]) of a "site-deny": the one
+	// policy.Decide finds for the event's facts ("" if it finds another).
+	SiteRule  string `json:"site_rule,omitempty"`
+	Path      string `json:"path"`
+	Proto     string `json:"proto"`
+	Connector *Party `json:"connector,omitempty"` // nil: no trusted identity (off-cluster)
+	Listener  Party  `json:"listener"`
+	Src       string `json:"src,omitempty"`
+	Dst       string `json:"dst"`
+	PID       uint32 `json:"pid,omitempty"`
+	Comm      string `json:"comm,omitempty"`
 	// Stamp says what the packet's identity stamp was worth ("valid",
 	// "none", "bad-mac", "stale", ...); empty for local socket calls.
 	Stamp string `json:"stamp,omitempty"`
@@ -69,6 +73,8 @@ type eventSink struct {
 	wmu sync.Mutex
 	// seen learns the groups of refused connectors (membership.Tracker).
 	seen func(uid uint32)
+	// site names the site rule of a site-deny event (nil: not named).
+	site func(c policy.Conn, trusted bool) policy.Verdict
 	// flows receives every verdict (nil: none recorded).
 	flows *flowRecorder
 
@@ -236,6 +242,13 @@ func (s *eventSink) decodeRecord(r *uwbpfUwEvent) Event {
 		e.Stamp = stampName(r.Stamp)
 	}
 	e.Listener = Party{UID: r.Luid, User: s.names.User(r.Luid), GID: r.Lgid, Group: s.names.Group(r.Lgid)}
+	if uwbpfUwRule(r.Rule) == uwbpfUwRuleR_SITE_DENY && s.site != nil && r.Family != 1 {
+		c := policy.Conn{Source: netip.AddrFrom16(r.Saddr).Unmap(), Connector: policy.Identity{UID: r.Cuid, GID: r.Cgid},
+			Listener: policy.Identity{UID: r.Luid, GID: r.Lgid}, Port: r.Dport, Proto: policy.Proto(r.Proto), Node: s.node}
+		if v := s.site(c, r.HasConnector != 0); !v.Allow && v.Rule != policy.RuleDenied {
+			e.SiteRule = string(v.Rule)
+		}
+	}
 	if r.HasConnector != 0 {
 		e.Connector = &Party{UID: r.Cuid, User: s.names.User(r.Cuid), GID: r.Cgid, Group: s.names.Group(r.Cgid)}
 	}

@@ -93,7 +93,9 @@ func (d *Dataplane) Fits(p *policy.Policy) error {
 			return fmt.Errorf("%s: %d entries, the data plane holds at most %d", c.key, c.n, max)
 		}
 	}
-	return nil
+	d.siteMu.Lock()
+	defer d.siteMu.Unlock()
+	return d.fitsSite(compileSite(p, d.SiteNode()), d.site.members)
 }
 
 // ApplyPolicy writes the policy into the maps. The settings entry is
@@ -125,6 +127,7 @@ func (d *Dataplane) ApplyPolicy(p *policy.Policy, audit bool) error {
 			errs = append(errs, err)
 		}
 	}
+	errs = append(errs, d.applySite(p))
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
@@ -245,7 +248,7 @@ func (d *Dataplane) SetMembers(m identity.Membership) error {
 			want[uwbpfUwMemberKey{Uid: uid, Gid: g}] = true
 		}
 	}
-	return syncSized(d, "members", want)
+	return errors.Join(syncSized(d, "members", want), d.setSiteMembers(m))
 }
 
 // syncSized is syncSet on the named map, remembering its size.

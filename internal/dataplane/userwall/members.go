@@ -44,22 +44,38 @@ func (a *agent) newMembers() *membership.Tracker {
 // members after every round (note) and signals a change on changed, and the
 // main loop then applies the policy with those uids added (withUIDs).
 type groupExempts struct {
-	gids    atomic.Pointer[[2][]uint32] // connector, listener exempt gids
-	uids    atomic.Pointer[[2][]uint32] // their members' uids
-	changed chan struct{}
+	gids atomic.Pointer[[2][]uint32] // connector, listener exempt gids
+	uids atomic.Pointer[[2][]uint32] // their members' uids
+	// ruleGids are the groups site rules name: tracked like exempt groups;
+	// their members reach the kernel through SetMembers (sitemaps.go).
+	ruleGids atomic.Pointer[[]uint32]
+	changed  chan struct{}
 }
 
 func (e *groupExempts) setGroups(p *policy.Policy) {
 	e.gids.Store(&[2][]uint32{p.ExemptConnectorGroups, p.ExemptListenerGroups})
+	var rg []uint32
+	for _, r := range p.Rules {
+		for _, g := range append(slices.Clone(r.FromGroups), r.ToGroups...) {
+			if !slices.Contains(rg, g) {
+				rg = append(rg, g)
+			}
+		}
+	}
+	e.ruleGids.Store(&rg)
 }
 
-// groups lists every exempt gid (for the tracker).
+// groups lists every exempt gid and every gid a site rule names (for the
+// tracker).
 func (e *groupExempts) groups() []uint32 {
-	g := e.gids.Load()
-	if g == nil {
-		return nil
+	var out []uint32
+	if g := e.gids.Load(); g != nil {
+		out = append(slices.Clone(g[0]), g[1]...)
 	}
-	return append(slices.Clone(g[0]), g[1]...)
+	if rg := e.ruleGids.Load(); rg != nil {
+		out = append(out, *rg...)
+	}
+	return out
 }
 
 func (e *groupExempts) note(m identity.Membership) {

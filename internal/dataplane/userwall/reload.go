@@ -239,6 +239,7 @@ func (a *agent) applyReload() error {
 	}
 	old := a.cfg
 	a.cfg = cfg
+	a.sitePolicy.Store(cfg.Policy)
 	a.notes = nil
 	a.setFlowConfig()
 	if err := a.loadKeys(); err != nil {

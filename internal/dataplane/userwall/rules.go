@@ -22,6 +22,10 @@ var ruleNames = map[uwbpfUwRule]string{
 	uwbpfUwRuleR_FOREIGN_SOURCE:         "foreign-source",
 	uwbpfUwRuleR_UNSTAMPED_FROM_CLUSTER: RuleUnstamped,
 	uwbpfUwRuleR_UNSTAMPABLE:            "unstampable",
+	// A site rule ([[rule]]) decided; which one, policy.Decide says (the
+	// event names it: events.go).
+	uwbpfUwRuleR_SITE_ALLOW: "site-allow",
+	uwbpfUwRuleR_SITE_DENY:  "site-deny",
 }
 
 // RuleUnstamped: no valid identity came from a source that should have sent
@@ -67,7 +71,8 @@ func ruleName(r uint8) string {
 func ruleAllows(r uint8) bool {
 	switch uwbpfUwRule(r) {
 	case uwbpfUwRuleR_DENIED, uwbpfUwRuleR_OFFCLUSTER_DENIED, uwbpfUwRuleR_UNCLASSIFIED, uwbpfUwRuleR_COBIND,
-		uwbpfUwRuleR_FOREIGN_SOURCE, uwbpfUwRuleR_UNSTAMPED_FROM_CLUSTER, uwbpfUwRuleR_UNSTAMPABLE:
+		uwbpfUwRuleR_FOREIGN_SOURCE, uwbpfUwRuleR_UNSTAMPED_FROM_CLUSTER, uwbpfUwRuleR_UNSTAMPABLE,
+		uwbpfUwRuleR_SITE_DENY:
 		return false
 	}
 	return true

@@ -10,6 +10,9 @@ package userwall
 //
 //	PALISADE_TESTRUN_COSTS=1 go test -run TestRunCosts -v ./internal/dataplane/userwall
 //
+// PALISADE_TESTRUN_SITE_RULES=0,1000 (the default: 0) runs the table once per
+// number of site rules: random rules none of the canonical packets match,
+// so site_decide scans every mask word (its worst case).
 // PALISADE_TESTRUN_SAMPLES=N sets flow_samples (default 0 here: none).
 //
 // `palisade-lab bench` reports the same programs' cost under real traffic
@@ -18,6 +21,7 @@ package userwall
 import (
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/netip"
 	"os"
@@ -29,6 +33,8 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
+
+	"github.com/palisade-hpc/palisade/internal/policy"
 )
 
 // costFrame is one canonical packet.
@@ -128,15 +134,38 @@ func TestRunCosts(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer coll.Close()
-	h := &harness{d: &Dataplane{coll: coll}, testSock: coll.Maps["test_sock"]}
-	w := worlds()[0]
-	w.samples = 0 // no allowed verdict reported
-	// PALISADE_TESTRUN_SAMPLES=N: the cost with [agent] flow_samples = N
-	// (runs beyond the budget take the over-budget path).
-	if n, err := strconv.Atoi(os.Getenv("PALISADE_TESTRUN_SAMPLES")); err == nil {
-		w.samples = uint32(n)
+	h := &harness{d: &Dataplane{coll: coll, Node: diffNode}, testSock: coll.Maps["test_sock"]}
+	counts := []int{0}
+	if v := os.Getenv("PALISADE_TESTRUN_SITE_RULES"); v != "" {
+		counts = nil
+		for _, f := range strings.Split(v, ",") {
+			n, err := strconv.Atoi(f)
+			if err != nil || n < 0 || n > policy.MaxSiteRules {
+				t.Fatalf("PALISADE_TESTRUN_SITE_RULES: bad count %q", f)
+			}
+			counts = append(counts, n)
+		}
 	}
-	w.apply(t, h)
+	for _, n := range counts {
+		w := worlds()[0]
+		w.samples = 0 // no allowed verdict reported
+		// PALISADE_TESTRUN_SAMPLES=N: the cost with [agent] flow_samples = N
+		// (runs beyond the budget take the over-budget path).
+		if n, err := strconv.Atoi(os.Getenv("PALISADE_TESTRUN_SAMPLES")); err == nil {
+			w.samples = uint32(n)
+		}
+		rules := randomSiteRules(rand.New(rand.NewPCG(uint64(n), 7)), n)
+		for i := range rules {
+			rules[i].From, rules[i].FromGroups = []uint32{uCarol}, nil // alice sends every packet: none matches
+		}
+		w.pol.Rules = rules
+		w.apply(t, h)
+		t.Logf("%d site rules:", n)
+		runCosts(t, h, coll, w)
+	}
+}
+
+func runCosts(t *testing.T, h *harness, coll *ebpf.Collection, w *world) {
 	ifindex := remoteIfindex()
 	// The tc programs find the IP header through the interface's L2
 	// length: the test runs' interface is a managed Ethernet one.

@@ -108,6 +108,11 @@ const (
 	uwbpfUwMarkUW_MARK_LOOP_TOKEN uwbpfUwMark = 16777215
 )
 
+type uwbpfUwMask struct {
+	_ structs.HostLayout
+	W [16]uint64
+}
+
 type uwbpfUwMemberKey struct {
 	_   structs.HostLayout
 	Uid uint32
@@ -171,7 +176,35 @@ const (
 	uwbpfUwRuleR_FOREIGN_SOURCE         uwbpfUwRule = 15
 	uwbpfUwRuleR_UNSTAMPED_FROM_CLUSTER uwbpfUwRule = 16
 	uwbpfUwRuleR_UNSTAMPABLE            uwbpfUwRule = 17
-	uwbpfUwRuleR_MAX                    uwbpfUwRule = 18
+	uwbpfUwRuleR_SITE_ALLOW             uwbpfUwRule = 18
+	uwbpfUwRuleR_SITE_DENY              uwbpfUwRule = 19
+	uwbpfUwRuleR_MAX                    uwbpfUwRule = 20
+)
+
+type uwbpfUwSite struct {
+	_        structs.HostLayout
+	N        uint32
+	Updating uint32
+}
+
+type uwbpfUwSiteMask uint32
+
+const (
+	uwbpfUwSiteMaskSM_ZERO      uwbpfUwSiteMask = 0
+	uwbpfUwSiteMaskSM_HERE      uwbpfUwSiteMask = 1
+	uwbpfUwSiteMaskSM_ANYNODE   uwbpfUwSiteMask = 2
+	uwbpfUwSiteMaskSM_ALLOW     uwbpfUwSiteMask = 3
+	uwbpfUwSiteMaskSM_ANY_FROM  uwbpfUwSiteMask = 4
+	uwbpfUwSiteMaskSM_ANY_TO    uwbpfUwSiteMask = 5
+	uwbpfUwSiteMaskSM_ANY_SRC   uwbpfUwSiteMask = 6
+	uwbpfUwSiteMaskSM_UNTRUSTED uwbpfUwSiteMask = 7
+	uwbpfUwSiteMaskSM_TCP       uwbpfUwSiteMask = 8
+	uwbpfUwSiteMaskSM_UDP       uwbpfUwSiteMask = 9
+	uwbpfUwSiteMaskSM_OTHER     uwbpfUwSiteMask = 10
+	uwbpfUwSiteMaskSM_NOREL     uwbpfUwSiteMask = 11
+	uwbpfUwSiteMaskSM_SAMEUSER  uwbpfUwSiteMask = 12
+	uwbpfUwSiteMaskSM_SHARED    uwbpfUwSiteMask = 13
+	uwbpfUwSiteMaskSM_MAX       uwbpfUwSiteMask = 14
 )
 
 type uwbpfUwStamp uint32
@@ -228,6 +261,15 @@ const (
 	uwbpfMapMembers              = "members"
 	uwbpfMapOffcPorts            = "offc_ports"
 	uwbpfMapSettings             = "settings"
+	uwbpfMapSiteCfg              = "site_cfg"
+	uwbpfMapSiteCgid             = "site_cgid"
+	uwbpfMapSiteCuid             = "site_cuid"
+	uwbpfMapSiteLgid             = "site_lgid"
+	uwbpfMapSiteLuid             = "site_luid"
+	uwbpfMapSiteMasks            = "site_masks"
+	uwbpfMapSitePortClass        = "site_port_class"
+	uwbpfMapSitePortMask         = "site_port_mask"
+	uwbpfMapSiteSrc              = "site_src"
 	uwbpfMapSkOwners             = "sk_owners"
 	uwbpfMapTestSock             = "test_sock"
 	uwbpfMapUdpPeers             = "udp_peers"
@@ -259,6 +301,7 @@ const (
 	uwbpfVarUnusedMark           = "unused_mark"
 	uwbpfVarUnusedPath           = "unused_path"
 	uwbpfVarUnusedRule           = "unused_rule"
+	uwbpfVarUnusedSiteMask       = "unused_site_mask"
 	uwbpfVarUnusedStamp          = "unused_stamp"
 	uwbpfVarUnusedTestSock       = "unused_test_sock"
 )
@@ -347,6 +390,15 @@ type uwbpfMapSpecs struct {
 	Members        *ebpf.MapSpec `ebpf:"members"`
 	OffcPorts      *ebpf.MapSpec `ebpf:"offc_ports"`
 	Settings       *ebpf.MapSpec `ebpf:"settings"`
+	SiteCfg        *ebpf.MapSpec `ebpf:"site_cfg"`
+	SiteCgid       *ebpf.MapSpec `ebpf:"site_cgid"`
+	SiteCuid       *ebpf.MapSpec `ebpf:"site_cuid"`
+	SiteLgid       *ebpf.MapSpec `ebpf:"site_lgid"`
+	SiteLuid       *ebpf.MapSpec `ebpf:"site_luid"`
+	SiteMasks      *ebpf.MapSpec `ebpf:"site_masks"`
+	SitePortClass  *ebpf.MapSpec `ebpf:"site_port_class"`
+	SitePortMask   *ebpf.MapSpec `ebpf:"site_port_mask"`
+	SiteSrc        *ebpf.MapSpec `ebpf:"site_src"`
 	SkOwners       *ebpf.MapSpec `ebpf:"sk_owners"`
 	TestSock       *ebpf.MapSpec `ebpf:"test_sock"`
 	UdpPeers       *ebpf.MapSpec `ebpf:"udp_peers"`
@@ -366,6 +418,7 @@ type uwbpfVariableSpecs struct {
 	UnusedMark     *ebpf.VariableSpec `ebpf:"unused_mark"`
 	UnusedPath     *ebpf.VariableSpec `ebpf:"unused_path"`
 	UnusedRule     *ebpf.VariableSpec `ebpf:"unused_rule"`
+	UnusedSiteMask *ebpf.VariableSpec `ebpf:"unused_site_mask"`
 	UnusedStamp    *ebpf.VariableSpec `ebpf:"unused_stamp"`
 	UnusedTestSock *ebpf.VariableSpec `ebpf:"unused_test_sock"`
 }
@@ -408,6 +461,15 @@ type uwbpfMaps struct {
 	Members        *ebpf.Map `ebpf:"members"`
 	OffcPorts      *ebpf.Map `ebpf:"offc_ports"`
 	Settings       *ebpf.Map `ebpf:"settings"`
+	SiteCfg        *ebpf.Map `ebpf:"site_cfg"`
+	SiteCgid       *ebpf.Map `ebpf:"site_cgid"`
+	SiteCuid       *ebpf.Map `ebpf:"site_cuid"`
+	SiteLgid       *ebpf.Map `ebpf:"site_lgid"`
+	SiteLuid       *ebpf.Map `ebpf:"site_luid"`
+	SiteMasks      *ebpf.Map `ebpf:"site_masks"`
+	SitePortClass  *ebpf.Map `ebpf:"site_port_class"`
+	SitePortMask   *ebpf.Map `ebpf:"site_port_mask"`
+	SiteSrc        *ebpf.Map `ebpf:"site_src"`
 	SkOwners       *ebpf.Map `ebpf:"sk_owners"`
 	TestSock       *ebpf.Map `ebpf:"test_sock"`
 	UdpPeers       *ebpf.Map `ebpf:"udp_peers"`
@@ -435,6 +497,15 @@ func (m *uwbpfMaps) Close() error {
 		m.Members,
 		m.OffcPorts,
 		m.Settings,
+		m.SiteCfg,
+		m.SiteCgid,
+		m.SiteCuid,
+		m.SiteLgid,
+		m.SiteLuid,
+		m.SiteMasks,
+		m.SitePortClass,
+		m.SitePortMask,
+		m.SiteSrc,
 		m.SkOwners,
 		m.TestSock,
 		m.UdpPeers,
@@ -455,6 +526,7 @@ type uwbpfVariables struct {
 	UnusedMark     *ebpf.Variable `ebpf:"unused_mark"`
 	UnusedPath     *ebpf.Variable `ebpf:"unused_path"`
 	UnusedRule     *ebpf.Variable `ebpf:"unused_rule"`
+	UnusedSiteMask *ebpf.Variable `ebpf:"unused_site_mask"`
 	UnusedStamp    *ebpf.Variable `ebpf:"unused_stamp"`
 	UnusedTestSock *ebpf.Variable `ebpf:"unused_test_sock"`
 }

@@ -119,7 +119,9 @@ enum uw_rule {
 	R_FOREIGN_SOURCE = 15,
 	R_UNSTAMPED_FROM_CLUSTER = 16,
 	R_UNSTAMPABLE = 17,
-	R_MAX = 18,
+	R_SITE_ALLOW = 18, /* a site rule ([[rule]]) decided */
+	R_SITE_DENY = 19,
+	R_MAX = 20,
 };
 
 /* Where a decision was taken; counters are indexed path*R_MAX+rule. */
@@ -505,7 +507,8 @@ static __always_inline void count(__u32 path, __u32 rule)
 static __always_inline int allows(__u32 rule)
 {
 	return rule != R_DENIED && rule != R_OFFCLUSTER_DENIED && rule != R_UNCLASSIFIED &&
-	       rule != R_COBIND && rule != R_FOREIGN_SOURCE && rule != R_UNSTAMPED_FROM_CLUSTER && rule != R_UNSTAMPABLE;
+	       rule != R_COBIND && rule != R_FOREIGN_SOURCE && rule != R_UNSTAMPED_FROM_CLUSTER && rule != R_UNSTAMPABLE &&
+	       rule != R_SITE_DENY;
 }
 
 static __always_inline void estat(__u32 k)
@@ -632,6 +635,216 @@ static __always_inline __u32 decide_user(__u32 cuid, __u32 luid, int group_ok)
 static __always_inline int known_user(__u32 uid)
 {
 	return bpf_map_lookup_elem(&known_users, &uid) != 0;
+}
+
+/* ---------------------------------------------------------------------------
+ * Site rules ([[rule]], policy.SiteRule), compiled by the agent (sitemaps.go)
+ * into bitmaps with one bit per rule, in rule order. The rules a connection
+ * matches are the AND of one mask per dimension (port, protocol, source,
+ * connector, listener, relation, node); the lowest set bit decides. Per
+ * packet: at most 9 map lookups and SITE_WORDS words of ANDs whatever the
+ * number of rules (up to SITE_WORDS*64 = policy.MaxSiteRules).
+ */
+#define SITE_WORDS 16
+
+struct uw_mask {
+	__u64 w[SITE_WORDS];
+};
+
+/* Fixed masks (site_masks); SM_ZERO stays all zero (a missing lookup). */
+enum uw_site_mask {
+	SM_ZERO = 0,
+	SM_HERE = 1,      /* rules that apply on this node (on_nodes) */
+	SM_ANYNODE = 2,   /* rules without on_nodes (the UDP reply's reverse check) */
+	SM_ALLOW = 3,     /* the rule allows (else it denies) */
+	SM_ANY_FROM = 4,  /* no connector users/groups */
+	SM_ANY_TO = 5,    /* no listener users/groups */
+	SM_ANY_SRC = 6,   /* no sources: any trusted source */
+	SM_UNTRUSTED = 7, /* may match an untrusted source: names sources, no identity asked */
+	SM_TCP = 8,       /* proto tcp or any */
+	SM_UDP = 9,       /* proto udp or any */
+	SM_OTHER = 10,    /* proto any (UDP-Lite, SCTP, DCCP) */
+	SM_NOREL = 11,    /* no relation */
+	SM_SAMEUSER = 12, /* relation same-user */
+	SM_SHARED = 13,   /* relation shared-group */
+	SM_MAX = 14,
+};
+const enum uw_site_mask *unused_site_mask __attribute__((unused));
+
+struct uw_site {
+	__u32 n;        /* number of site rules; 0: none, nothing to look up */
+	__u32 updating; /* the agent rewrites the masks: refuse (fail closed) */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct uw_site);
+} site_cfg SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, SM_MAX);
+	__type(key, __u32);
+	__type(value, struct uw_mask);
+} site_masks SEC(".maps");
+
+/* Rules naming a uid (as a user, or through a group it is a member of) and
+ * rules naming a gid (the effective/socket gid): connector and listener. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, __u32);
+	__type(value, struct uw_mask);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} site_cuid SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u32);
+	__type(value, struct uw_mask);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} site_cgid SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, __u32);
+	__type(value, struct uw_mask);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} site_luid SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16384);
+	__type(key, __u32);
+	__type(value, struct uw_mask);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} site_lgid SEC(".maps");
+
+/* Source prefixes: each entry holds every rule whose sources contain it. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, 16384);
+	__type(key, struct uw_lpm_key);
+	__type(value, struct uw_mask);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} site_src SEC(".maps");
+
+/* Ports in classes (intervals no rule's range boundary cuts), then a mask
+ * per class: two lookups for any number of port ranges. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 65536);
+	__type(key, __u32);
+	__type(value, __u32);
+} site_port_class SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 2 * SITE_WORDS * 64 + 2);
+	__type(key, __u32);
+	__type(value, struct uw_mask);
+} site_port_mask SEC(".maps");
+
+static __always_inline const struct uw_mask *site_fixed(__u32 i)
+{
+	return bpf_map_lookup_elem(&site_masks, &i);
+}
+
+static __always_inline const struct uw_mask *or_zero(const struct uw_mask *m, const struct uw_mask *zero)
+{
+	return m ? m : zero;
+}
+
+/* A site rule query (site_decide's argument: a global function takes at
+ * most five, and a pointer to memory of a fixed size). */
+struct uw_site_q {
+	__u32 cuid, cgid, luid, lgid;
+	__u8 src[16];
+	__u32 port;
+	__u32 proto;
+	__u32 trusted; /* the connector's identity is proven */
+	__u32 here;    /* the listener is on this node */
+};
+
+/*
+ * site_decide: the first site rule matching the connection (policy.SiteRule
+ * Matches, in order), as R_SITE_ALLOW / R_SITE_DENY, or R_NONE. Untrusted:
+ * only rules naming the source and asking nothing of the identity can match.
+ * Not here (the UDP reply's reverse check): only rules without on_nodes.
+ * A global function: the verifier checks it once, not once per path of its
+ * callers (inlined, it made uw_tc_ingress exceed the verifier's budget).
+ */
+__noinline __u32 site_decide(const struct uw_site_q *q)
+{
+	__u32 z = 0;
+	if (!q)
+		return R_NONE;
+	struct uw_site *cfg = bpf_map_lookup_elem(&site_cfg, &z);
+	if (!cfg || !cfg->n)
+		return R_NONE;
+	if (cfg->updating)
+		return R_SITE_DENY;
+	int trusted = q->trusted != 0;
+	__u32 cuid = q->cuid, cgid = q->cgid, luid = q->luid, lgid = q->lgid;
+	const struct uw_mask *zero = site_fixed(SM_ZERO);
+	const struct uw_mask *node = site_fixed(q->here ? SM_HERE : SM_ANYNODE);
+	const struct uw_mask *allow = site_fixed(SM_ALLOW);
+	const struct uw_mask *anyfrom = site_fixed(SM_ANY_FROM);
+	const struct uw_mask *anyto = site_fixed(SM_ANY_TO);
+	const struct uw_mask *anysrc = site_fixed(trusted ? SM_ANY_SRC : SM_ZERO);
+	const struct uw_mask *who = site_fixed(trusted ? SM_NOREL : SM_UNTRUSTED);
+	__u32 pk = q->proto == IPPROTO_TCP ? SM_TCP : q->proto == IPPROTO_UDP ? SM_UDP : SM_OTHER;
+	const struct uw_mask *pmask = site_fixed(pk);
+	const struct uw_mask *rel = site_fixed(trusted && cuid == luid ? SM_SAMEUSER : SM_ZERO);
+	/* As decide_ids: the carried effective gid counts only while this
+	 * node does not know the connector's groups. */
+	int known = trusted && known_user(cuid);
+	int shared = trusted && lgid != (__u32)-1 && (member(cuid, lgid) || (cgid == lgid && !known));
+	const struct uw_mask *shr = site_fixed(shared ? SM_SHARED : SM_ZERO);
+	if (!zero || !node || !allow || !anyfrom || !anyto || !anysrc || !who || !pmask || !rel || !shr)
+		return R_NONE;
+	__u32 pi = q->port & 0xffff;
+	__u32 *cls = bpf_map_lookup_elem(&site_port_class, &pi);
+	const struct uw_mask *ports = zero;
+	if (cls)
+		ports = or_zero(bpf_map_lookup_elem(&site_port_mask, cls), zero);
+	struct uw_lpm_key k = {.prefixlen = 128};
+	__builtin_memcpy(k.addr, q->src, 16);
+	const struct uw_mask *srcm = or_zero(bpf_map_lookup_elem(&site_src, &k), zero);
+	const struct uw_mask *cu = zero, *cg = zero;
+	if (trusted) {
+		cu = or_zero(bpf_map_lookup_elem(&site_cuid, &cuid), zero);
+		if (!known)
+			cg = or_zero(bpf_map_lookup_elem(&site_cgid, &cgid), zero);
+	}
+	const struct uw_mask *lu = or_zero(bpf_map_lookup_elem(&site_luid, &luid), zero);
+	const struct uw_mask *lg = or_zero(bpf_map_lookup_elem(&site_lgid, &lgid), zero);
+	for (int i = 0; i < SITE_WORDS; i++) {
+		__u64 m = node->w[i] & ports->w[i] & pmask->w[i] & (anysrc->w[i] | srcm->w[i]) &
+			  (anyfrom->w[i] | cu->w[i] | cg->w[i]) & (anyto->w[i] | lu->w[i] | lg->w[i]);
+		/* Trusted: no relation, or the relation holds. Untrusted: the
+		 * rule asks nothing of the identity (SM_UNTRUSTED), and the
+		 * source masks alone decide (anysrc is zero). */
+		m &= who->w[i] | rel->w[i] | shr->w[i];
+		if (m) {
+			__u64 bit = m & -m;
+			return (allow->w[i] & bit) ? R_SITE_ALLOW : R_SITE_DENY;
+		}
+	}
+	return R_NONE;
+}
+
+static __always_inline __u32 site_query(__u32 cuid, __u32 cgid, __u32 luid, __u32 lgid, const __u8 *src, __u16 port,
+					__u8 proto, int trusted, int here)
+{
+	struct uw_site_q q = {.cuid = cuid, .cgid = cgid, .luid = luid, .lgid = lgid, .port = port, .proto = proto,
+			      .trusted = trusted, .here = here};
+	__builtin_memcpy(q.src, src, 16);
+	return site_decide(&q);
 }
 
 /* Remote group test: membership as this node knows it now. The connector's
@@ -1359,6 +1572,17 @@ static __always_inline int sent_to_peer(struct bpf_sock *sk, const struct pkt *p
 	return hit;
 }
 
+/* The UDP reply's reverse check: could the socket's owner reach the sender's
+ * socket? Site rules first, from this node's address, on a node that is not
+ * this one (rules limited to nodes do not apply), then the built-in rules. */
+static __always_inline __u32 reverse_ids(const struct pkt *p, const struct uw_owner *l)
+{
+	__u32 rule = site_query(l->uid, l->gid, p->uid, p->gid, p->dst, p->sport, p->proto, 1, 0);
+	if (rule != R_NONE)
+		return rule;
+	return decide_ids(l->uid, l->gid, p->uid, p->gid);
+}
+
 /*
  * decide: the verdict for packet p (stamp status st) delivered to a socket
  * owned by l. The order is policy.Decide's; a datagram the rules refuse is
@@ -1372,13 +1596,19 @@ static __always_inline __u32 decide(struct uw_config *c, struct pkt *p, __u8 st,
 		return R_SYSTEM_PORT;
 	__u32 rule;
 	if (st == S_VALID) {
-		rule = decide_ids(p->uid, p->gid, l->uid, l->gid);
+		rule = site_query(p->uid, p->gid, l->uid, l->gid, p->src, p->dport, p->proto, 1, 1);
+		if (rule == R_NONE)
+			rule = decide_ids(p->uid, p->gid, l->uid, l->gid);
 	} else if (!lpm_has(&local_addrs, p->src) && lpm_has(&unenforced_nets, p->src)) {
 		rule = R_UNVERIFIED;
-	} else if (offcluster_port(p->dport)) {
-		rule = R_OFFCLUSTER_PORT;
 	} else {
-		rule = offcluster_src(p->src) ? R_OFFCLUSTER_DENIED : R_UNSTAMPED_FROM_CLUSTER;
+		/* Site rules naming the source and asking nothing of the
+		 * identity, then the off-cluster rules. */
+		rule = site_query(0, 0, l->uid, l->gid, p->src, p->dport, p->proto, 0, 1);
+		if (rule == R_NONE && offcluster_port(p->dport))
+			rule = R_OFFCLUSTER_PORT;
+		else if (rule == R_NONE)
+			rule = offcluster_src(p->src) ? R_OFFCLUSTER_DENIED : R_UNSTAMPED_FROM_CLUSTER;
 	}
 	if (!allows(rule) && dgram_proto(p->proto) && sent_to_peer(sk, p)) {
 		/* Reverse: the socket's owner reaching the sender's socket. */
@@ -1386,9 +1616,8 @@ static __always_inline __u32 decide(struct uw_config *c, struct pkt *p, __u8 st,
 		 * stamp is a reply only from off-cluster: from a cluster or
 		 * local address it may be anyone's (IP options, fragments and
 		 * spoofed sources leave a datagram unstamped). */
-		int rev = p->sport <= c->system_port_max ||
-			  (st == S_VALID ? allows(decide_ids(l->uid, l->gid, p->uid, p->gid))
-					 : offcluster_src(p->src));
+		int rev = p->sport <= c->system_port_max || (st == S_VALID ? allows(reverse_ids(p, l))
+										   : offcluster_src(p->src));
 		if (rev)
 			rule = R_UDP_REPLY;
 	}
