@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"slices"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -24,11 +25,12 @@ import (
 func explainCommand() *cobra.Command {
 	var (
 		from, group, nodeFlag, to, sock string
+		lisUser, lisGroup, portFlag     string
 		quiet                           bool
 		timeout                         time.Duration
 	)
 	cmd := &cobra.Command{
-		Use:   "explain [--from USER [--group G]] [--node N] --to ADDR:PORT[/udp]",
+		Use:   "explain [--from USER [--group G]] [--node N] (--to HOST:PORT[/udp] | [--to HOST] --port PORT[/udp]) [--listener-user U [--listener-group G]]",
 		Short: "Explain which rule allows or denies a connection to a listener, why, and how to fix it",
 		Long: `Decide a connection as the kernel would and say why. The connector is you, with
 the credentials of this process (uid, effective gid, supplementary groups, as
@@ -40,14 +42,26 @@ known (another user's process, no access to the ident service) the verdict is
 this node); it decides whether the connection is local, from the cluster, or
 off-cluster. A refused connection comes with the fix when one exists (ask the
 owner to share under a common group with sg). Exits 0 whatever the verdict;
-with --quiet prints nothing and exits 1 unless the connection is allowed.`,
+with --quiet prints nothing and exits 1 unless the connection is allowed.
+
+HOST is an address, a name of [cluster] nodes, a Slurm node name (its
+NodeAddr, from scontrol) or a host name. What-if: --listener-user (and
+--listener-group, default the user's primary group: what sg would start it
+with) stands for the listener, which need not exist; --port gives the port,
+on --to HOST or on this node. When the listener cannot be looked up (a user
+without access to another node's ident service), explain says what you would
+get if it is your own, and how to ask about someone else's.`,
 		Example: "  palisade explain --to node2:8888\n" +
 			"  palisade explain --from alice --node node1 --to 198.18.0.2:5000\n" +
-			"  palisade explain --from bob --group proj1 --to 127.0.0.1:6000/udp",
+			"  palisade explain --from bob --group proj1 --to 127.0.0.1:6000/udp\n" +
+			"  palisade explain --from bob --to node2 --port 8888 --listener-user alice --listener-group proj1",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if to == "" {
-				return errors.New("--to ADDR:PORT[/udp] is required")
+			if to == "" && portFlag == "" {
+				return errors.New("--to HOST:PORT[/udp] (or --port PORT[/udp], with --to HOST for another node) is required")
+			}
+			if lisGroup != "" && lisUser == "" {
+				return errors.New("--listener-group needs --listener-user")
 			}
 			if from == "" && group != "" {
 				return errors.New("--group needs --from (your own effective group is the one you run with: use sg GROUP -c 'palisade explain ...')")
@@ -57,7 +71,7 @@ with --quiet prints nothing and exits 1 unless the connection is allowed.`,
 				return err
 			}
 			pol := cfg.Policy
-			target, proto, err := ident.ParseTarget(to)
+			target, proto, toName, err := explainTarget(cfg, to, portFlag)
 			if err != nil {
 				return err
 			}
@@ -75,14 +89,29 @@ with --quiet prints nothing and exits 1 unless the connection is allowed.`,
 			ia := newIdentAccess(cfg, sock, cmd.Flags().Changed("socket"), timeout)
 			ctx, cancel := context.WithTimeout(cmd.Context(), timeout+time.Second)
 			defer cancel()
-			lis, answered, lerr := ia.ownerOf(ctx, netip.Addr{}, target, proto)
+			var (
+				lis      ident.Owner
+				answered netip.Addr
+				lerr     error
+			)
+			whatIf := lisUser != ""
+			if whatIf {
+				if lis, err = whatIfListener(res, lisUser, lisGroup); err != nil {
+					return err
+				}
+			} else {
+				lis, answered, lerr = ia.ownerOf(ctx, netip.Addr{}, target, proto)
+			}
 			if !src.IsValid() {
 				// Within a node the kernel sends from the dialled
 				// address: what site rules' sources see.
 				src = target.Addr().Unmap()
 			}
-			c := policy.Conn{Source: src, Connector: conn, Listener: lis.Identity(), Port: target.Port(), Proto: proto,
-				Node: listenerNode(cfg, target.Addr())}
+			node := listenerNode(cfg, target.Addr())
+			if node == "" {
+				node = toName
+			}
+			c := policy.Conn{Source: src, Connector: conn, Listener: lis.Identity(), Port: target.Port(), Proto: proto, Node: node}
 			v := pol.Decide(c)
 			// Without the listener's owner only the identity-free rules
 			// (system port, off-cluster) can decide; without its group, a
@@ -106,8 +135,15 @@ with --quiet prints nothing and exits 1 unless the connection is allowed.`,
 			fmt.Fprintf(w, "from\t%s, effective gid %s, groups %s\n",
 				identity.UserName(res, conn.UID), identity.GroupName(res, conn.GID), groupList(conn.Groups))
 			fmt.Fprintf(w, "on\t%s\n", srcDesc)
-			fmt.Fprintf(w, "to\t%v/%v\n", target, proto)
+			if toName != "" {
+				fmt.Fprintf(w, "to\t%v/%v (%s)\n", target, proto, toName)
+			} else {
+				fmt.Fprintf(w, "to\t%v/%v\n", target, proto)
+			}
 			switch {
+			case whatIf:
+				fmt.Fprintf(w, "listener\t%s, effective gid %s (what-if: not looked up)\n",
+					identity.UserName(res, lis.UID), identity.GroupName(res, lis.GID))
 			case errors.Is(lerr, ident.ErrNoSocket):
 				fmt.Fprintf(w, "listener\tnone: nothing is bound to %v/%v, so the connection fails whatever the policy\n", target, proto)
 			case lerr != nil:
@@ -129,6 +165,17 @@ with --quiet prints nothing and exits 1 unless the connection is allowed.`,
 					fmt.Fprintf(w, "verdict\tundecided: the listener's group is unknown here (its process is another user's, and this node's ident service is not open to you: [agent] ident_socket_group); the kernel knows it — try the connection, or ask root to run explain\n")
 				} else {
 					fmt.Fprintf(w, "verdict\tundecided: the rule depends on the listener's owner\n")
+					// What the user can know without the owner: their own
+					// listener there, and how to ask about another's.
+					own := c
+					own.Listener = policy.Identity{UID: conn.UID, GID: conn.GID, Groups: conn.Groups}
+					ov := pol.Decide(own)
+					word := "DENY"
+					if ov.Allow {
+						word = "ALLOW"
+					}
+					fmt.Fprintf(w, "if yours\t%s (rule %s): %s\n", word, ov.Rule, pol.ExplainWith(own, res))
+					fmt.Fprintf(w, "else\tif it is another user's: palisade explain ... --listener-user THEM [--listener-group GROUP] (what-if), or try the connection\n")
 				}
 				if l := stampLimits(pol, nodeFlag, target.Addr(), proto); l != "" {
 					fmt.Fprintf(w, "limits\t%s\n", l)
@@ -156,7 +203,10 @@ with --quiet prints nothing and exits 1 unless the connection is allowed.`,
 	f.StringVar(&from, "from", "", "connecting user (name or uid; default: you, with this process's credentials)")
 	f.StringVar(&group, "group", "", "connector's effective group, as after newgrp/sg (default: primary group)")
 	f.StringVar(&nodeFlag, "node", "", "node the connector runs on: name ([cluster] nodes or hosts) or address (default: this node)")
-	f.StringVar(&to, "to", "", "listener ADDR:PORT[/udp]")
+	f.StringVar(&to, "to", "", "listener HOST:PORT[/udp] (HOST: address, [cluster] node, Slurm node or host name), or HOST with --port")
+	f.StringVar(&portFlag, "port", "", "listener port PORT[/udp], on --to HOST or this node")
+	f.StringVar(&lisUser, "listener-user", "", "what-if: the listener's owner (name or uid); no live listener is looked up")
+	f.StringVar(&lisGroup, "listener-group", "", "what-if: the group the listener runs with (default: the owner's primary group)")
 	f.BoolVar(&quiet, "quiet", false, "print nothing; exit 1 unless allowed")
 	f.StringVar(&sock, "socket", ident.DefaultSocketPath, "ident service Unix socket, used when not root (default: [agent] ident_socket)")
 	f.DurationVar(&timeout, "timeout", time.Second, "how long to wait for a remote node")
@@ -368,4 +418,65 @@ func stampLimits(pol *policy.Policy, node string, dst netip.Addr, proto policy.P
 	}
 	return fmt.Sprintf("datagrams leave whole up to %d bytes (route MTU %d via %s, %d bytes kept for the identity stamp); larger ones are fragmented and delivered, or refused at once with EMSGSIZE where fragmenting is forbidden (IP_PMTUDISC_DO, IPV6_DONTFRAG, QUIC), as are UDP_SEGMENT sizes above %d; IP options or IPv6 extension headers get EPERM",
 		mtu-hdr, mtu, link.Attrs().Name, room, mtu-hdr)
+}
+
+// explainTarget is the listener's address, protocol and node name (if given
+// by name) from --to HOST[:PORT][/udp] and --port PORT[/udp].
+func explainTarget(cfg *config.Config, to, port string) (netip.AddrPort, policy.Proto, string, error) {
+	if port != "" {
+		host := to
+		if host == "" {
+			host = "127.0.0.1"
+		}
+		if strings.Contains(host, "/") || (strings.Count(host, ":") == 1) {
+			return netip.AddrPort{}, 0, "", fmt.Errorf("--to %q with --port: give the host alone", to)
+		}
+		to = net.JoinHostPort(strings.Trim(host, "[]"), port) // PORT[/udp] stays last
+	}
+	if t, p, err := ident.ParseTarget(to); err == nil {
+		return t, p, "", nil
+	}
+	hostPort, proto := to, "tcp"
+	if i := strings.LastIndexByte(to, '/'); i >= 0 {
+		hostPort, proto = to[:i], to[i+1:]
+	}
+	host, ps, err := net.SplitHostPort(hostPort)
+	if err != nil {
+		return netip.AddrPort{}, 0, "", fmt.Errorf("bad target %q: want HOST:PORT[/udp] (HOST an address or a node name), IPv6 as [ADDR]:PORT", to)
+	}
+	a, err := resolveNode(cfg, host)
+	if err != nil {
+		return netip.AddrPort{}, 0, "", err
+	}
+	t, p, err := ident.ParseTarget(net.JoinHostPort(a.String(), ps) + "/" + proto)
+	return t, p, host, err
+}
+
+// whatIfListener is --listener-user (and --listener-group): the identity a
+// listener started by that user would have. A group the user does not hold
+// is refused, as sg would.
+func whatIfListener(res identity.Resolver, user, group string) (ident.Owner, error) {
+	uid, err := identity.UID(res, user)
+	if err != nil {
+		return ident.Owner{}, fmt.Errorf("--listener-user %q: %w", user, err)
+	}
+	o := ident.Owner{UID: uid, GID: uid}
+	name, nerr := res.LookupUID(uid)
+	if nerr == nil {
+		if _, gid, err := res.LookupUser(name); err == nil {
+			o.GID = gid
+		}
+		o.Groups, _ = res.GroupsOf(name)
+	}
+	if group != "" {
+		g, err := identity.GID(res, group)
+		if err != nil {
+			return ident.Owner{}, fmt.Errorf("--listener-group %q: %w", group, err)
+		}
+		if nerr == nil && g != o.GID && !slices.Contains(o.Groups, g) {
+			return ident.Owner{}, fmt.Errorf("--listener-group %s: %s is not a member (sg could not start the listener under it)", identity.GroupName(res, g), name)
+		}
+		o.GID = g
+	}
+	return o, nil
 }

@@ -69,7 +69,27 @@ func uvnManager(cmd *cobra.Command, needEnabled bool) (*uvn.Manager, *config.Con
 			return nil, nil, fmt.Errorf("%s: SrunPortRange: %w", cfg.UVN.SlurmConf, err)
 		}
 	}
+	// Exempt accounts' sockets may serve every VRF (an account that does
+	// not resolve here has no sockets here either).
+	res := identity.System()
+	names := append([]string{}, principals(cfg.UVN.ExemptUsers)...)
+	if sc != nil {
+		names = append(names, sc.Accounts()...)
+	}
+	for _, n := range names {
+		if uid, err := identity.UID(res, n); err == nil {
+			m.Exempt = append(m.Exempt, uid)
+		}
+	}
 	return m, cfg, nil
+}
+
+func principals(ps []policy.Principal) []string {
+	out := make([]string, len(ps))
+	for i, p := range ps {
+		out[i] = string(p)
+	}
+	return out
 }
 
 // readSlurmConf reads slurm.conf; a node without one (no Slurm) is fine.
@@ -222,7 +242,7 @@ func uvnStatusCmd() *cobra.Command {
 				return writeJSON(cmd.OutOrStdout(), map[string]any{"users": users, "node": node})
 			}
 			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
-			fmt.Fprintln(w, "UID\tVRF\tTABLE\tVXLANS\tNAT\tHOLDERS\tCGROUPS\tSTATE")
+			fmt.Fprintln(w, "UID\tVRF\tTABLE\tVXLANS\tNAT\tHOLDERS\tCGROUPS\tSTATE\tSRUN PORTS")
 			for _, u := range users {
 				state := "ok"
 				switch {
@@ -231,8 +251,15 @@ func uvnStatusCmd() *cobra.Command {
 				case !u.Intact:
 					state = "damaged"
 				}
-				fmt.Fprintf(w, "%d\t%s\t%d\t%s\t%s\t%d/%d\t%d\t%s\n", u.UID, u.VRF, u.Table, strings.Join(u.Links, ","),
-					u.NAT, u.LiveHolders, len(u.Holders), len(u.Attach), state)
+				srun := "-"
+				if u.SrunBudget > 0 {
+					srun = fmt.Sprintf("%d/%d", u.SrunClaims, u.SrunBudget)
+					if u.SrunClaims >= u.SrunBudget {
+						srun += " (budget used up: srun finds no port)"
+					}
+				}
+				fmt.Fprintf(w, "%d\t%s\t%d\t%s\t%s\t%d/%d\t%d\t%s\t%s\n", u.UID, u.VRF, u.Table, strings.Join(u.Links, ","),
+					u.NAT, u.LiveHolders, len(u.Holders), len(u.Attach), state, srun)
 			}
 			w.Flush()
 			if node == nil {

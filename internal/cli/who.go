@@ -1,10 +1,12 @@
 package cli
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"net/netip"
+	"os/exec"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -132,9 +134,13 @@ func resolveNode(cfg *config.Config, s string) (netip.Addr, error) {
 			return n.Addr.Unmap(), nil
 		}
 	}
+	// A Slurm node name: its NodeAddr (may differ from its host name).
+	if a, ok := slurmNodeAddr(s); ok {
+		return a, nil
+	}
 	addrs, err := lookupHost(s)
 	if err != nil || len(addrs) == 0 {
-		return netip.Addr{}, fmt.Errorf("node %q: not an address and not resolvable: %v", s, err)
+		return netip.Addr{}, fmt.Errorf("node %q: not an address, a [cluster] node, a Slurm node or a resolvable name: %v", s, err)
 	}
 	for _, a := range addrs {
 		if a.Is4() {
@@ -142,4 +148,33 @@ func resolveNode(cfg *config.Config, s string) (netip.Addr, error) {
 		}
 	}
 	return addrs[0], nil
+}
+
+// slurmNodeAddr asks Slurm for a node's NodeAddr (scontrol, if installed and
+// Slurm answers within 2 s); its host name's address when NodeAddr is a name.
+func slurmNodeAddr(name string) (netip.Addr, bool) {
+	if _, err := exec.LookPath("scontrol"); err != nil {
+		return netip.Addr{}, false
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "scontrol", "show", "node", "-o", name).Output()
+	if err != nil {
+		return netip.Addr{}, false
+	}
+	for _, f := range strings.Fields(string(out)) {
+		v, ok := strings.CutPrefix(f, "NodeAddr=")
+		if !ok {
+			continue
+		}
+		if a, err := netip.ParseAddr(v); err == nil {
+			return a.Unmap(), true
+		}
+		if v != name {
+			if as, err := lookupHost(v); err == nil && len(as) > 0 {
+				return as[0], true
+			}
+		}
+	}
+	return netip.Addr{}, false
 }

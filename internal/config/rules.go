@@ -73,6 +73,9 @@ type ruleFile struct {
 
 var ruleName = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$`)
 
+// maxIncluded bounds an included file's size.
+const maxIncluded = 4 << 20
+
 // includedFile is one file [policy] include named, as read.
 type includedFile struct {
 	path string
@@ -109,6 +112,15 @@ func (c *Config) loadIncludes(fail func(file string, line int, key, format strin
 				continue
 			}
 			seen[m] = true
+			// A policy file, not whatever a glob meets (a device, a FIFO
+			// or /proc would hang the agent's reload).
+			if st, err := os.Stat(m); err == nil && (!st.Mode().IsRegular() || st.Size() > maxIncluded) {
+				if st.Mode().IsDir() {
+					continue
+				}
+				fail(c.Path, c.KeyLineValue("policy.include", pat), "policy.include", "%s: not a regular file of at most %d bytes", m, maxIncluded)
+				continue
+			}
 			data, err := os.ReadFile(m)
 			if err != nil {
 				if errors.Is(err, fs.ErrPermission) || !errors.Is(err, fs.ErrNotExist) {
@@ -305,10 +317,13 @@ func (c *Config) buildRules(res identity.Resolver, fail func(file string, line i
 			bad("source", t.Source, "give from_node or source, not both")
 		case t.FromNode != "":
 			addrs, known := nodeAddrs[t.FromNode]
-			if !known {
-				bad("from_node", t.FromNode, "node %q is not in [cluster] nodes", t.FromNode)
-			} else {
+			switch {
+			case known:
 				t.src = addrs[0]
+			case slices.ContainsFunc(c.PendingNodes, func(p PendingNode) bool { return p.Name == t.FromNode }):
+				// Known by name only (a hostlist): resolved when the test runs.
+			default:
+				bad("from_node", t.FromNode, "node %q is not in [cluster] nodes", t.FromNode)
 			}
 		case t.Source != "":
 			a, err := netip.ParseAddr(t.Source)
@@ -417,7 +432,15 @@ func (c *Config) runTest(res identity.Resolver, t *TestConfig, r *TestResult) er
 	if t.Proto == "udp" {
 		proto = policy.UDP
 	}
-	r.Conn = policy.Conn{Source: t.src, Connector: conn, Listener: lis, Port: uint16(t.Port), Proto: proto, Node: t.Node}
+	src := t.src
+	if t.FromNode != "" && !src.IsValid() {
+		addrs, err := LookupHost(t.FromNode)
+		if err != nil || len(addrs) == 0 {
+			return fmt.Errorf("from_node %q (a [cluster] nodes hostlist name) does not resolve: %v", t.FromNode, err)
+		}
+		src = addrs[0]
+	}
+	r.Conn = policy.Conn{Source: src, Connector: conn, Listener: lis, Port: uint16(t.Port), Proto: proto, Node: t.Node}
 	r.Got = c.Policy.Decide(r.Conn)
 	verdict := func(allow bool) string {
 		if allow {

@@ -424,6 +424,11 @@ func TestSiteRuleIncludes(t *testing.T) {
 	if err == nil || err.Error() != want {
 		t.Errorf("got %v\nwant %s", err, want)
 	}
+	// Not a regular file: refused, not read.
+	c2 := strings.Replace(string(data), `include = ["policy.d/*.toml"]`, `include = ["policy.d/*.toml", "/dev/zero"]`, 1)
+	if _, err := Parse(main, []byte(c2), siteUsers); err == nil || !strings.Contains(err.Error(), "policy.include: /dev/zero: not a regular file") {
+		t.Errorf("/dev/zero included: %v", err)
+	}
 	write(filepath.Join(dir, "policy.d", "20-b.toml"), "[policy]\nsystem_port_max = 1\n")
 	if _, err = Parse(main, data, siteUsers); err == nil || !strings.Contains(err.Error(), "20-b.toml:2: policy.system_port_max: unknown key (an included file holds only [[rule]] and [[test]])") {
 		t.Errorf("got %v", err)
@@ -466,5 +471,19 @@ func TestExplainSiteRule(t *testing.T) {
 	conn.Port = 9300
 	if got := c.Policy.ExplainWith(conn, siteUsers); !strings.Contains(got, "none of the 10 site rules matched") {
 		t.Errorf("default deny: %s", got)
+	}
+}
+
+// A test's from_node known by name only (a [cluster] nodes hostlist) is
+// resolved when the test runs, not when the file loads.
+func TestTestFromHostlistNode(t *testing.T) {
+	data := "[cluster]\nsubnets = [\"198.18.0.0/24\"]\nnodes = [\"palnosuchnode[1-2]\"]\n" +
+		"[[test]]\nfrom = \"alice\"\nfrom_node = \"palnosuchnode1\"\nto = \"alice\"\nport = 5000\nexpect = \"allow\"\n"
+	c, err := Parse("h.toml", []byte(data), siteUsers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.RunTests(siteUsers); err == nil || !strings.Contains(err.Error(), `from_node "palnosuchnode1" (a [cluster] nodes hostlist name) does not resolve`) {
+		t.Errorf("RunTests: %v", err)
 	}
 }

@@ -8,22 +8,13 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/palisade-hpc/palisade/internal/sys/netns"
 )
 
 // NetnsCookie returns the cookie of the caller's network namespace (what
 // bpf_get_netns_cookie returns for its sockets).
-func NetnsCookie() (uint64, error) {
-	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return 0, err
-	}
-	defer unix.Close(fd)
-	c, err := unix.GetsockoptUint64(fd, unix.SOL_SOCKET, unix.SO_NETNS_COOKIE)
-	if err != nil {
-		return 0, fmt.Errorf("SO_NETNS_COOKIE: %w (kernel ≥ 5.14 needed)", err)
-	}
-	return c, nil
-}
+func NetnsCookie() (uint64, error) { return netns.Cookie() }
 
 func isBPFFS(path string) bool {
 	var st unix.Statfs_t

@@ -228,6 +228,7 @@ func underlayPrograms(ranges []policy.PortRange, nets []netip.Prefix, nat netip.
 		vrfbpfVarUnderlayPorts:   pr,
 		vrfbpfVarN_underlayPorts: uint32(len(ranges)),
 		vrfbpfVarNatAddr:         nativeAddr4(nat),
+		vrfbpfVarNatMark:         uint32(natMark),
 	} {
 		if err := spec.Variables[name].Set(v); err != nil {
 			return nil, nil, fmt.Errorf("underlay programs: set %s: %w", name, err)
@@ -255,6 +256,23 @@ func underlayPrograms(ranges []policy.PortRange, nets []netip.Prefix, nat netip.
 		}
 	}
 	return objs.Conn, objs.Send, nil
+}
+
+// linkLocalProgram loads pal_uvn_bind6 (bpf/vrf.c): link-local binds are
+// refused (the kernel would take the scope as the socket's device even when
+// the bind fails; the hook cannot see the scope).
+func linkLocalProgram() (*ebpf.Program, error) {
+	spec, err := loadVrfbpf()
+	if err != nil {
+		return nil, err
+	}
+	var objs struct {
+		Bind6 *ebpf.Program `ebpf:"pal_uvn_bind6"`
+	}
+	if err := spec.LoadAndAssign(&objs, nil); err != nil {
+		return nil, err
+	}
+	return objs.Bind6, nil
 }
 
 // attachProg attaches prog to cg with ALLOW_MULTI and returns its id.

@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"strconv"
+	"syscall"
 	"testing"
 	"time"
 
@@ -247,6 +248,11 @@ func TestUnderlayPrograms(t *testing.T) {
 			if err != nil {
 				return fmt.Errorf("tcp %s: %w", hp, err)
 			}
+			// Only the underlay-port connection is marked for rules
+			// 998/999 (a NAT source alone routes nothing).
+			if mark := sockMark(t, tc.(*net.TCPConn)); (mark == natMark) != c.nat || (mark != 0 && mark != natMark) {
+				t.Errorf("tcp to %s: mark %#x, want %#x if NAT", hp, mark, natMark)
+			}
 			ac, err := tcp[hp].Accept()
 			tc.Close()
 			if err != nil {
@@ -289,6 +295,20 @@ func TestUnderlayPrograms(t *testing.T) {
 	})
 }
 
+func sockMark(t *testing.T, c syscall.Conn) int {
+	t.Helper()
+	rc, err := c.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mark int
+	var serr error
+	if err := rc.Control(func(fd uintptr) { mark, serr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK) }); err != nil || serr != nil {
+		t.Fatal(err, serr)
+	}
+	return mark
+}
+
 // TestUnderlayProgramsLimits: more ranges or prefixes than the C programs
 // hold are refused with an error, not cut short.
 func TestUnderlayProgramsLimits(t *testing.T) {
@@ -301,4 +321,288 @@ func TestUnderlayProgramsLimits(t *testing.T) {
 	if _, _, err := underlayPrograms(nil, nets, nat); err == nil {
 		t.Error("too many prefixes accepted")
 	}
+}
+
+// TestLinkLocalProgram attaches pal_uvn_bind6 to a scratch cgroup: a bind
+// to a link-local address with a scope (which the kernel would take as the
+// socket's device even when the bind fails) is refused and leaves the
+// socket unbound; other binds are not refused.
+func TestLinkLocalProgram(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root")
+	}
+	cg, home, path := scratchCgroup(t, "ll")
+	inScratchNetns(t, nil, func(dev int) error {
+		p, err := linkLocalProgram()
+		if err != nil {
+			return err
+		}
+		defer p.Close()
+		if _, err := cg.attachProg(path, p, ebpf.AttachCGroupInet6Bind); err != nil {
+			return err
+		}
+		enterCgroup(t, cg, path)
+		defer enterCgroup(t, cg, home)
+		bind6 := func(addr string, want error) {
+			t.Helper()
+			fd, err := unix.Socket(unix.AF_INET6, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer unix.Close(fd)
+			err = unix.Bind(fd, &unix.SockaddrInet6{Addr: netip.MustParseAddr(addr).As16(), ZoneId: uint32(dev)})
+			if want != nil && !errors.Is(err, want) {
+				t.Errorf("bind [%s%%paltest0]: %v, want %v", addr, err, want)
+			}
+			if want == nil && errors.Is(err, unix.EPERM) {
+				t.Errorf("bind [%s]: %v, want no refusal", addr, err)
+			}
+			if got, _ := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_BINDTOIFINDEX); want != nil && got != 0 {
+				t.Errorf("bind [%s%%paltest0] refused but the socket is bound to device %d", addr, got)
+			}
+		}
+		bind6("fe80::1", unix.EPERM)
+		bind6("ff02::1", unix.EPERM)
+		bind6("::1", nil)
+		return nil
+	})
+}
+
+// TestGuardRootPrograms runs the node's device guard (bpf/guard.c) on a
+// scratch cgroup (the product attaches it at the root) in a scratch
+// namespace where paltest2 is registered as another user's device (uid
+// 4242) and paltest0 is not (a default-VRF device). With min_uid 0 the
+// test's root counts as a user: every way of naming the foreign device is
+// refused — socket options with EPERM, IP_PKTINFO and the route at the
+// packet, a socket moved there by a failed scoped bind at every packet —
+// while the default device works; exempting uid 0 lets an unbound socket
+// reach the device again (system services serve every VRF).
+func TestGuardRootPrograms(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root")
+	}
+	cg, home, path := scratchCgroup(t, "groot")
+	inScratchNetns(t, []string{"198.18.5.1/24"}, func(own int) error {
+		v := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "paltest2"}, PeerName: "paltest3"}
+		if err := netlink.LinkAdd(v); err != nil {
+			return err
+		}
+		for _, n := range []string{"paltest2", "paltest3"} {
+			l, err := netlink.LinkByName(n)
+			if err != nil {
+				return err
+			}
+			if err := netlink.LinkSetUp(l); err != nil {
+				return err
+			}
+		}
+		foreign, err := netlink.LinkByName("paltest2")
+		if err != nil {
+			return err
+		}
+		fi := foreign.Attrs().Index
+		if err := netlink.AddrAdd(foreign, &netlink.Addr{IPNet: &net.IPNet{IP: net.ParseIP("198.18.6.1"), Mask: net.CIDRMask(24, 32)}}); err != nil {
+			return err
+		}
+		cookie, err := netns.Cookie()
+		if err != nil {
+			return err
+		}
+		coll, err := loadGuard(cookie, 0, nil, policy.PortRange{First: 61000, Last: 62999})
+		if err != nil {
+			return err
+		}
+		defer coll.Close()
+		o := guardbpfGuardOwner{Vrf: uint32(fi), Uid: 4242}
+		var k guardbpfGuardName
+		for i, c := range "paltest2" {
+			k.Name[i] = int8(c)
+		}
+		if err := coll.Maps[guardbpfMapPalUvnDevs].Put(uint32(fi), o); err != nil {
+			return err
+		}
+		if err := coll.Maps[guardbpfMapPalUvnNames].Put(k, o); err != nil {
+			return err
+		}
+		for _, a := range guardAttach {
+			if _, err := cg.attachProg(path, coll.Programs[a.prog], a.at); err != nil {
+				return err
+			}
+		}
+		// Listeners on an SrunPortRange port and another, made outside.
+		var lc net.ListenConfig
+		lc.SetMultipathTCP(false)
+		for _, p := range []string{"61000", "29000"} {
+			l, err := lc.Listen(context.Background(), "tcp4", "127.0.0.1:"+p)
+			if err != nil {
+				return err
+			}
+			defer l.Close()
+			go func() {
+				for {
+					c, err := l.Accept()
+					if err != nil {
+						return
+					}
+					c.Close()
+				}
+			}()
+		}
+		enterCgroup(t, cg, path)
+		defer enterCgroup(t, cg, home)
+
+		// A user's unbound socket does not call srun's listeners (the
+		// hand-over would take it for Slurm's); other ports work.
+		if c, err := net.DialTimeout("tcp4", "127.0.0.1:29000", 20*time.Second); err != nil {
+			t.Errorf("control: connect to a port outside SrunPortRange: %v", err)
+		} else {
+			c.Close()
+		}
+		if c, err := net.DialTimeout("tcp4", "127.0.0.1:61000", 2*time.Second); err == nil {
+			t.Errorf("a user's unbound socket connected to an SrunPortRange port")
+			c.Close()
+		}
+
+		udp := func() int {
+			fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return fd
+		}
+		send := func(name string, fd, pktinfo int, dst [4]byte, want error) {
+			t.Helper()
+			var oob []byte
+			if pktinfo != 0 {
+				oob = unix.PktInfo4(&unix.Inet4Pktinfo{Ifindex: int32(pktinfo)})
+			}
+			err := unix.Sendmsg(fd, []byte("pal"), oob, &unix.SockaddrInet4{Port: 9, Addr: dst}, 0)
+			if !errors.Is(err, want) && !(want == nil && err == nil) {
+				t.Errorf("%s: sendmsg: %v, want %v", name, err, want)
+			}
+		}
+		ownPeer, foreignPeer := [4]byte{198, 18, 5, 2}, [4]byte{198, 18, 6, 2}
+		opts := []struct {
+			name string
+			set  func(fd int) error
+		}{
+			{"SO_BINDTODEVICE", func(fd int) error { return unix.BindToDevice(fd, "paltest2") }},
+			{"SO_BINDTOIFINDEX", func(fd int) error { return unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_BINDTOIFINDEX, fi) }},
+			{"IP_UNICAST_IF", func(fd int) error {
+				return unix.SetsockoptInt(fd, unix.IPPROTO_IP, unix.IP_UNICAST_IF, int(htonl(uint32(fi))))
+			}},
+			{"IP_MULTICAST_IF", func(fd int) error {
+				return unix.SetsockoptIPMreqn(fd, unix.IPPROTO_IP, unix.IP_MULTICAST_IF, &unix.IPMreqn{Ifindex: int32(fi)})
+			}},
+		}
+		for _, o := range opts {
+			fd := udp()
+			if err := o.set(fd); !errors.Is(err, unix.EPERM) {
+				t.Errorf("%s naming the foreign device: %v, want EPERM", o.name, err)
+			}
+			unix.Close(fd)
+		}
+		fd := udp()
+		if err := unix.BindToDevice(fd, "paltest0"); err != nil {
+			t.Errorf("control: SO_BINDTODEVICE to a default device: %v", err)
+		}
+		send("control: bound to a default device", fd, 0, ownPeer, nil)
+		unix.Close(fd)
+		fd = udp()
+		send("IP_PKTINFO foreign device", fd, fi, foreignPeer, unix.EPERM)
+		send("route through the foreign device", fd, 0, foreignPeer, unix.EPERM)
+		send("control: IP_PKTINFO default device", fd, own, ownPeer, nil)
+		unix.Close(fd)
+		// A failed scoped bind moves the socket to the device.
+		fd6, err := unix.Socket(unix.AF_INET6, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		unix.Bind(fd6, &unix.SockaddrInet6{Addr: netip.MustParseAddr("fe80::1").As16(), ZoneId: uint32(fi)})
+		if dev, _ := unix.GetsockoptInt(fd6, unix.SOL_SOCKET, unix.SO_BINDTOIFINDEX); dev != fi {
+			t.Logf("scoped bind left the socket on device %d (not %d): the kernel changed", dev, fi)
+		}
+		err = unix.Sendto(fd6, []byte("pal"), 0, &unix.SockaddrInet6{Port: 9, Addr: netip.MustParseAddr("::ffff:198.18.6.2").As16()})
+		if !errors.Is(err, unix.EPERM) {
+			t.Errorf("socket moved by a scoped bind: sendto: %v, want EPERM", err)
+		}
+		unix.Close(fd6)
+		// Exempt (a system account): the unbound socket reaches it.
+		if err := coll.Maps[guardbpfMapPalUvnExempt].Put(uint32(0), uint8(1)); err != nil {
+			return err
+		}
+		fd = udp()
+		send("exempt: IP_PKTINFO foreign device", fd, fi, foreignPeer, nil)
+		unix.Close(fd)
+		return nil
+	})
+}
+
+func htonl(v uint32) uint32 { return v>>24 | v>>8&0xff00 | v<<8&0xff0000 | v<<24 }
+
+// TestGuardCost reports what the device guard's packet programs cost per
+// run on this kernel (PALISADE_UVN_GUARD_COST=1; BPF run-time statistics):
+// UDP datagrams over lo, as every packet of the node pays.
+func TestGuardCost(t *testing.T) {
+	if os.Getenv("PALISADE_UVN_GUARD_COST") == "" || os.Geteuid() != 0 {
+		t.Skip("PALISADE_UVN_GUARD_COST=1, as root")
+	}
+	stats, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stats.Close()
+	cg, home, path := scratchCgroup(t, "gcost")
+	inScratchNetns(t, nil, func(own int) error {
+		cookie, err := netns.Cookie()
+		if err != nil {
+			return err
+		}
+		coll, err := loadGuard(cookie, 1000, nil, policy.PortRange{First: 61000, Last: 62999})
+		if err != nil {
+			return err
+		}
+		defer coll.Close()
+		if err := coll.Maps[guardbpfMapPalUvnDevs].Put(uint32(own), guardbpfGuardOwner{Vrf: uint32(own), Uid: 4242}); err != nil {
+			return err
+		}
+		progs := map[string]*ebpf.Program{"egress": coll.Programs[guardbpfProgPalUvnOut], "ingress": coll.Programs[guardbpfProgPalUvnIn]}
+		for _, a := range guardAttach {
+			if _, err := cg.attachProg(path, coll.Programs[a.prog], a.at); err != nil {
+				return err
+			}
+		}
+		enterCgroup(t, cg, path)
+		defer enterCgroup(t, cg, home)
+		r, err := net.ListenUDP("udp4", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1)})
+		if err != nil {
+			return err
+		}
+		defer r.Close()
+		s, err := net.DialUDP("udp4", nil, r.LocalAddr().(*net.UDPAddr))
+		if err != nil {
+			return err
+		}
+		defer s.Close()
+		buf := make([]byte, 64)
+		const n = 20000
+		for i := 0; i < n; i++ {
+			if _, err := s.Write(buf); err != nil {
+				return err
+			}
+			if _, err := r.Read(buf); err != nil {
+				return err
+			}
+		}
+		for name, p := range progs {
+			st, err := p.Stats()
+			if err != nil {
+				return err
+			}
+			if st.RunCount > 0 {
+				t.Logf("%-16s %6d runs, %5.0f ns per run", name, st.RunCount, float64(st.Runtime.Nanoseconds())/float64(st.RunCount))
+			}
+		}
+		return nil
+	})
 }

@@ -6,3 +6,6 @@ package uvn
 // The session programs (bpf/vrf.c) are compiled against userwall's
 // committed, pinned vmlinux.h (one copy in the tree; `make vmlinux`).
 //go:generate go run github.com/cilium/ebpf/cmd/bpf2go -cc clang -cflags "-O2 -g -Wall -D__TARGET_ARCH_x86" -target bpfel -type uvn_lpm4 vrfbpf bpf/vrf.c -- -I../userwall/bpf
+
+// The node's device boundary (bpf/guard.c), attached at the cgroup2 root.
+//go:generate go run github.com/cilium/ebpf/cmd/bpf2go -cc clang -cflags "-O2 -g -Wall -D__TARGET_ARCH_x86" -target bpfel -type guard_owner -type guard_name -type guard_birth guardbpf bpf/guard.c -- -I../userwall/bpf

@@ -43,7 +43,9 @@ type guardUnderlay struct {
 //	         where udp_l3mdev_accept would hand them to the VXLAN socket),
 //	         from a node address, from a privileged source port.
 //	postrouting (nat): saddr in the NAT pool, oif not a uvn device -> masquerade
-//	forward: (only if forwarding was off) accept to/from the pools, drop the rest.
+//	forward: to the NAT pool: ct state established,related (reply direction)
+//	         -> accept, else drop; if forwarding was off before: from the
+//	         pool -> accept, drop the rest.
 func installGuard(g guard) error {
 	c, err := nftables.New()
 	if err != nil {
@@ -109,16 +111,30 @@ func installGuard(g guard) error {
 			notUVNDev(expr.MetaKeyOIFNAME),
 			[]expr.Any{&expr.Masq{}})})
 	}
-	if g.forwardGuard {
-		fwd := c.AddChain(&nftables.Chain{Name: "forward", Table: t, Type: nftables.ChainTypeFilter,
-			Hooknum: nftables.ChainHookForward, Priority: nftables.ChainPriorityFilter, Policy: &accept})
-		for _, p := range []netip.Prefix{g.natPool, g.nat6Pool} {
-			if !p.IsValid() {
-				continue
-			}
-			c.AddRule(&nftables.Rule{Table: t, Chain: fwd, Exprs: cat(saddrIn(p), []expr.Any{&expr.Verdict{Kind: expr.VerdictAccept}})})
-			c.AddRule(&nftables.Rule{Table: t, Chain: fwd, Exprs: cat(daddrIn(p), []expr.Any{&expr.Verdict{Kind: expr.VerdictAccept}})})
+	// Forwarded into a user's VRF (to a NAT address): only replies of
+	// connections made from that address. Always, whatever forwarding was
+	// before: the main table's return routes would otherwise let any
+	// host that routes the pool to this node open connections to users'
+	// listeners.
+	fwd := c.AddChain(&nftables.Chain{Name: "forward", Table: t, Type: nftables.ChainTypeFilter,
+		Hooknum: nftables.ChainHookForward, Priority: nftables.ChainPriorityFilter, Policy: &accept})
+	for _, p := range []netip.Prefix{g.natPool, g.nat6Pool} {
+		if !p.IsValid() {
+			continue
 		}
+		c.AddRule(&nftables.Rule{Table: t, Chain: fwd, Exprs: cat(daddrIn(p), replyOnly(),
+			[]expr.Any{&expr.Verdict{Kind: expr.VerdictAccept}})})
+		c.AddRule(&nftables.Rule{Table: t, Chain: fwd, Exprs: cat(daddrIn(p), ctState(expr.CtStateBitRELATED),
+			[]expr.Any{&expr.Verdict{Kind: expr.VerdictAccept}})})
+		c.AddRule(&nftables.Rule{Table: t, Chain: fwd, Exprs: cat(daddrIn(p),
+			[]expr.Any{&expr.Counter{}, &expr.Verdict{Kind: expr.VerdictDrop}})})
+		if g.forwardGuard {
+			c.AddRule(&nftables.Rule{Table: t, Chain: fwd, Exprs: cat(saddrIn(p), []expr.Any{&expr.Verdict{Kind: expr.VerdictAccept}})})
+		}
+	}
+	if g.forwardGuard {
+		// Forwarding was off before uvn turned it on for the uplinks:
+		// nothing else is forwarded.
 		c.AddRule(&nftables.Rule{Table: t, Chain: fwd, Exprs: []expr.Any{&expr.Counter{}, &expr.Verdict{Kind: expr.VerdictDrop}}})
 	}
 	if err := c.Flush(); err != nil {
@@ -209,6 +225,24 @@ func addrMatch(p netip.Prefix, src bool) []expr.Any {
 		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: alen, Mask: mask, Xor: make([]byte, alen)},
 		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: p.Masked().Addr().AsSlice()},
 	}
+}
+
+// ctState matches packets whose conntrack state has one of bits.
+func ctState(bits uint32) []expr.Any {
+	return []expr.Any{
+		&expr.Ct{Register: 1, Key: expr.CtKeySTATE},
+		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4,
+			Mask: binaryutil.NativeEndian.PutUint32(bits), Xor: binaryutil.NativeEndian.PutUint32(0)},
+		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: binaryutil.NativeEndian.PutUint32(0)},
+	}
+}
+
+// replyOnly matches the reply direction of an established connection.
+func replyOnly() []expr.Any {
+	return cat(ctState(expr.CtStateBitESTABLISHED), []expr.Any{
+		&expr.Ct{Register: 1, Key: expr.CtKeyDIRECTION},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{1}}, // IP_CT_DIR_REPLY
+	})
 }
 
 func saddrIn(p netip.Prefix) []expr.Any { return addrMatch(p, true) }

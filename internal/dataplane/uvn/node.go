@@ -58,6 +58,9 @@ func (m *Manager) ensureNode() error {
 				return err
 			}
 		}
+		if err := m.ensureGuardRoot(ns); err != nil {
+			return err
+		}
 		if guardPresent() {
 			return nil
 		}
@@ -158,6 +161,13 @@ func (m *Manager) buildNode(ns *NodeState) error {
 		if err := m.buildSrun(ns); err != nil {
 			return err
 		}
+	}
+
+	if err := m.step("guard"); err != nil {
+		return err
+	}
+	if err := m.ensureGuardRoot(ns); err != nil {
+		return err
 	}
 
 	ns.ForwardGuard = forwardGuard
@@ -390,6 +400,10 @@ func undo(u Undo) error {
 			}
 			r.Src = n
 		}
+		r.IPProto = u.Proto
+		if u.DportHi != 0 {
+			r.Dport = netlink.NewRulePortRange(u.DportLo, u.DportHi)
+		}
 		if err := netlink.RuleDel(r); !gone(err) {
 			return fmt.Errorf("remove rule %d: %w", u.Pref, err)
 		}
@@ -403,6 +417,8 @@ func undo(u Undo) error {
 		return undoClsact(u.Name)
 	case "srun-release":
 		return undoSrunRelease(u.Prog)
+	case "guard-root":
+		return undoGuardRoot(u)
 	default:
 		return fmt.Errorf("unknown journal record %q", u.Kind)
 	}
@@ -435,6 +451,9 @@ func (m *Manager) teardownLocked(st *UserState) error {
 	if vl, err := netlink.LinkByName(st.VRF); err == nil {
 		if err := m.dropSrunClaims(vl.Attrs().Index); err != nil {
 			errs = append(errs, fmt.Errorf("srun port claims: %w", err))
+		}
+		if err := m.guardDrop(vl.Attrs().Index); err != nil {
+			errs = append(errs, fmt.Errorf("guard maps: %w", err))
 		}
 	}
 	if err := m.undoAll(st.Undo); err != nil {
@@ -523,6 +542,9 @@ func (m *Manager) attach(st *UserState, pid, holder int) error {
 			return err
 		}
 		a0.ProgID = id
+		if err := m.attachLinkLocal(cg, a0); err != nil {
+			return err
+		}
 		if err := m.attachUnderlay(cg, a0, st); err != nil {
 			return err
 		}
@@ -620,6 +642,7 @@ func (m *Manager) pruneAttachments(st *UserState, cg *cgroup2, leaving []int) {
 			if err := cg.removeCgroup(a.Cgroup); err != nil {
 				m.logf("uvn: uid %d: remove cgroup %s: %v", st.UID, a.Cgroup, err)
 				a.ProgID, a.ConnectID, a.SendmsgID, a.Bind4ID, a.Bind6ID, a.ReleaseID = 0, 0, 0, 0, 0, 0
+				a.EgressID, a.IngressID, a.LinkLocalID = 0, 0, 0
 				kept = append(kept, a)
 				continue
 			}
@@ -700,6 +723,11 @@ type UserStatus struct {
 	UserState
 	Intact      bool `json:"intact"`
 	LiveHolders int  `json:"live_holders"`
+	// SrunClaims of SrunBudget SrunPortRange ports the user's VRF holds
+	// claimed (bpf/srun.c); at the budget, the user's next srun on this
+	// node finds no port ("all ports in range exhausted").
+	SrunClaims uint32 `json:"srun_claims"`
+	SrunBudget uint32 `json:"srun_budget,omitempty"`
 }
 
 // Status lists the users with a network on this node.
@@ -709,12 +737,25 @@ func (m *Manager) Status() ([]UserStatus, *NodeState, error) {
 		return nil, nil, err
 	}
 	var out []UserStatus
+	var counts *ebpf.Map
+	var budget uint32
+	if ns, found, err := m.st.loadNode(); err == nil && found && ns.SrunCount != 0 {
+		if r, err := policy.ParsePortRange(ns.SrunRange); err == nil {
+			budget = SrunBudget(r)
+		}
+		if counts, err = ebpf.NewMapFromID(ebpf.MapID(ns.SrunCount)); err == nil {
+			defer counts.Close()
+		}
+	}
 	for _, u := range uids {
 		st, ok, err := m.st.loadUser(u)
 		if err != nil || !ok {
 			continue
 		}
-		us := UserStatus{UserState: *st}
+		us := UserStatus{UserState: *st, SrunBudget: budget}
+		if vl, err := netlink.LinkByName(st.VRF); err == nil && counts != nil {
+			counts.Lookup(uint32(vl.Attrs().Index), &us.SrunClaims) // none: 0
+		}
 		us.Intact = st.Complete && m.intact(st, false)
 		for _, h := range st.Holders {
 			if h.alive() {
@@ -774,6 +815,9 @@ func (c *cgroup2) detachAll(a Attachment) error {
 		c.detachAs(a.Cgroup, a.ReleaseID, ebpf.AttachCgroupInetSockRelease),
 		c.detachAs(a.Cgroup, a.ConnectID, ebpf.AttachCGroupInet4Connect),
 		c.detachAs(a.Cgroup, a.SendmsgID, ebpf.AttachCGroupUDP4Sendmsg),
+		c.detachAs(a.Cgroup, a.EgressID, ebpf.AttachCGroupInetEgress),
+		c.detachAs(a.Cgroup, a.IngressID, ebpf.AttachCGroupInetIngress),
+		c.detachAs(a.Cgroup, a.LinkLocalID, ebpf.AttachCGroupInet6Bind),
 		c.detach(a.Cgroup, a.ProgID))
 }
 
@@ -804,25 +848,63 @@ func (m *Manager) attachUnderlay(cg *cgroup2, a *Attachment, st *UserState) erro
 	return err
 }
 
-// Node rules for the underlay ports: a socket whose source is a NAT
-// address (set by the underlay-port program) is routed by the local and
-// main tables, before the l3mdev rule sends it to the VRF table.
+// Node rules for the underlay ports: a socket the underlay-port program
+// gave the user's NAT address as source and marked natMark (connections,
+// connected UDP), and unconnected UDP from a NAT address to an underlay
+// port, are routed by the local and main tables, before the l3mdev rule
+// sends them to the VRF table. Not the source alone: a user may bind his
+// own NAT address, and masquerade would then give any connection of his
+// the node's address (Slurm's hand-over trusts cluster addresses).
 const (
 	natLocalRulePref = 998
 	natMainRulePref  = 999
+	natMark          = 0x70616c01 // "pal\x01"
 )
 
 func (m *Manager) natRules(ns *NodeState) error {
+	type sel struct {
+		mark   uint32
+		proto  int
+		lo, hi uint16
+	}
+	sels := []sel{{mark: natMark}}
+	for _, r := range m.cfg.UnderlayRanges {
+		sels = append(sels, sel{proto: unix.IPPROTO_UDP, lo: r.First, hi: r.Last})
+	}
+	mask := uint32(0xffffffff)
 	for _, r := range []struct{ pref, table int }{{natLocalRulePref, unix.RT_TABLE_LOCAL}, {natMainRulePref, unix.RT_TABLE_MAIN}} {
-		if err := m.recordNode(ns, Undo{Kind: "rule", Pref: r.pref, Table: uint32(r.table), Family: netlink.FAMILY_V4, Dst: m.cfg.NATPrefix.String()}); err != nil {
-			return err
-		}
-		rule := netlink.NewRule()
-		rule.Family, rule.Priority, rule.Table = netlink.FAMILY_V4, r.pref, r.table
-		rule.Src = prefixToIPNet(m.cfg.NATPrefix)
-		if err := netlink.RuleAdd(rule); err != nil && !errors.Is(err, unix.EEXIST) {
-			return fmt.Errorf("add rule from %s lookup %d: %w", m.cfg.NATPrefix, r.table, err)
+		for _, s := range sels {
+			if err := m.recordNode(ns, Undo{Kind: "rule", Pref: r.pref, Table: uint32(r.table), Family: netlink.FAMILY_V4,
+				Dst: m.cfg.NATPrefix.String(), Mark: s.mark, Proto: s.proto, DportLo: s.lo, DportHi: s.hi}); err != nil {
+				return err
+			}
+			rule := netlink.NewRule()
+			rule.Family, rule.Priority, rule.Table = netlink.FAMILY_V4, r.pref, r.table
+			rule.Src = prefixToIPNet(m.cfg.NATPrefix)
+			if s.mark != 0 {
+				rule.Mark, rule.Mask = s.mark, &mask
+			}
+			if s.proto != 0 {
+				rule.IPProto = s.proto
+				rule.Dport = netlink.NewRulePortRange(s.lo, s.hi)
+			}
+			if err := netlink.RuleAdd(rule); err != nil && !errors.Is(err, unix.EEXIST) {
+				return fmt.Errorf("add rule from %s lookup %d: %w", m.cfg.NATPrefix, r.table, err)
+			}
 		}
 	}
 	return nil
+}
+
+// attachLinkLocal attaches the session's refusal of link-local binds
+// (bpf/vrf.c); the packets themselves are the node's device guard's
+// (bpf/guard.c, at the cgroup2 root).
+func (m *Manager) attachLinkLocal(cg *cgroup2, a *Attachment) error {
+	p, err := linkLocalProgram()
+	if err != nil {
+		return fmt.Errorf("load link-local bind program: %w", err)
+	}
+	defer p.Close()
+	a.LinkLocalID, err = cg.attachProg(a.Cgroup, p, ebpf.AttachCGroupInet6Bind)
+	return err
 }

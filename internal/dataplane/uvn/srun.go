@@ -39,12 +39,20 @@ func srunSpec(r policy.PortRange) (*ebpf.CollectionSpec, error) {
 	if err != nil {
 		return nil, err
 	}
-	for name, v := range map[string]uint32{srunbpfVarPortMin: uint32(r.First), srunbpfVarPortMax: uint32(r.Last), srunbpfVarSrunMark: srunMark} {
+	for name, v := range map[string]uint32{srunbpfVarPortMin: uint32(r.First), srunbpfVarPortMax: uint32(r.Last), srunbpfVarSrunMark: srunMark,
+		srunbpfVarSrunBudget: SrunBudget(r)} {
 		if err := spec.Variables[name].Set(v); err != nil {
 			return nil, fmt.Errorf("srun programs: set %s: %w", name, err)
 		}
 	}
 	return spec, nil
+}
+
+// SrunBudget is how many ports of the range one user's VRF may hold claimed
+// at once on a node: a quarter of the range (at least 16), so that no
+// user can leave the others' sruns without a port.
+func SrunBudget(r policy.PortRange) uint32 {
+	return max(16, (uint32(r.Last)-uint32(r.First)+1)/4)
 }
 
 // checkSrunRange refuses a range that ephemeral ports or underlay ports
@@ -157,7 +165,7 @@ func (m *Manager) ensureSrunTC(ns *NodeState) error {
 	delete(spec.Programs, srunbpfProgPalUvnPbind4)
 	delete(spec.Programs, srunbpfProgPalUvnPbind6)
 	opts := ebpf.CollectionOptions{}
-	if srunMapAlive(ns.SrunMap) {
+	if srunMapAlive(ns.SrunMap) && srunMapAlive(ns.SrunCount) {
 		repl, err := srunSharedMaps(ns)
 		if err != nil {
 			return err
@@ -182,6 +190,12 @@ func (m *Manager) ensureSrunTC(ns *NodeState) error {
 	id, _ := info.ID()
 	newMap := ns.SrunMap != uint32(id)
 	ns.SrunMap = uint32(id)
+	if info, err = coll.Maps[srunbpfMapPalSrunCount].Info(); err != nil {
+		return err
+	}
+	cid, _ := info.ID()
+	newMap = newMap || ns.SrunCount != uint32(cid)
+	ns.SrunCount = uint32(cid)
 	if err := m.st.saveNode(ns); err != nil {
 		return err
 	}
@@ -372,7 +386,7 @@ func (m *Manager) attachSrun(cg *cgroup2, a *Attachment, vrfIndex int, vrfMAC ne
 	if err != nil {
 		return err
 	}
-	if !found || !srunMapAlive(ns.SrunMap) {
+	if !found || !srunMapAlive(ns.SrunMap) || !srunMapAlive(ns.SrunCount) {
 		return errors.New("the node's srun port map is missing (node state damaged); run `palisade uvn setup` to repair")
 	}
 	r, err := policy.ParsePortRange(ns.SrunRange)
@@ -453,6 +467,12 @@ func (m *Manager) dropSrunClaims(ifindex int) error {
 			return err
 		}
 	}
+	if cm, err := ebpf.NewMapFromID(ebpf.MapID(ns.SrunCount)); err == nil {
+		defer cm.Close()
+		if err := cm.Delete(uint32(ifindex)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return err
+		}
+	}
 	return nil
 }
 
@@ -463,7 +483,7 @@ func (m *Manager) srunIntact() bool {
 	if err != nil || !found || ns.SrunRange == "" {
 		return err == nil
 	}
-	if !srunMapAlive(ns.SrunMap) || !programAlive(ns.SrunRelease) {
+	if !srunMapAlive(ns.SrunMap) || !srunMapAlive(ns.SrunCount) || !programAlive(ns.SrunRelease) {
 		return false
 	}
 	devs, err := m.srunDevices()
@@ -482,7 +502,7 @@ func (m *Manager) srunIntact() bool {
 // programs that share them.
 func srunSharedMaps(ns *NodeState) (map[string]*ebpf.Map, error) {
 	out := map[string]*ebpf.Map{}
-	for name, id := range map[string]uint32{srunbpfMapPalSrunPorts: ns.SrunMap} {
+	for name, id := range map[string]uint32{srunbpfMapPalSrunPorts: ns.SrunMap, srunbpfMapPalSrunCount: ns.SrunCount} {
 		mp, err := ebpf.NewMapFromID(ebpf.MapID(id))
 		if err != nil {
 			closeMaps(out)

@@ -206,7 +206,8 @@ func TestSrunClaims(t *testing.T) {
 		delete(spec.Programs, srunbpfProgPalUvnRelease)
 		delete(spec.Maps, srunbpfMapPalSrunSrc4)
 		delete(spec.Maps, srunbpfMapPalSrunSrc6)
-		c, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{MapReplacements: map[string]*ebpf.Map{srunbpfMapPalSrunPorts: ports}})
+		c, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{MapReplacements: map[string]*ebpf.Map{
+			srunbpfMapPalSrunPorts: ports, srunbpfMapPalSrunCount: coll.Maps[srunbpfMapPalSrunCount]}})
 		if err != nil {
 			t.Fatalf("load claim programs: %v", err)
 		}
@@ -331,7 +332,23 @@ func TestSrunClaims(t *testing.T) {
 	if lingering(61777) != 101 {
 		t.Errorf("61777 lingers for %d after its listener closed, want 101", lingering(61777))
 	}
+	// While a's claim lingers (its step's last I/O), b may not take the
+	// port: its claim would carry a's segments into b's VRF.
 	enter(b)
+	if l, err := listen(61777); !errors.Is(err, unix.EPERM) {
+		t.Errorf("VRF b bound the port a's claim lingers on: %v", err)
+		if l != nil {
+			l.Close()
+		}
+	}
+	if lingering(61777) != 101 || owner(61777) != 0 {
+		t.Errorf("b's refused bind changed the claims: lingering %d, owner %d", lingering(61777), owner(61777))
+	}
+	// Once it has expired (tc deletes expired lingering claims; here
+	// the test does), b may have the port.
+	if err := ports.Delete(lingerBit | uint64(61777)); err != nil {
+		t.Fatal(err)
+	}
 	lb, err := listen(61777)
 	if err != nil {
 		t.Fatalf("VRF b binds the released port: %v", err)
@@ -421,6 +438,44 @@ func TestSrunClaims(t *testing.T) {
 	enter(home)
 	if n := entries(); n != 0 {
 		t.Errorf("%d claim entries left after the nested listener closed", n)
+	}
+
+	// A user's budget: SrunBudget(r) live claims, then EPERM; a claim
+	// given back makes room again; none is left counted.
+	f, _ := mk(top, "f", 106)
+	enter(f)
+	budget := int(SrunBudget(r))
+	var fds []int
+	for p := 61000; len(fds) < budget && p <= 62999; p++ {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Bind(fd, &unix.SockaddrInet4{Port: p}); err != nil {
+			unix.Close(fd)
+			continue // held by an earlier case's lingering claim
+		}
+		fds = append(fds, fd)
+	}
+	over, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Bind(over, &unix.SockaddrInet4{Port: 62999}); !errors.Is(err, unix.EPERM) {
+		t.Errorf("claim %d of a budget of %d: %v, want EPERM", budget+1, budget, err)
+	}
+	unix.Close(fds[0])
+	if err := unix.Bind(over, &unix.SockaddrInet4{Port: 62999}); err != nil {
+		t.Errorf("claim after one was given back: %v", err)
+	}
+	unix.Close(over)
+	for _, fd := range fds[1:] {
+		unix.Close(fd)
+	}
+	enter(home)
+	var n uint32
+	if err := coll.Maps[srunbpfMapPalSrunCount].Lookup(uint32(106), &n); err == nil && n != 0 {
+		t.Errorf("%d claims still counted for a VRF with no socket", n)
 	}
 
 }

@@ -47,6 +47,7 @@ type srunbpfSrunOwner struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	srunbpfMapPalSrunCount   = "pal_srun_count"
 	srunbpfMapPalSrunPorts   = "pal_srun_ports"
 	srunbpfMapPalSrunSrc4    = "pal_srun_src4"
 	srunbpfMapPalSrunSrc6    = "pal_srun_src6"
@@ -56,6 +57,7 @@ const (
 	srunbpfProgPalUvnSrunIn  = "pal_uvn_srun_in"
 	srunbpfVarPortMax        = "port_max"
 	srunbpfVarPortMin        = "port_min"
+	srunbpfVarSrunBudget     = "srun_budget"
 	srunbpfVarSrunKeyBtf     = "srun_key_btf"
 	srunbpfVarSrunMark       = "srun_mark"
 	srunbpfVarVrfIfindex     = "vrf_ifindex"
@@ -114,6 +116,7 @@ type srunbpfProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type srunbpfMapSpecs struct {
+	PalSrunCount *ebpf.MapSpec `ebpf:"pal_srun_count"`
 	PalSrunPorts *ebpf.MapSpec `ebpf:"pal_srun_ports"`
 	PalSrunSrc4  *ebpf.MapSpec `ebpf:"pal_srun_src4"`
 	PalSrunSrc6  *ebpf.MapSpec `ebpf:"pal_srun_src6"`
@@ -125,6 +128,7 @@ type srunbpfMapSpecs struct {
 type srunbpfVariableSpecs struct {
 	PortMax    *ebpf.VariableSpec `ebpf:"port_max"`
 	PortMin    *ebpf.VariableSpec `ebpf:"port_min"`
+	SrunBudget *ebpf.VariableSpec `ebpf:"srun_budget"`
 	SrunKeyBtf *ebpf.VariableSpec `ebpf:"srun_key_btf"`
 	SrunMark   *ebpf.VariableSpec `ebpf:"srun_mark"`
 	VrfIfindex *ebpf.VariableSpec `ebpf:"vrf_ifindex"`
@@ -151,6 +155,7 @@ func (o *srunbpfObjects) Close() error {
 //
 // It can be passed to loadSrunbpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type srunbpfMaps struct {
+	PalSrunCount *ebpf.Map `ebpf:"pal_srun_count"`
 	PalSrunPorts *ebpf.Map `ebpf:"pal_srun_ports"`
 	PalSrunSrc4  *ebpf.Map `ebpf:"pal_srun_src4"`
 	PalSrunSrc6  *ebpf.Map `ebpf:"pal_srun_src6"`
@@ -158,6 +163,7 @@ type srunbpfMaps struct {
 
 func (m *srunbpfMaps) Close() error {
 	return _SrunbpfClose(
+		m.PalSrunCount,
 		m.PalSrunPorts,
 		m.PalSrunSrc4,
 		m.PalSrunSrc6,
@@ -170,6 +176,7 @@ func (m *srunbpfMaps) Close() error {
 type srunbpfVariables struct {
 	PortMax    *ebpf.Variable `ebpf:"port_max"`
 	PortMin    *ebpf.Variable `ebpf:"port_min"`
+	SrunBudget *ebpf.Variable `ebpf:"srun_budget"`
 	SrunKeyBtf *ebpf.Variable `ebpf:"srun_key_btf"`
 	SrunMark   *ebpf.Variable `ebpf:"srun_mark"`
 	VrfIfindex *ebpf.Variable `ebpf:"vrf_ifindex"`

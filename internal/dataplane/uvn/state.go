@@ -22,18 +22,21 @@ import (
 // object is made, so a crash or failure half-way leaves a journal that
 // removes everything (removing an object that was never made is a no-op).
 type Undo struct {
-	Kind   string `json:"kind"`             // link, route, rule, sysctl, nft, tc, clsact
-	Name   string `json:"name,omitempty"`   // link name, sysctl path, nft table
-	Value  string `json:"value,omitempty"`  // sysctl old value; route/rule description
-	Table  uint32 `json:"table,omitempty"`  // route/rule table
-	Family int    `json:"family,omitempty"` // route/rule family
-	Dst    string `json:"dst,omitempty"`    // route destination prefix ("" = default)
-	Type   int    `json:"type,omitempty"`   // route type
-	Metric uint32 `json:"metric,omitempty"` // route priority
-	Pref   int    `json:"pref,omitempty"`   // rule preference
-	Dev    string `json:"dev,omitempty"`    // route device
-	Mark   uint32 `json:"mark,omitempty"`   // rule fwmark (full mask)
-	Prog   uint32 `json:"prog,omitempty"`   // program id (srun-release, at the cgroup2 root)
+	Kind    string `json:"kind"`               // link, route, rule, sysctl, nft, tc, clsact
+	Name    string `json:"name,omitempty"`     // link name, sysctl path, nft table
+	Value   string `json:"value,omitempty"`    // sysctl old value; route/rule description
+	Table   uint32 `json:"table,omitempty"`    // route/rule table
+	Family  int    `json:"family,omitempty"`   // route/rule family
+	Dst     string `json:"dst,omitempty"`      // route destination prefix ("" = default)
+	Type    int    `json:"type,omitempty"`     // route type
+	Metric  uint32 `json:"metric,omitempty"`   // route priority
+	Pref    int    `json:"pref,omitempty"`     // rule preference
+	Dev     string `json:"dev,omitempty"`      // route device
+	Mark    uint32 `json:"mark,omitempty"`     // rule fwmark (full mask)
+	Proto   int    `json:"proto,omitempty"`    // rule ipproto
+	DportLo uint16 `json:"dport_lo,omitempty"` // rule destination ports
+	DportHi uint16 `json:"dport_hi,omitempty"`
+	Prog    uint32 `json:"prog,omitempty"` // program id (srun-release, at the cgroup2 root)
 }
 
 // Holder is a live session or job step keeping a user's network up: a PID and
@@ -60,6 +63,12 @@ type Attachment struct {
 	Bind4ID   uint32 `json:"bind4_id,omitempty"`
 	Bind6ID   uint32 `json:"bind6_id,omitempty"`
 	ReleaseID uint32 `json:"release_id,omitempty"`
+	// LinkLocalID refuses the session's link-local binds (bpf/vrf.c);
+	// EgressID and IngressID are per-session packet programs of an
+	// earlier version, detached with the attachment (0: none).
+	EgressID    uint32 `json:"egress_id,omitempty"`
+	IngressID   uint32 `json:"ingress_id,omitempty"`
+	LinkLocalID uint32 `json:"linklocal_id,omitempty"`
 	// Holder is the session or step this attachment was made for; its
 	// release removes exactly this attachment.
 	Holder Holder `json:"holder"`
@@ -89,9 +98,17 @@ type NodeState struct {
 	// ("" = none) and SrunMap the id of its port map (bpf/srun.c).
 	SrunRange string `json:"srun_range,omitempty"`
 	SrunMap   uint32 `json:"srun_map,omitempty"`
+	// SrunCount is the id of the map of live claims per VRF (budget).
+	SrunCount uint32 `json:"srun_count,omitempty"`
 	// SrunRelease is the id of the claims' release program (cgroup2 root).
 	SrunRelease uint32 `json:"srun_release,omitempty"`
-	Undo        []Undo `json:"undo"`
+	// GuardProgs are the device guard's programs at the cgroup2 root
+	// (bpf/guard.c, in guardAttach's order); GuardDevs and GuardNames
+	// the ids of its maps of users' devices.
+	GuardProgs []uint32 `json:"guard_progs,omitempty"`
+	GuardDevs  uint32   `json:"guard_devs,omitempty"`
+	GuardNames uint32   `json:"guard_names,omitempty"`
+	Undo       []Undo   `json:"undo"`
 }
 
 // store is the state directory with its locks.

@@ -32,6 +32,10 @@ type Manager struct {
 	// Srun is SrunPortRange: Slurm's daemons reach users' listeners on
 	// these ports (bpf/srun.c). Zero: no such path.
 	Srun policy.PortRange
+	// Exempt are the uids of exempt accounts ([uvn] exempt_users, Slurm's
+	// accounts): like root and accounts below min_uid, their unbound
+	// sockets may serve every user's VRF (bpf/guard.c).
+	Exempt []uint32
 }
 
 // New returns a manager for a validated [uvn] section; nodes are the
@@ -141,7 +145,7 @@ func (m *Manager) intact(st *UserState, repair bool) bool {
 			return false
 		}
 	}
-	if !guardPresent() || !m.srunIntact() {
+	if !guardPresent() || !m.srunIntact() || !m.guardRootIntact() {
 		if !repair {
 			return false
 		}
@@ -276,6 +280,9 @@ func (m *Manager) build(st *UserState) error {
 		}
 	}
 
+	if err := m.guardAdd(st); err != nil {
+		return err
+	}
 	if err := m.step("complete"); err != nil {
 		return err
 	}

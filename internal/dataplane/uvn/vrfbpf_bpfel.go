@@ -37,11 +37,13 @@ type vrfbpfUvnPortRange struct {
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
 	vrfbpfMapPalUvnNets4     = "pal_uvn_nets4"
+	vrfbpfProgPalUvnBind6    = "pal_uvn_bind6"
 	vrfbpfProgPalUvnConn4    = "pal_uvn_conn4"
 	vrfbpfProgPalUvnSend4    = "pal_uvn_send4"
 	vrfbpfProgPalUvnVrf      = "pal_uvn_vrf"
 	vrfbpfVarN_underlayPorts = "n_underlay_ports"
 	vrfbpfVarNatAddr         = "nat_addr"
+	vrfbpfVarNatMark         = "nat_mark"
 	vrfbpfVarUnderlayPorts   = "underlay_ports"
 	vrfbpfVarUvnLimitBtf     = "uvn_limit_btf"
 	vrfbpfVarVrfIfindex      = "vrf_ifindex"
@@ -89,6 +91,7 @@ type vrfbpfSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type vrfbpfProgramSpecs struct {
+	PalUvnBind6 *ebpf.ProgramSpec `ebpf:"pal_uvn_bind6"`
 	PalUvnConn4 *ebpf.ProgramSpec `ebpf:"pal_uvn_conn4"`
 	PalUvnSend4 *ebpf.ProgramSpec `ebpf:"pal_uvn_send4"`
 	PalUvnVrf   *ebpf.ProgramSpec `ebpf:"pal_uvn_vrf"`
@@ -107,6 +110,7 @@ type vrfbpfMapSpecs struct {
 type vrfbpfVariableSpecs struct {
 	N_underlayPorts *ebpf.VariableSpec `ebpf:"n_underlay_ports"`
 	NatAddr         *ebpf.VariableSpec `ebpf:"nat_addr"`
+	NatMark         *ebpf.VariableSpec `ebpf:"nat_mark"`
 	UnderlayPorts   *ebpf.VariableSpec `ebpf:"underlay_ports"`
 	UvnLimitBtf     *ebpf.VariableSpec `ebpf:"uvn_limit_btf"`
 	VrfIfindex      *ebpf.VariableSpec `ebpf:"vrf_ifindex"`
@@ -147,6 +151,7 @@ func (m *vrfbpfMaps) Close() error {
 type vrfbpfVariables struct {
 	N_underlayPorts *ebpf.Variable `ebpf:"n_underlay_ports"`
 	NatAddr         *ebpf.Variable `ebpf:"nat_addr"`
+	NatMark         *ebpf.Variable `ebpf:"nat_mark"`
 	UnderlayPorts   *ebpf.Variable `ebpf:"underlay_ports"`
 	UvnLimitBtf     *ebpf.Variable `ebpf:"uvn_limit_btf"`
 	VrfIfindex      *ebpf.Variable `ebpf:"vrf_ifindex"`
@@ -156,6 +161,7 @@ type vrfbpfVariables struct {
 //
 // It can be passed to loadVrfbpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type vrfbpfPrograms struct {
+	PalUvnBind6 *ebpf.Program `ebpf:"pal_uvn_bind6"`
 	PalUvnConn4 *ebpf.Program `ebpf:"pal_uvn_conn4"`
 	PalUvnSend4 *ebpf.Program `ebpf:"pal_uvn_send4"`
 	PalUvnVrf   *ebpf.Program `ebpf:"pal_uvn_vrf"`
@@ -163,6 +169,7 @@ type vrfbpfPrograms struct {
 
 func (p *vrfbpfPrograms) Close() error {
 	return _VrfbpfClose(
+		p.PalUvnBind6,
 		p.PalUvnConn4,
 		p.PalUvnSend4,
 		p.PalUvnVrf,

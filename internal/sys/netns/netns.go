@@ -11,6 +11,7 @@ import (
 	"runtime"
 
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 )
 
 // Do runs fn with the calling goroutine's thread in the network namespace
@@ -74,4 +75,19 @@ func DoPath(path string, fn func() error) error {
 	}
 	defer target.Close()
 	return Do(target, fn)
+}
+
+// Cookie is the kernel's cookie of the calling thread's network namespace
+// (what bpf_get_netns_cookie returns to programs running for its sockets).
+func Cookie() (uint64, error) {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return 0, err
+	}
+	defer unix.Close(fd)
+	c, err := unix.GetsockoptUint64(fd, unix.SOL_SOCKET, unix.SO_NETNS_COOKIE)
+	if err != nil {
+		return 0, fmt.Errorf("SO_NETNS_COOKIE: %w (kernel ≥ 5.14 needed)", err)
+	}
+	return c, nil
 }

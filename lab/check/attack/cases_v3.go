@@ -18,6 +18,7 @@ func casesV3() []*Case {
 	cs = append(cs, deputy("setuid-root", "tcp", false), deputy("saved-uid", "udp", false))
 	cs = append(cs, loopSpecific("bcast"), loopSpecific("allhosts"), loopSpecific("allnodes"))
 	cs = append(cs, predatesAgent(true, 4), predatesAgent(false, 4), predatesAgent(false, 6))
+	cs = append(cs, slurmDeputy())
 	return cs
 }
 

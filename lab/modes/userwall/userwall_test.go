@@ -776,6 +776,7 @@ func TestNoIdentityFromCluster(t *testing.T) {
 		found = found || (e.Dst == a+":5171" && e.Rule == uw.RuleUnstamped && e.Connector == nil)
 	}
 	if !found {
+		// From a cluster node, a SYN without identity is not "off-cluster".
 		t.Error("no " + uw.RuleUnstamped + " event for the option-less SYN")
 	}
 }

@@ -189,6 +189,8 @@ func TestVM(t *testing.T) {
 		}
 	})
 
+	t.Run("attacks", func(t *testing.T) { attacks(t, e) })
+
 	t.Run("injection", func(t *testing.T) {
 		// bob, unprivileged, outside any VRF (a stray process) and the
 		// off-cluster host craft VXLAN frames into alice's VNI on node2.
@@ -279,14 +281,15 @@ func TestVM(t *testing.T) {
 				t.Errorf("%s: objects left after teardown:\n%s", n, out)
 			}
 		}
-		// The claims' release program sits at the cgroup2 root, shared by
-		// the nodes (one VM): every node's must be gone.
+		// The claims' release program and the device guard sit at the
+		// cgroup2 root, shared by the nodes (one VM): every node's must
+		// be gone.
 		// The node's mount namespace need not have cgroup2 mounted (ip
 		// netns exec remounts /sys): mount the hierarchy's root privately,
 		// as the product does.
 		out := e.run(t, "node1", "", `d=$(mktemp -d /tmp/pal-cg2.XXXXXX) && mount -t cgroup2 none "$d" && bpftool cgroup show "$d" && echo LISTED; umount "$d"; rmdir "$d"`)
-		if !strings.Contains(out, "LISTED") || strings.Contains(out, "pal_uvn_releas") {
-			t.Errorf("release programs left at the cgroup2 root after teardown:\n%s", out)
+		if !strings.Contains(out, "LISTED") || strings.Contains(out, "pal_uvn") {
+			t.Errorf("uvn programs left at the cgroup2 root after teardown:\n%s", out)
 		}
 	})
 }

@@ -20,7 +20,11 @@
  *       then fails and Slurm, retrying bind on the bound socket, reports
  *       the whole range exhausted. The refusal moves the second on.)
  *       A socket's own claim met again (the same programs attached at two
- *       levels of nested sessions) is not a conflict.
+ *       levels of nested sessions) is not a conflict. A port whose last
+ *       claim, another VRF's, still lingers is refused too (its step's last
+ *       I/O must not be taken), and so is a claim beyond the VRF's budget
+ *       (srun_budget live claims, pal_srun_count): no user can claim the
+ *       whole range.
  *   cgroup/sock_release            (once, at the cgroup2 root)
  *       The claiming socket (by cookie) gives its claim back. At the root,
  *       so that it runs for every socket whatever became of the programs of
@@ -104,6 +108,16 @@ struct {
 	__type(value, struct srun_owner);
 } pal_srun_ports SEC(".maps");
 
+/* Live claims per VRF device (lingering ones do not count): a user's
+ * budget of the range, so that no user can claim every port and leave
+ * others' sruns with "all ports in range exhausted". */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 32768);
+	__type(key, __u32); /* VRF ifindex */
+	__type(value, __u32);
+} pal_srun_count SEC(".maps");
+
 struct srun_lpm4 {
 	__u32 prefixlen;
 	__u32 addr;
@@ -137,21 +151,50 @@ volatile const __u8 vrf_mac[6];    /* and its address */
 volatile const __u32 port_min;     /* SrunPortRange */
 volatile const __u32 port_max;
 volatile const __u32 srun_mark;    /* tc: mark of redirected segments */
+volatile const __u32 srun_budget;  /* live claims a VRF may hold */
 
 static __always_inline int in_range(__u32 port)
 {
 	return port >= port_min && port <= port_max;
 }
 
+/* count adds d to the VRF's live claims; it reports whether the VRF is
+ * still within its budget. */
+static __always_inline int count(__u32 vrf, int d)
+{
+	__u32 zero = 0, *n;
+
+	n = bpf_map_lookup_elem(&pal_srun_count, &vrf);
+	if (!n) {
+		if (d < 0)
+			return 1;
+		bpf_map_update_elem(&pal_srun_count, &vrf, &zero, BPF_NOEXIST);
+		n = bpf_map_lookup_elem(&pal_srun_count, &vrf);
+		if (!n)
+			return 0;
+	}
+	if (d > 0) {
+		/* Add, then read: of claims racing for the last place, each
+		 * sees every add before its read, so none goes over (at worst
+		 * both are refused). */
+		__sync_fetch_and_add(n, 1);
+		return *n <= srun_budget;
+	}
+	if (*n > 0)
+		__sync_fetch_and_add(n, -1);
+	return 1;
+}
+
 static __always_inline int claim(struct bpf_sock *sk)
 {
-	struct srun_owner mine = { .ifindex = vrf_ifindex }, *o;
-	__u64 key, ck;
+	struct srun_owner mine = { .ifindex = vrf_ifindex }, *o, *l;
+	__u64 key, ck, lk;
 	int i;
 
 	if (sk->protocol != IPPROTO_TCP || !in_range(sk->src_port))
 		return 1;
 	key = sk->src_port;
+	lk = LINGER_BIT | key;
 	mine.port = sk->src_port;
 	for (i = 0; i < 6; i++)
 		mine.mac[i] = vrf_mac[i];
@@ -161,15 +204,29 @@ static __always_inline int claim(struct bpf_sock *sk)
 		o = bpf_map_lookup_elem(&pal_srun_ports, &key);
 		return o && o->cookie == mine.cookie; /* else another socket's port: EPERM */
 	}
+	/* Another VRF's lingering claim still carries its step's last I/O:
+	 * the port is not free for this VRF until it expires (its release
+	 * writes the lingering claim before it frees the port, so a claim
+	 * that won the port sees it here). */
+	l = bpf_map_lookup_elem(&pal_srun_ports, &lk);
+	if (l && l->ifindex != vrf_ifindex && bpf_ktime_get_ns() - l->released <= LINGER_NS) {
+		bpf_map_delete_elem(&pal_srun_ports, &key);
+		return 0;
+	}
+	if (!count(vrf_ifindex, 1)) {
+		count(vrf_ifindex, -1);
+		bpf_map_delete_elem(&pal_srun_ports, &key);
+		return 0; /* over the user's budget */
+	}
 	ck = CLAIM_BIT | mine.cookie;
 	if (bpf_map_update_elem(&pal_srun_ports, &ck, &mine, BPF_ANY) != 0) {
 		/* A claim its release could not find would never go. */
+		count(vrf_ifindex, -1);
 		bpf_map_delete_elem(&pal_srun_ports, &key);
 		return 0;
 	}
 	/* The live claim takes the port's segments from now on. */
-	key |= LINGER_BIT;
-	bpf_map_delete_elem(&pal_srun_ports, &key);
+	bpf_map_delete_elem(&pal_srun_ports, &lk);
 	return 1;
 }
 
@@ -208,6 +265,7 @@ int pal_uvn_release(struct bpf_sock *sk)
 		l.released = bpf_ktime_get_ns();
 		bpf_map_update_elem(&pal_srun_ports, &lk, &l, BPF_ANY);
 		bpf_map_delete_elem(&pal_srun_ports, &key);
+		count(c->ifindex, -1);
 	}
 	bpf_map_delete_elem(&pal_srun_ports, &ck);
 	return 1;

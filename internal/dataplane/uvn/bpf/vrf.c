@@ -23,7 +23,17 @@
  *       998/999 route that source by the local and main tables and the
  *       node's SNAT makes it the node's own address; replies come back into
  *       the VRF like off-subnet replies. Everything else is left alone
- *       (overlay); neither program ever refuses.
+ *       (overlay); neither program ever refuses. A connection that takes
+ *       the underlay this way is marked nat_mark: rules 998/999 route only
+ *       marked sockets (and UDP to underlay ports) by the main table, never
+ *       a socket merely bound to a NAT address (a user may bind his own).
+ *
+ * The boundary where packets flow is the node's device guard (bpf/guard.c,
+ * at the cgroup2 root, for every socket); the session adds:
+ *   cgroup/bind6        pal_uvn_bind6
+ *       Refuses binds to link-local addresses (fe80::/10, ff02::/16): the
+ *       program cannot see sin6_scope_id, and the kernel would take the
+ *       scope as the socket's device even when the bind then fails.
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -31,7 +41,10 @@
 
 char LICENSE[] SEC("license") = "GPL";
 
-#define AF_INET 2 /* a macro in the UAPI, absent from BTF */
+/* Macros in the UAPI, absent from BTF. */
+#define AF_INET 2
+#define SOL_SOCKET 1
+#define SO_MARK 36
 
 /* What a cgroup sock or sock_addr program returns. */
 enum uvn_verdict {
@@ -73,6 +86,7 @@ volatile const __u32 vrf_ifindex; /* pal_uvn_vrf: the user's VRF device */
 volatile const struct uvn_port_range underlay_ports[UVN_MAX_PORT_RANGES];
 volatile const __u32 n_underlay_ports; /* used entries of underlay_ports */
 volatile const __be32 nat_addr;        /* the user's NAT address */
+volatile const __u32 nat_mark;         /* marks underlay-port sockets */
 
 SEC("cgroup/sock_create")
 int pal_uvn_vrf(struct bpf_sock *sk)
@@ -112,12 +126,23 @@ int pal_uvn_conn4(struct bpf_sock_addr *ctx)
 {
 	struct sockaddr_in src = { .sin_family = AF_INET };
 
+	__u32 mark = 0;
+	struct bpf_sock *sk = ctx->sk;
+
 	if (to_underlay(ctx)) {
 		src.sin_addr.s_addr = nat_addr;
-		/* Port 0: the kernel picks one. Should the bind fail, the
-		 * connection simply takes the overlay. */
-		bpf_bind(ctx, (struct sockaddr *)&src, sizeof(src));
+		/* Port 0: the kernel picks one. Should the bind fail (the
+		 * socket was bound already), the connection takes the
+		 * underlay only if it was bound to this user's own NAT
+		 * address; otherwise it simply takes the overlay. */
+		if (bpf_bind(ctx, (struct sockaddr *)&src, sizeof(src)) == 0 ||
+		    (sk && sk->src_ip4 == nat_addr))
+			mark = nat_mark;
 	}
+	/* Set, or clear our own (a UDP socket may connect again
+	 * elsewhere); another mark (root's) is left alone. */
+	if (sk && (mark ? sk->mark != mark : sk->mark == nat_mark))
+		bpf_setsockopt(ctx, SOL_SOCKET, SO_MARK, &mark, sizeof(mark));
 	return UVN_ALLOW;
 }
 
@@ -126,5 +151,17 @@ int pal_uvn_send4(struct bpf_sock_addr *ctx)
 {
 	if (to_underlay(ctx))
 		ctx->msg_src_ip4 = nat_addr;
+	return UVN_ALLOW;
+}
+
+SEC("cgroup/bind6")
+int pal_uvn_bind6(struct bpf_sock_addr *ctx)
+{
+	__u32 w0 = bpf_ntohl(ctx->user_ip6[0]);
+
+	if ((w0 & 0xffc00000) == 0xfe800000) /* fe80::/10 */
+		return UVN_REFUSE;
+	if ((w0 & 0xff0f0000) == 0xff020000) /* link-scope multicast */
+		return UVN_REFUSE;
 	return UVN_ALLOW;
 }

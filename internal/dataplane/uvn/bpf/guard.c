@@ -1,0 +1,308 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * Palisade uvn: the node's device boundary, for every socket of the node
+ * (attached once at the cgroup2 root with BPF_F_ALLOW_MULTI, so processes
+ * outside any session — cron, at, systemd --user, a daemon re-parented by
+ * init — are covered; the session's own programs, bpf/vrf.c, run first).
+ *
+ * pal_uvn_devs maps every user device of this node (a VRF and its VXLANs)
+ * to its owner: the VRF and the user's uid. Devices not in it are the
+ * default VRF's. Several network namespaces share the cgroup2 root (the VM
+ * testbed's nodes; containers): only sockets made in this program's own
+ * namespace are judged, recognised by their birth record.
+ *
+ *   cgroup/sock_create  pal_uvn_born
+ *       Records the VRF a socket is born in (the session programs have
+ *       bound it already; 0 outside any session) in pal_uvn_birth.
+ *   cgroup_skb/egress   pal_uvn_out
+ *   cgroup_skb/ingress  pal_uvn_in
+ *       A socket that has moved to another VRF since its birth (an
+ *       unprivileged process can: bind() to a link-local address with
+ *       sin6_scope_id sets the bound device even when the bind fails; since
+ *       Linux 5.7 SO_BINDTODEVICE on an unbound socket) passes nothing. A
+ *       packet through a user's device passes only for a socket bound into
+ *       that user's VRF, or for an unbound socket of that user or of a
+ *       system account (uid below min_uid, exempt: the default VRF's
+ *       services serve every VRF through l3mdev_accept). Identity is the
+ *       socket's own uid (sk_uid, what the kernel recorded at creation),
+ *       never a process's.
+ *       An unbound socket of a user (not a system account) sends nothing to
+ *       SrunPortRange ports: the tc hand-over (bpf/srun.c) takes the
+ *       default VRF's segments to those ports for Slurm's callbacks.
+ *   cgroup/setsockopt   pal_uvn_sockopt
+ *       Refuses (EPERM) SO_BINDTODEVICE, SO_BINDTOIFINDEX, IP_UNICAST_IF,
+ *       IPV6_UNICAST_IF, IP_MULTICAST_IF (ip_mreqn) and IPV6_MULTICAST_IF
+ *       naming a user's device the socket is not already bound into: the
+ *       refusal up front, the skb programs the backstop.
+ */
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+
+char LICENSE[] SEC("license") = "GPL";
+
+/* Macros in the UAPI, absent from BTF. */
+#define SOL_SOCKET 1
+#define SO_BINDTODEVICE 25
+#define SO_BINDTOIFINDEX 62
+#define SOL_IP 0
+#define IP_MULTICAST_IF 32
+#define IP_UNICAST_IF 50
+#define SOL_IPV6 41
+#define IPV6_MULTICAST_IF 17
+#define IPV6_UNICAST_IF 76
+#define PAGE_SIZE 4096
+
+enum guard_verdict {
+	GUARD_REFUSE = 0,
+	GUARD_ALLOW = 1,
+};
+
+enum guard_limit {
+	GUARD_MAX_DEVS = 65536, /* user devices of a node: VRFs and VXLANs */
+	GUARD_MAX_EXEMPT = 256, /* exempt accounts */
+	GUARD_IFNAMSIZ = 16,
+};
+const enum guard_limit guard_limit_btf = GUARD_MAX_DEVS;
+
+/* The owner of a user device. */
+struct guard_owner {
+	__u32 vrf; /* the user's VRF device */
+	__u32 uid;
+};
+
+/* Key of pal_uvn_names: a device name, NUL-padded. */
+struct guard_name {
+	char name[GUARD_IFNAMSIZ];
+};
+
+struct guard_birth {
+	__u32 vrf; /* the VRF the socket was born in (0: the default VRF) */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, GUARD_MAX_DEVS);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u32); /* ifindex */
+	__type(value, struct guard_owner);
+} pal_uvn_devs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, GUARD_MAX_DEVS);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct guard_name);
+	__type(value, struct guard_owner);
+} pal_uvn_names SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, GUARD_MAX_EXEMPT);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u32); /* uid */
+	__type(value, __u8);
+} pal_uvn_exempt SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct guard_birth);
+} pal_uvn_birth SEC(".maps");
+
+/* Set at load time. */
+volatile const __u64 netns_cookie; /* this node's network namespace */
+volatile const __u32 min_uid;      /* [uvn] min_uid */
+volatile const __u32 srun_first;   /* SrunPortRange (0, 0: none) */
+volatile const __u32 srun_last;
+
+static __always_inline __u32 vrf_of(__u32 ifindex)
+{
+	struct guard_owner *o;
+
+	if (!ifindex)
+		return 0;
+	o = bpf_map_lookup_elem(&pal_uvn_devs, &ifindex);
+	return o ? o->vrf : 0;
+}
+
+SEC("cgroup/sock_create")
+int pal_uvn_born(struct bpf_sock *sk)
+{
+	struct guard_birth b = {};
+
+	if (bpf_get_netns_cookie(sk) != netns_cookie)
+		return GUARD_ALLOW;
+	b.vrf = vrf_of(sk->bound_dev_if);
+	/* A socket without its record would escape the checks: refuse it
+	 * (the kernel is out of memory anyway). */
+	if (!bpf_sk_storage_get(&pal_uvn_birth, sk, &b, BPF_SK_STORAGE_GET_F_CREATE))
+		return GUARD_REFUSE;
+	return GUARD_ALLOW;
+}
+
+/* Whether the uid is a system account's (root, below min_uid, exempt). */
+static __always_inline int system_uid(__u32 uid)
+{
+	return uid < min_uid || bpf_map_lookup_elem(&pal_uvn_exempt, &uid) != 0;
+}
+
+/* Whether the socket's owner may use a device of the user o through a
+ * socket bound to no user's VRF: o himself, root and system accounts. */
+static __always_inline int may_cross(struct __sk_buff *skb, struct guard_owner *o)
+{
+	__u32 uid = bpf_get_socket_uid(skb);
+
+	return uid == o->uid || system_uid(uid);
+}
+
+/* Whether the packet is TCP to a port of SrunPortRange (Slurm's callbacks
+ * into users' VRFs, which tc hands over to the claiming VRF). */
+static __always_inline int to_srun_port(struct __sk_buff *skb)
+{
+	__u8 h[2];
+	__u16 dport;
+	__u32 off;
+
+	if (!srun_first)
+		return 0;
+	if (skb->protocol == bpf_htons(0x0800)) {
+		__u8 v[10];
+
+		if (bpf_skb_load_bytes(skb, 0, v, sizeof(v)) || v[9] != IPPROTO_TCP)
+			return 0;
+		off = (v[0] & 0xf) * 4;
+	} else if (skb->protocol == bpf_htons(0x86dd)) {
+		__u8 nh;
+
+		if (bpf_skb_load_bytes(skb, 6, &nh, 1) || nh != IPPROTO_TCP)
+			return 0;
+		off = 40;
+	} else {
+		return 0;
+	}
+	if (bpf_skb_load_bytes(skb, off + 2, h, 2))
+		return 0;
+	dport = (__u16)h[0] << 8 | h[1];
+	return dport >= srun_first && dport <= srun_last;
+}
+
+static __always_inline int skb_verdict(struct __sk_buff *skb, int egress)
+{
+	struct bpf_sock *sk = skb->sk;
+	struct guard_birth *b;
+	struct guard_owner *o;
+	__u32 cur, dev = skb->ifindex;
+
+	if (!sk)
+		return GUARD_ALLOW;
+	sk = bpf_sk_fullsock(sk);
+	if (!sk)
+		return GUARD_ALLOW;
+	/* No record: another namespace's socket, one made before uvn, or an
+	 * accepted connection (bound by the kernel to the VRF its SYN came
+	 * from; its listener's record was judged on the SYN). */
+	b = bpf_sk_storage_get(&pal_uvn_birth, sk, 0, 0);
+	if (!b)
+		return GUARD_ALLOW;
+	cur = vrf_of(sk->bound_dev_if);
+	if (cur != b->vrf)
+		return GUARD_REFUSE;
+	/* A user's process outside any VRF does not call srun's listeners:
+	 * the hand-over takes the default VRF's segments to those ports as
+	 * Slurm's. */
+	if (egress && cur == 0 && to_srun_port(skb) && !system_uid(bpf_get_socket_uid(skb)))
+		return GUARD_REFUSE;
+	o = bpf_map_lookup_elem(&pal_uvn_devs, &dev);
+	if (!o || o->vrf == cur)
+		return GUARD_ALLOW;
+	if (cur == 0 && may_cross(skb, o))
+		return GUARD_ALLOW;
+	return GUARD_REFUSE;
+}
+
+SEC("cgroup_skb/egress")
+int pal_uvn_out(struct __sk_buff *skb)
+{
+	return skb_verdict(skb, 1);
+}
+
+SEC("cgroup_skb/ingress")
+int pal_uvn_in(struct __sk_buff *skb)
+{
+	return skb_verdict(skb, 0);
+}
+
+/* opt_int reads the option's first 4 bytes (host order). */
+static __always_inline int opt_int(struct bpf_sockopt *ctx, int off, __u32 *v)
+{
+	__u8 *p = ctx->optval;
+
+	if ((void *)(p + off + 4) > ctx->optval_end)
+		return 0;
+	*v = *(__u32 *)(p + off);
+	return 1;
+}
+
+SEC("cgroup/setsockopt")
+int pal_uvn_sockopt(struct bpf_sockopt *ctx)
+{
+	struct bpf_sock *sk = ctx->sk;
+	struct guard_owner *o = 0;
+	__u32 idx = 0, cur;
+	int level = ctx->level, name = ctx->optname;
+
+	/* Options longer than a page reach the program cut short; 0 lets
+	 * the kernel use the caller's own buffer (none of ours is that long). */
+	if (ctx->optlen > PAGE_SIZE) {
+		ctx->optlen = 0;
+		return GUARD_ALLOW;
+	}
+	if (!sk || bpf_get_netns_cookie(ctx) != netns_cookie)
+		return GUARD_ALLOW;
+	if (level == SOL_SOCKET && name == SO_BINDTODEVICE) {
+		struct guard_name n = {};
+		__u8 *p = ctx->optval;
+		int i;
+
+		for (i = 0; i < GUARD_IFNAMSIZ - 1; i++) {
+			if (i >= ctx->optlen || (void *)(p + i + 1) > ctx->optval_end)
+				break;
+			n.name[i] = p[i];
+			if (!p[i])
+				break;
+		}
+		o = bpf_map_lookup_elem(&pal_uvn_names, &n);
+	} else {
+		if (level == SOL_SOCKET && name == SO_BINDTOIFINDEX) {
+			if (!opt_int(ctx, 0, &idx))
+				return GUARD_ALLOW;
+		} else if (level == SOL_IP && name == IP_UNICAST_IF) {
+			if (!opt_int(ctx, 0, &idx))
+				return GUARD_ALLOW;
+			idx = bpf_ntohl(idx);
+		} else if (level == SOL_IP && name == IP_MULTICAST_IF) {
+			/* struct ip_mreqn: imr_ifindex at 8. The address forms
+			 * (ip_mreq, in_addr) name no index: the skb programs
+			 * judge where the datagrams go. */
+			if (ctx->optlen < 12 || !opt_int(ctx, 8, &idx))
+				return GUARD_ALLOW;
+		} else if (level == SOL_IPV6 && name == IPV6_UNICAST_IF) {
+			if (!opt_int(ctx, 0, &idx))
+				return GUARD_ALLOW;
+			idx = bpf_ntohl(idx);
+		} else if (level == SOL_IPV6 && name == IPV6_MULTICAST_IF) {
+			if (!opt_int(ctx, 0, &idx))
+				return GUARD_ALLOW;
+		} else {
+			return GUARD_ALLOW;
+		}
+		if (idx)
+			o = bpf_map_lookup_elem(&pal_uvn_devs, &idx);
+	}
+	if (!o)
+		return GUARD_ALLOW;
+	cur = vrf_of(sk->bound_dev_if);
+	return o->vrf == cur ? GUARD_ALLOW : GUARD_REFUSE;
+}
