@@ -143,6 +143,7 @@ type receipt struct {
 type bytesLine struct {
 	tag, from string
 	n         int
+	at        time.Time
 }
 
 // fuzzer is one run's state.
@@ -176,6 +177,9 @@ type execRun struct {
 	runNode string
 	res     ExecResult
 	peerRes ExecResult
+	// start, end: when the run's processes ran (bytes without a nonce are
+	// attributed to the run that was sending then).
+	start, end time.Time
 }
 
 // Run fuzzes tb for opts.Duration.
@@ -455,7 +459,7 @@ func (f *fuzzer) read(out io.Reader, ready chan<- attack.SinkLine) {
 			f.mu.Unlock()
 		case "bytes":
 			f.mu.Lock()
-			f.bytes = append(f.bytes, bytesLine{l.Tag, l.From, l.Bytes})
+			f.bytes = append(f.bytes, bytesLine{l.Tag, l.From, l.Bytes, time.Now()})
 			f.mu.Unlock()
 		}
 	}
@@ -506,7 +510,8 @@ func (p *Program) asOwner(owner string) *Program {
 // exec runs prog (and its peer) and records the nonces it sent.
 func (f *fuzzer) exec(prog *Program, attackRun bool, round int) *execRun {
 	prefix := newPrefix()
-	er := &execRun{prog: prog, attack: attackRun, round: round, runNode: prog.runNode()}
+	er := &execRun{prog: prog, attack: attackRun, round: round, runNode: prog.runNode(), start: time.Now()}
+	defer func() { er.end = time.Now() }()
 	f.mu.Lock()
 	f.runs[prefix] = er
 	f.mu.Unlock()
@@ -982,10 +987,18 @@ func (f *fuzzer) attributeBytes() {
 	f.mu.Unlock()
 	for _, b := range lines {
 		from, _ := netip.ParseAddrPort(b.from)
+		// The attacker's and the owner's runs of one program bind the same
+		// fixed ports: the run that was sending when the bytes came decides.
 		var er *execRun
 		for _, c := range byPort[from.Port()] {
 			la, fa := c.local.Addr().Unmap().WithZone(""), from.Addr().Unmap().WithZone("")
-			if la == fa || (la.IsUnspecified() && (fa.IsLoopback() || f.world.addrOf(c.er.runNode, fa))) {
+			if !(la == fa || (la.IsUnspecified() && (fa.IsLoopback() || f.world.addrOf(c.er.runNode, fa)))) {
+				continue
+			}
+			if b.at.Before(c.er.start) || (!c.er.end.IsZero() && b.at.After(c.er.end.Add(patience(attack.Grace)))) {
+				continue
+			}
+			if er == nil || c.er.start.After(er.start) {
 				er = c.er
 			}
 		}
