@@ -750,7 +750,8 @@ func TestSocketStorage(t *testing.T) {
 }
 
 // A node without the agent sends option-less SYNs and unstamped datagrams:
-// node1 treats them as off-cluster, even from a cluster address.
+// node1 refuses them as identity-less, and says they came from the cluster
+// (rule unstamped-from-cluster, not off-cluster-denied).
 func TestNoIdentityFromCluster(t *testing.T) {
 	needTestbed(t)
 	listen(t, "node1", "alice", "tcp", "::", 5171)
