@@ -6,6 +6,7 @@ require (
 	github.com/BurntSushi/toml v1.6.0
 	github.com/cilium/ebpf v0.22.0
 	github.com/coreos/go-systemd/v22 v22.7.0
+	github.com/flynn/noise v1.1.0
 	github.com/google/nftables v0.3.0
 	github.com/goreleaser/nfpm/v2 v2.45.0
 	github.com/mdlayher/netlink v1.11.2

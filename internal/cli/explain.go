@@ -13,8 +13,10 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"github.com/vishvananda/netlink"
 
 	"github.com/palisade-hpc/palisade/internal/config"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
@@ -175,6 +177,9 @@ get if it is your own, and how to ask about someone else's.`,
 					fmt.Fprintf(w, "if yours\t%s (rule %s): %s\n", word, ov.Rule, pol.ExplainWith(own, res))
 					fmt.Fprintf(w, "else\tif it is another user's: palisade explain ... --listener-user THEM [--listener-group GROUP] (what-if), or try the connection\n")
 				}
+				if l := stampLimits(pol, nodeFlag, target.Addr(), proto); l != "" {
+					fmt.Fprintf(w, "limits\t%s\n", l)
+				}
 				return w.Flush()
 			}
 			word := "DENY"
@@ -187,6 +192,9 @@ get if it is your own, and how to ask about someone else's.`,
 				for _, f := range fixes(res, c, v, lis) {
 					fmt.Fprintf(w, "fix\t%s\n", f)
 				}
+			}
+			if l := stampLimits(pol, nodeFlag, target.Addr(), proto); l != "" {
+				fmt.Fprintf(w, "limits\t%s\n", l)
 			}
 			return w.Flush()
 		},
@@ -371,6 +379,45 @@ func listenerNode(cfg *config.Config, addr netip.Addr) string {
 		}
 	}
 	return ""
+}
+
+// stampLimits says what the identity stamp costs a datagram to dst sent
+// from this node: the route's MTU (lowered by the agent by the stamp's
+// room), the largest datagram that leaves whole, and what happens to larger
+// ones (docs/users.md, "Large datagrams"). "" when nothing applies.
+func stampLimits(pol *policy.Policy, node string, dst netip.Addr, proto policy.Proto) string {
+	if proto != policy.UDP || node != "" {
+		return "" // TCP carries the stamp on its SYN only; another node's routes are not known here
+	}
+	dst = dst.Unmap()
+	routes, err := netlink.RouteGet(dst.AsSlice())
+	if err != nil || len(routes) == 0 {
+		return ""
+	}
+	r := routes[0]
+	link, err := netlink.LinkByIndex(r.LinkIndex)
+	if err != nil {
+		return ""
+	}
+	room, hdr, max := userwall.StampRoom4, 28, 65507
+	if dst.Is6() {
+		room, hdr, max = userwall.StampRoom6, 48, 65527
+	}
+	if link.Attrs().Flags&net.FlagLoopback != 0 {
+		return fmt.Sprintf("on this node every datagram size (up to %d bytes) carries your identity (a stamp, or a loopback token where a stamp does not fit)", max)
+	}
+	if !pol.InCluster(dst) && !dst.IsLinkLocalUnicast() {
+		return "" // off-cluster: no stamp is added
+	}
+	mtu := r.MTU
+	if mtu == 0 {
+		mtu = link.Attrs().MTU
+	}
+	if want := userwall.StampMTU(link.Attrs().MTU, 0, dst.Is6()); mtu > want {
+		return fmt.Sprintf("the route to %s has MTU %d: not lowered for the identity stamp (is the agent running here? route changed?); datagrams of more than %d bytes are sent without your identity and refused", dst, mtu, mtu-hdr-room)
+	}
+	return fmt.Sprintf("datagrams leave whole up to %d bytes (route MTU %d via %s, %d bytes kept for the identity stamp); larger ones are fragmented and delivered, or refused at once with EMSGSIZE where fragmenting is forbidden (IP_PMTUDISC_DO, IPV6_DONTFRAG, QUIC), as are UDP_SEGMENT sizes above %d; IP options or IPv6 extension headers get EPERM",
+		mtu-hdr, mtu, link.Attrs().Name, room, mtu-hdr)
 }
 
 // explainTarget is the listener's address, protocol and node name (if given

@@ -118,8 +118,8 @@ func flowsCommand() *cobra.Command {
 		Short: "Show recent and live verdicts (allowed and refused) on every node, with both ends' users and processes",
 		Long: `Show the verdicts the nodes' agents recorded: refusals, would-be refusals of
 audit mode (AUDIT), unverified admissions of the staged rollout, and allowed
-connections (sampled: at most [agent] flow_samples a second per CPU are
-recorded, system ports never). Each line names both ends: user, group,
+connections (ALLOW*: sampled, at most [agent] flow_samples a second per CPU
+are recorded, system ports never). Each line names both ends: user, group,
 process (command[pid], where the kernel still knew it) and node.
 
 Every node of [cluster] nodes is asked through this node's agent (--node to

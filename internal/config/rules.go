@@ -317,10 +317,13 @@ func (c *Config) buildRules(res identity.Resolver, fail func(file string, line i
 			bad("source", t.Source, "give from_node or source, not both")
 		case t.FromNode != "":
 			addrs, known := nodeAddrs[t.FromNode]
-			if !known {
-				bad("from_node", t.FromNode, "node %q is not in [cluster] nodes", t.FromNode)
-			} else {
+			switch {
+			case known:
 				t.src = addrs[0]
+			case slices.ContainsFunc(c.PendingNodes, func(p PendingNode) bool { return p.Name == t.FromNode }):
+				// Known by name only (a hostlist): resolved when the test runs.
+			default:
+				bad("from_node", t.FromNode, "node %q is not in [cluster] nodes", t.FromNode)
 			}
 		case t.Source != "":
 			a, err := netip.ParseAddr(t.Source)
@@ -429,7 +432,15 @@ func (c *Config) runTest(res identity.Resolver, t *TestConfig, r *TestResult) er
 	if t.Proto == "udp" {
 		proto = policy.UDP
 	}
-	r.Conn = policy.Conn{Source: t.src, Connector: conn, Listener: lis, Port: uint16(t.Port), Proto: proto, Node: t.Node}
+	src := t.src
+	if t.FromNode != "" && !src.IsValid() {
+		addrs, err := LookupHost(t.FromNode)
+		if err != nil || len(addrs) == 0 {
+			return fmt.Errorf("from_node %q (a [cluster] nodes hostlist name) does not resolve: %v", t.FromNode, err)
+		}
+		src = addrs[0]
+	}
+	r.Conn = policy.Conn{Source: src, Connector: conn, Listener: lis, Port: uint16(t.Port), Proto: proto, Node: t.Node}
 	r.Got = c.Policy.Decide(r.Conn)
 	verdict := func(allow bool) string {
 		if allow {

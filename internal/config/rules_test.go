@@ -473,3 +473,17 @@ func TestExplainSiteRule(t *testing.T) {
 		t.Errorf("default deny: %s", got)
 	}
 }
+
+// A test's from_node known by name only (a [cluster] nodes hostlist) is
+// resolved when the test runs, not when the file loads.
+func TestTestFromHostlistNode(t *testing.T) {
+	data := "[cluster]\nsubnets = [\"198.18.0.0/24\"]\nnodes = [\"palnosuchnode[1-2]\"]\n" +
+		"[[test]]\nfrom = \"alice\"\nfrom_node = \"palnosuchnode1\"\nto = \"alice\"\nport = 5000\nexpect = \"allow\"\n"
+	c, err := Parse("h.toml", []byte(data), siteUsers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.RunTests(siteUsers); err == nil || !strings.Contains(err.Error(), `from_node "palnosuchnode1" (a [cluster] nodes hostlist name) does not resolve`) {
+		t.Errorf("RunTests: %v", err)
+	}
+}

@@ -282,6 +282,7 @@ event_log = "%[6]s/%[1]s-userwall.jsonl"
 // keys to.
 const policyTests = `
 # Policy tests: palisade policy test (the agent refuses a policy that fails one).
+# Local connections (no from_node): they hold whatever [cluster] says.
 [[test]]
 name = "system ports from anywhere"
 from = "carol"
@@ -292,9 +293,8 @@ expect = "allow"
 rule = "system-port"
 
 [[test]]
-name = "a user's own listener across nodes"
+name = "a user's own listener"
 from = "alice"
-from_node = "node1"
 to = "alice"
 port = 29101
 expect = "allow"
@@ -303,7 +303,6 @@ rule = "same-user"
 [[test]]
 name = "a listener started under sg proj1"
 from = "bob"
-from_node = "node1"
 to = "alice"
 to_group = "proj1"
 port = 29105
@@ -313,7 +312,6 @@ rule = "shared-group"
 [[test]]
 name = "a private listener"
 from = "bob"
-from_node = "node1"
 to = "alice"
 port = 29101
 expect = "deny"
@@ -322,7 +320,6 @@ rule = "default-deny"
 [[test]]
 name = "root reaches users' services"
 from = "root"
-from_node = "node1"
 to = "carol"
 port = 29103
 expect = "allow"
@@ -331,7 +328,6 @@ rule = "exempt-connector"
 [[test]]
 name = "svc's services are open to the cluster"
 from = "bob"
-from_node = "node1"
 to = "svc"
 port = 29104
 expect = "allow"

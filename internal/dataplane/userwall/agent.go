@@ -52,8 +52,9 @@ func (o *AgentOptions) LoadConfig() (*config.Config, error) {
 }
 
 // LoadTestedConfig is LoadConfig, refusing a policy whose [[test]] entries
-// fail: what the agent starts and reloads with (and `agent --reload` checks
-// before signalling), so a change that breaks a site's tests never applies.
+// fail: what the agent reloads with (and `agent --reload` checks before
+// signalling), so a change that breaks a site's tests never replaces the
+// running policy.
 func (o *AgentOptions) LoadTestedConfig() (*config.Config, error) {
 	cfg, err := o.LoadConfig()
 	if err != nil {
@@ -204,6 +205,9 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	if err := a.startServices(ctx, &svc); err != nil {
 		return err
 	}
+	// The state first: whoever sees this agent's pid in the pid file
+	// (StartAgent, agent --reload) finds its state file already there.
+	a.initState()
 	pidFile := a.cfg.Agent.PidFile
 	if err := os.WriteFile(pidFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
 		return err
@@ -213,7 +217,6 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 			os.Remove(pidFile)
 		}
 	}()
-	a.initState()
 	// Readiness for systemd (Type=notify): enforcement, metrics and ident
 	// are in place, so units ordered after this one (slurmd, sshd) start
 	// only on a node that already isolates users. A no-op without systemd.
@@ -233,9 +236,16 @@ func newAgent(o AgentOptions) (*agent, error) {
 	v := version.Get()
 	log.Info("palisade agent starting", "version", v.Version, "commit", v.Commit, "built", v.BuildDate,
 		"go", v.GoVersion, "cilium_ebpf", v.EBPF)
-	cfg, err := o.LoadTestedConfig()
+	cfg, err := o.LoadConfig()
 	if err != nil {
 		return nil, err
+	}
+	// A policy whose tests fail is refused by reloads (the running one
+	// stays), but at start there is none to keep: refusing would leave a
+	// rebooted node unprotected. It is enforced and reported loudly.
+	var testErr error
+	if _, testErr = cfg.RunTests(nil); testErr != nil {
+		log.Error("policy tests fail; enforcing this configuration anyway (no running policy to keep): fix it and reload", "err", testErr)
 	}
 	if cfg.Default {
 		log.Warn("no configuration file; using the built-in default policy", "path", o.ConfigPath)
@@ -249,6 +259,9 @@ func newAgent(o AgentOptions) (*agent, error) {
 		return nil, err
 	}
 	a := &agent{opts: o, cfg: cfg, log: log, attached: map[string]int{}, probe: probe}
+	if testErr != nil {
+		a.notes = append(a.notes, "policy tests fail (enforced anyway at start; a reload is refused until they pass): "+testErr.Error())
+	}
 	if a.useTC, a.tcWhy, err = chooseTC(cfg.Agent.TCAttach, probe); err != nil {
 		return nil, err
 	}

@@ -1041,7 +1041,7 @@ func TestDifferential(t *testing.T) {
 	// The generator must reach every rule the ingress program can take.
 	for _, want := range []string{"site-allow/deliver", "site-deny/drop", "same-user/deliver", "shared-group/deliver", "system-port/deliver",
 		"exempt-connector/deliver", "exempt-listener/deliver", "off-cluster-port/deliver",
-		"off-cluster-denied/drop", "default-deny/drop", "udp-reply/deliver", "unverified/deliver",
+		"off-cluster-denied/drop", "unstamped-from-cluster/drop", "default-deny/drop", "udp-reply/deliver", "unverified/deliver",
 		"unclassified/drop", "none/deliver", "default-deny/deliver"} {
 		if stats[want] == 0 {
 			t.Errorf("no case ended %s: the generator misses it", want)

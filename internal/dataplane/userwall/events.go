@@ -54,7 +54,7 @@ type Event struct {
 	Stamp string `json:"stamp,omitempty"`
 	// Stage is where the refusal happened: "socket" (the packet was dropped
 	// at the socket it was queued to), "early" (refused before the stack by
-	// a reset / ICMP), "bind" or "unix".
+	// a reset / ICMP), "bind", "unix", or "send" (at the sender: unstampable).
 	Stage string `json:"stage,omitempty"`
 }
 
@@ -231,12 +231,14 @@ func (s *eventSink) decodeRecord(r *uwbpfUwEvent) Event {
 		e.Stage = "unix"
 	case uwbpfUwPath(r.Path) == uwbpfUwPathP_BIND:
 		e.Stage = "bind"
+	case uwbpfUwPath(r.Path) == uwbpfUwPathP_SOURCE:
+		e.Stage = "send" // refused at the sender (rule unstampable)
 	case r.Polite != 0:
 		e.Stage = "early"
 	default:
 		e.Stage = "socket"
 	}
-	if r.Family != 1 && uwbpfUwPath(r.Path) != uwbpfUwPathP_BIND {
+	if r.Family != 1 && uwbpfUwPath(r.Path) != uwbpfUwPathP_BIND && uwbpfUwPath(r.Path) != uwbpfUwPathP_SOURCE {
 		e.Stamp = stampName(r.Stamp)
 	}
 	e.Listener = Party{UID: r.Luid, User: s.names.User(r.Luid), GID: r.Lgid, Group: s.names.Group(r.Lgid)}

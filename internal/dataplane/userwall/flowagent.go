@@ -6,6 +6,8 @@ import (
 	"os"
 	"time"
 
+	"golang.org/x/time/rate"
+
 	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/policy"
@@ -16,6 +18,7 @@ import (
 type flowConfig struct {
 	nodes     []config.Node
 	identPort uint16
+	pol       *policy.Policy // cluster subnets: the only addresses asked
 }
 
 // newFlows is the agent's flow recorder (flows.go).
@@ -34,6 +37,13 @@ func (a *agent) newFlows() *flowRecorder {
 		}
 		return ident.Client{Port: fc.identPort, Timeout: 500 * time.Millisecond}.Query(ctx, node, target, peer, proto)
 	}
+	r.lost = func() (uint64, error) {
+		st, err := a.dp.ReadEventStats()
+		return st.Lost, err
+	}
+	if st, err := a.dp.ReadEventStats(); err == nil {
+		r.lastLost = st.Lost // an adopted data plane's earlier losses
+	}
 	a.flows = r
 	a.setFlowConfig()
 	return r
@@ -42,7 +52,7 @@ func (a *agent) newFlows() *flowRecorder {
 // setFlowConfig hands the running configuration to the flow recorder and
 // the flows socket (main loop: start and reload).
 func (a *agent) setFlowConfig() {
-	a.flowCfg.Store(&flowConfig{nodes: a.cfg.Nodes, identPort: uint16(a.cfg.Agent.IdentPort)})
+	a.flowCfg.Store(&flowConfig{nodes: a.cfg.Nodes, identPort: uint16(a.cfg.Agent.IdentPort), pol: a.cfg.Policy})
 	if a.flows == nil {
 		return
 	}
@@ -72,10 +82,7 @@ func (a *agent) serveFlows(ctx context.Context) (stop func(), err error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &flowServer{rec: a.flows, path: path, l: l, file: fi, nodes: func() ([]config.Node, uint16) {
-		fc := a.flowCfg.Load()
-		return fc.nodes, fc.identPort
-	}}
+	s := &flowServer{rec: a.flows, path: path, l: l, file: fi, cfg: a.flowCfg.Load, remoteAsks: rate.NewLimiter(20, 20)}
 	ctx, cancel := context.WithCancel(ctx)
 	return goJoined(func() { s.serve(ctx) }, func() { cancel(); s.close() }, nil), nil
 }

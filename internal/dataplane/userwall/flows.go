@@ -220,7 +220,11 @@ type flowRecorder struct {
 	remoteLimit *rate.Limiter
 	localLimit  *rate.Limiter
 	deadNodes   map[netip.Addr]time.Time // remote worker only
-	cache       map[lookupKey]lookupEntry
+	// lost reads the programs' count of reports the ring buffer had no
+	// room for (nil: not watched); run logs its increases.
+	lost     func() (uint64, error)
+	lastLost uint64
+	cache    map[lookupKey]lookupEntry
 
 	mu      sync.Mutex
 	ring    []Flow
@@ -330,14 +334,32 @@ func (r *flowRecorder) run(ctx context.Context) {
 		r.runRemote(ctx)
 	}()
 	defer func() { <-done }()
+	tick := time.NewTicker(10 * time.Second)
+	defer tick.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case p := <-r.in:
 			r.record(p)
+		case <-tick.C:
+			r.watchLost()
 		}
 	}
+}
+
+// watchLost logs the reports lost in the kernel since the last look.
+func (r *flowRecorder) watchLost() {
+	if r.lost == nil {
+		return
+	}
+	n, err := r.lost()
+	if err != nil || n <= r.lastLost {
+		return
+	}
+	r.log.Warn("ring buffer full: refusal reports lost (event log, flows, audit report miss them; counters have them)",
+		"lost", n-r.lastLost, "lost_total", n)
+	r.lastLost = n
 }
 
 func (r *flowRecorder) nodeName(a netip.Addr) string {
@@ -583,7 +605,9 @@ func (r *flowRecorder) Flows(q FlowQuery, maxBytes int) FlowAnswer {
 			a.Oldest = f.Time
 		}
 		if f.Seq > q.After && q.Filter.match(f) {
-			match = append(match, cloneFlow(f))
+			c := cloneFlow(f)
+			redactFlow(&c, q.Filter.AsUID)
+			match = append(match, c)
 		}
 	}
 	r.mu.Unlock()
@@ -606,6 +630,21 @@ func (r *flowRecorder) Flows(q FlowQuery, maxBytes int) FlowAnswer {
 		a.Flows = []Flow{}
 	}
 	return a
+}
+
+// redactFlow leaves a user (as, not nil) the processes of their own ends
+// only: another user's process is theirs to know (hidepid sites), the
+// other end's user, group and node are what the user needs.
+func redactFlow(f *Flow, as *uint32) {
+	if as == nil {
+		return
+	}
+	if f.Listener.UID != *as {
+		f.Listener.PID, f.Listener.Comm = 0, ""
+	}
+	if c := f.Connector; c != nil && c.UID != *as {
+		c.PID, c.Comm = 0, ""
+	}
 }
 
 func cloneFlow(f *Flow) Flow {
@@ -673,6 +712,14 @@ func (r *flowRecorder) Audit(q AuditQuery, maxBytes int) AuditAnswer {
 	}
 	r.mu.Unlock()
 	for _, g := range merged {
+		if as := f.AsUID; as != nil { // as redactFlow
+			if g.Listener.UID != *as {
+				g.ListenerProcs = nil
+			}
+			if g.Connector == nil || g.Connector.UID != *as {
+				g.ConnectorProcs = nil
+			}
+		}
 		a.Groups = append(a.Groups, *g)
 	}
 	SortAuditGroups(a.Groups)

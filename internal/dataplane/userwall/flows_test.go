@@ -101,6 +101,24 @@ func TestFlowFilter(t *testing.T) {
 			t.Errorf("%s: %d flows, want %d", c.name, got, c.want)
 		}
 	}
+	// A user sees the processes of their own ends only.
+	r2 := newFlowRecorder(10, quietLog(), "node2", nil, nil)
+	e := refusal(now, "deny", 2002, 2001, "5000")
+	p := &pending{e: *e}
+	r2.record(p)
+	r2.mu.Lock()
+	r2.ring[0].Listener.PID, r2.ring[0].Listener.Comm = 10, "jupyter"
+	r2.ring[0].Connector.PID, r2.ring[0].Connector.Comm = 20, "curl"
+	r2.mu.Unlock()
+	for _, c := range []struct {
+		as           *uint32
+		lcomm, ccomm string
+	}{{nil, "jupyter", "curl"}, {u32(2002), "", "curl"}, {u32(2001), "jupyter", ""}} {
+		f := r2.Flows(FlowQuery{Filter: FlowFilter{AsUID: c.as}}, 0).Flows[0]
+		if f.Listener.Comm != c.lcomm || f.Connector.Comm != c.ccomm || (c.lcomm == "") != (f.Listener.PID == 0) {
+			t.Errorf("as %v: listener %q[%d], connector %q[%d]", c.as, f.Listener.Comm, f.Listener.PID, f.Connector.Comm, f.Connector.PID)
+		}
+	}
 }
 
 func TestAuditGroups(t *testing.T) {

@@ -11,13 +11,14 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
+	"golang.org/x/time/rate"
 
-	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/ident"
 )
 
@@ -70,12 +71,20 @@ type flowTarget struct {
 
 // flowServer serves the flows socket.
 type flowServer struct {
-	rec   *flowRecorder
-	path  string
-	l     *net.UnixListener
-	file  os.FileInfo
-	nodes func() ([]config.Node, uint16) // [cluster] nodes and the ident port (main loop's config)
+	rec  *flowRecorder
+	path string
+	l    *net.UnixListener
+	file os.FileInfo
+	cfg  func() *flowConfig // the main loop's: [cluster] nodes, ident port, subnets
+	// remoteAsks bounds the requests that go to other nodes (each asks
+	// every node named): a user's loop cannot make this agent flood the
+	// cluster with ident queries.
+	remoteAsks *rate.Limiter
 }
+
+// maxParallelAsks bounds the nodes asked at once (privileged source ports
+// are 424).
+const maxParallelAsks = 64
 
 func listenFlows(path string) (*net.UnixListener, os.FileInfo, error) {
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
@@ -176,11 +185,11 @@ func (s *flowServer) serveConn(ctx context.Context, c *net.UnixConn) {
 }
 
 func (s *flowServer) targets(want []string) ([]flowTarget, error) {
-	nodes, _ := s.nodes()
+	fc := s.cfg()
 	self := flowTarget{name: s.rec.node, local: true}
 	var all []flowTarget
 	haveSelf := false
-	for _, n := range nodes {
+	for _, n := range fc.nodes {
 		t := flowTarget{name: n.Name, addr: n.Addr}
 		if s.rec.local != nil && s.rec.local(n.Addr) {
 			t.local = true
@@ -212,6 +221,9 @@ func (s *flowServer) targets(want []string) ([]flowTarget, error) {
 			if err != nil {
 				return nil, fmt.Errorf("unknown node %q (not in [cluster] nodes, not an address)", w)
 			}
+			if fc.pol == nil || !fc.pol.InCluster(a) {
+				return nil, fmt.Errorf("%v is not in a cluster subnet: no node to ask", a)
+			}
 			out = append(out, flowTarget{name: w, addr: a, local: s.rec.local != nil && s.rec.local(a)})
 		}
 	}
@@ -227,11 +239,18 @@ func (s *flowServer) answer(ctx context.Context, req FlowsRequest) FlowsResponse
 	if err != nil {
 		return FlowsResponse{Error: err.Error()}
 	}
-	_, port := s.nodes()
+	port := s.cfg().identPort
+	remote := slices.ContainsFunc(ts, func(t flowTarget) bool { return !t.local })
+	if remote && !s.remoteAsks.Allow() {
+		return FlowsResponse{Error: "too many requests to other nodes: retry in a second"}
+	}
 	out := make([]NodeFlows, len(ts))
+	sem := make(chan struct{}, maxParallelAsks)
 	var wg sync.WaitGroup
 	for i, t := range ts {
 		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
 			nf := NodeFlows{Name: t.name}
 			if t.addr.IsValid() {
 				nf.Addr = t.addr.String()

@@ -29,6 +29,9 @@ type ActSpec struct {
 	// Size pads each datagram to this many bytes (a datagram too large
 	// for a stamp, or one that must be fragmented).
 	Size int `json:"size,omitempty"`
+	// GSO sends each datagram as one UDP_SEGMENT send of segments of this
+	// many bytes (the nonce is in the first).
+	GSO int `json:"gso,omitempty"`
 	// Reply waits for the victim's echo.
 	Reply bool `json:"reply,omitempty"`
 	// WaitMS bounds connect and the wait for a reply (default 1500).
@@ -207,6 +210,11 @@ func act(s ActSpec, r *ActResult) error {
 	if s.Connect {
 		if err := connectFD(fd, dst); err != nil {
 			return at("connect", err)
+		}
+	}
+	if s.GSO > 0 {
+		if err := unix.SetsockoptInt(fd, unix.IPPROTO_UDP, unix.UDP_SEGMENT, s.GSO); err != nil {
+			return at("setsockopt(UDP_SEGMENT)", err)
 		}
 	}
 	for i := 0; i < s.Count; i++ {

@@ -7,12 +7,15 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
 	"testing"
 
+	"github.com/cilium/ebpf"
 	"github.com/palisade-hpc/palisade/internal/cli"
+
 	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 )
 
@@ -113,7 +116,8 @@ var flowPorts int
 // listener on node2 appear in `palisade flows` on both nodes, with both
 // ends' users, nodes, the listener's process and the rule; alice's
 // connector process is named while it is connected; bob sees his own flow
-// and not alice's nor carol's; the metrics count the sample.
+// (without alice's process) and not alice's nor carol's; the metrics count
+// the sample.
 func TestFlows(t *testing.T) {
 	needTestbed(t)
 	port := flowPort()
@@ -165,6 +169,9 @@ func TestFlows(t *testing.T) {
 			t.Errorf("bob sees a flow he is no end of: %s", flowText(f))
 		}
 		sawOwn = sawOwn || c == "bob"
+		if f.Listener.User != "bob" && (f.Listener.Comm != "" || f.Listener.PID != 0) {
+			t.Errorf("bob sees %s's process: %s", f.Listener.User, flowText(f))
+		}
 	}
 	if !sawOwn {
 		t.Errorf("bob does not see his own refused flow (%d listed)", len(mine))
@@ -313,4 +320,49 @@ func decisionCount(t *testing.T, node, path, rule, verdict string) int {
 	}
 	n, _ := strconv.Atoi(x[1])
 	return n
+}
+
+// TestMetricsMapSizes: the map sizes the metrics report without walking the
+// maps (what the agent wrote) are what the maps hold.
+func TestMetricsMapSizes(t *testing.T) {
+	needTestbed(t)
+	st := status(t, "node2")
+	metric := func(name string) string {
+		m, err := metrics("node2", "127.0.0.1:9464")
+		if err != nil {
+			t.Fatal(err)
+		}
+		x := regexp.MustCompile(`palisade_userwall_map_entries\{map="` + name + `"\} (\d+)`).FindStringSubmatch(m)
+		if x == nil {
+			t.Fatalf("no map_entries metric for %s", name)
+		}
+		return x[1]
+	}
+	count := func(name string) string {
+		mp, err := ebpf.LoadPinnedMap(filepath.Join(st.PinDir, name), &ebpf.LoadPinOptions{ReadOnly: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer mp.Close()
+		n := 0
+		k, v := make([]byte, mp.KeySize()), make([]byte, mp.ValueSize())
+		for it := mp.Iterate(); it.Next(&k, &v); {
+			n++
+		}
+		return strconv.Itoa(n)
+	}
+	for _, name := range []string{"exempt_conn", "exempt_lis", "local_addrs", "cluster_nets", "unenforced_nets", "members"} {
+		// The membership tracker may write members meanwhile: a reading
+		// counts when the metric is the same before and after the walk.
+		var before, n, after string
+		for range 5 {
+			before, n, after = metric(name), count(name), metric(name)
+			if before == after {
+				break
+			}
+		}
+		if before != after || n != before {
+			t.Errorf("%s: metric %s (then %s), map holds %s", name, before, after, n)
+		}
+	}
 }

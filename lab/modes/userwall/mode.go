@@ -72,6 +72,12 @@ func AgentPidFile(tb *testbed.Testbed, node string) string {
 
 // StartAgent starts the agent of one node and waits until it enforces.
 func StartAgent(ctx context.Context, tb *testbed.Testbed, n testbed.Node) error {
+	return StartAgentEnv(ctx, tb, n, nil)
+}
+
+// StartAgentEnv is StartAgent with env (KEY=value) added to the agent's
+// environment (test settings such as userwall.TestPeerTTLEnv).
+func StartAgentEnv(ctx context.Context, tb *testbed.Testbed, n testbed.Node, env []string) error {
 	pidFile := AgentPidFile(tb, n.Name)
 	if pid := uw.ReadPid(pidFile); pid != 0 {
 		return nil // already running
@@ -87,6 +93,7 @@ func StartAgent(ctx context.Context, tb *testbed.Testbed, n testbed.Node) error 
 	defer logf.Close()
 	// Not tied to ctx: the daemon outlives `testbed up`.
 	cmd := nodeCommand(context.Background(), tb, n, "agent")
+	cmd.Env = append(cmd.Env, env...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {

@@ -273,4 +273,17 @@ func TestSiteRules(t *testing.T) {
 		{"node1", "carol", "tcp", e2, 9240, refused, nil}, // the refused change is not enforced
 		{"node1", "carol", "tcp", e2, 9235, "OK", nil},    // the running rules are
 	})
+
+	// A start has no running policy to keep: the agent enforces the file
+	// (refusing would leave a rebooted node open) and says so.
+	if err := StopAgent(context.Background(), tb, n2); err != nil {
+		t.Fatal(err)
+	}
+	if err := StartAgent(context.Background(), tb, n2); err != nil {
+		t.Fatal(err)
+	}
+	if st := status(t, "node2"); !hasWarning(st, "policy tests fail") {
+		t.Errorf("status after a start with failing tests: %q", st.Warnings)
+	}
+	run(t, []tcase{{"node1", "carol", "tcp", e2, 9240, "OK", nil}})
 }

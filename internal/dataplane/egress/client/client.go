@@ -28,6 +28,7 @@ import (
 	"os/signal"
 	"runtime"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -62,9 +63,13 @@ type Options struct {
 type Session struct {
 	key      join.Key
 	gwKey    join.Key
+	ini      *join.Initiator
 	joinAddr string
 	req      join.Request
+	// Answer is the join's answer; it does not change after Join (renewals
+	// move only leaseEnd, which the renewal goroutine owns).
 	Answer   join.Answer
+	leaseEnd atomic.Int64
 	endpoint string
 }
 
@@ -102,11 +107,12 @@ func Join(o Options) (*Session, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Session{key: key, gwKey: gwKey, joinAddr: claims.Gateway,
+	s := &Session{key: key, gwKey: gwKey, ini: join.NewInitiator(key, gwKey), joinAddr: claims.Gateway,
 		req: join.Request{Op: "join", Token: o.Token, Node: node}}
-	if s.Answer, err = join.Exchange(s.joinAddr, key, gwKey, s.req, 10*time.Second); err != nil {
+	if s.Answer, err = s.ini.Exchange(s.joinAddr, s.req, 10*time.Second); err != nil {
 		return nil, err
 	}
+	s.leaseEnd.Store(s.Answer.LeaseEnd)
 	if !s.Answer.Address.IsValid() {
 		return nil, errors.New("gateway sent no address")
 	}
@@ -118,25 +124,25 @@ func Join(o Options) (*Session, error) {
 func (s *Session) Leave() {
 	r := s.req
 	r.Op = "leave"
-	join.Exchange(s.joinAddr, s.key, s.gwKey, r, 2*time.Second)
+	s.ini.Exchange(s.joinAddr, r, 2*time.Second)
 }
 
 // renew keeps the lease alive until ctx ends.
 func (s *Session) renew(ctx context.Context, logf func(string, ...any)) {
 	for {
-		every := time.Until(time.Unix(s.Answer.LeaseEnd, 0)) / 3
+		every := time.Until(time.Unix(s.leaseEnd.Load(), 0)) / 3
 		every = max(every, 5*time.Second)
 		select {
 		case <-ctx.Done():
 			return
 		case <-time.After(every):
 		}
-		a, err := join.Exchange(s.joinAddr, s.key, s.gwKey, s.req, 10*time.Second)
+		a, err := s.ini.Exchange(s.joinAddr, s.req, 10*time.Second)
 		if err != nil {
 			logf("lease renewal: %v", err)
 			continue
 		}
-		s.Answer.LeaseEnd = a.LeaseEnd
+		s.leaseEnd.Store(a.LeaseEnd)
 	}
 }
 

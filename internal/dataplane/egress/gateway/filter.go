@@ -38,6 +38,8 @@ type Counters struct {
 	ToClients     atomic.Uint64 `json:"-"`
 	IsolationDrop atomic.Uint64 `json:"-"`
 	RateDrop      atomic.Uint64 `json:"-"`
+	JoinDrop      atomic.Uint64 `json:"-"`
+	JoinReplay    atomic.Uint64 `json:"-"`
 }
 
 // filter sits between wireguard-go and the gateway's network side (kernel

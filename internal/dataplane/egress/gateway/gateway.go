@@ -22,6 +22,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/palisade-hpc/palisade/internal/dataplane/egress/dns"
@@ -29,6 +30,7 @@ import (
 	"github.com/palisade-hpc/palisade/internal/dataplane/egress/join"
 	"github.com/palisade-hpc/palisade/internal/dataplane/egress/stack"
 	"github.com/vishvananda/netlink"
+	"golang.org/x/time/rate"
 	"golang.zx2c4.com/wireguard/conn"
 	"golang.zx2c4.com/wireguard/device"
 	"golang.zx2c4.com/wireguard/tun"
@@ -156,6 +158,10 @@ type Gateway struct {
 	mu       sync.Mutex // serialises peer changes with lease changes
 	revoked  Revocations
 	closers  []func()
+	// join freshness and log limit (see serveJoins)
+	replay         join.Replay
+	joinLog        *rate.Limiter
+	joinLogDropped atomic.Uint64
 	// idle memory release (housekeeping goroutine only)
 	lastBytes          uint64
 	lastBusy, lastFree time.Time
@@ -173,7 +179,7 @@ func Start(cfg Config) (g *Gateway, err error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	g = &Gateway{cfg: cfg}
+	g = &Gateway{cfg: cfg, joinLog: rate.NewLimiter(1, 20)}
 	defer func() {
 		if err != nil {
 			g.Close()
@@ -369,8 +375,19 @@ func (g *Gateway) removePeer(key string) {
 	g.dev.IpcSet(fmt.Sprintf("public_key=%s\nremove=true\n", k.Hex()))
 }
 
+// Join limits: a job start on a big node sends a burst of joins from one
+// address; renewals are rare. Past these, datagrams are dropped before the
+// Noise handshake spends its Diffie-Hellman operations on them.
+const (
+	joinPerSource      = 20 // datagrams/s per source address
+	joinPerSourceBurst = 256
+	joinGlobal         = 1000 // datagrams/s in all
+	joinGlobalBurst    = 2000
+)
+
 func (g *Gateway) serveJoins(c *net.UDPConn) {
 	buf := make([]byte, 65536)
+	lim := join.NewLimiter(joinPerSource, joinPerSourceBurst, joinGlobal, joinGlobalBurst)
 	for {
 		n, from, err := c.ReadFromUDP(buf)
 		if err != nil {
@@ -379,56 +396,88 @@ func (g *Gateway) serveJoins(c *net.UDPConn) {
 			}
 			continue
 		}
-		ck, req, err := join.OpenRequest(g.key, buf[:n])
-		if err != nil {
-			// Not sealed for us: nothing we can answer that the sender could read.
-			g.cfg.Logf("join from %s: %v", from, err)
+		if n < join.MinRequest || !lim.Allow(from.AddrPort().Addr()) {
+			g.counters.JoinDrop.Add(1)
 			continue
 		}
-		ans := g.handle(ck, req, from)
-		msg, err := join.SealAnswer(g.key, ck, ans)
-		if err == nil {
+		in, err := join.OpenRequest(g.key, buf[:n])
+		if err != nil {
+			// Not sealed for us: nothing we can answer that the sender could read.
+			g.counters.JoinDrop.Add(1)
+			g.logJoin("join from %s: %v", from, err)
+			continue
+		}
+		ans, ok := g.handle(in, from)
+		if !ok {
+			continue // a replay gets no answer at all
+		}
+		if msg, err := in.SealAnswer(ans); err == nil {
 			c.WriteToUDP(msg, from)
 		}
 	}
 }
 
-// handle turns a verified request into a lease and a peer.
-func (g *Gateway) handle(ck join.Key, req join.Request, from *net.UDPAddr) join.Answer {
-	claims, err := join.VerifyToken(g.key, req.Token, time.Now())
+// logJoin is the log of the join socket, which anyone can make speak:
+// rate-limited, with a count of what it left out.
+func (g *Gateway) logJoin(f string, a ...any) {
+	if g.joinLog.Allow() {
+		if n := g.joinLogDropped.Swap(0); n > 0 {
+			g.cfg.Logf("join: %d messages not logged (rate limit)", n)
+		}
+		g.cfg.Logf(f, a...)
+		return
+	}
+	g.joinLogDropped.Add(1)
+}
+
+// handle turns an authenticated request into a lease and a peer. It reports
+// false for a request that must get no answer (a replay).
+func (g *Gateway) handle(in *join.Incoming, from *net.UDPAddr) (join.Answer, bool) {
+	ck, req := in.Client, in.Req
+	now := time.Now()
+	claims, err := join.VerifyToken(g.key, req.Token, now)
 	if err != nil {
-		g.cfg.Logf("join from %s refused: %v", from, err)
-		return join.Answer{Error: err.Error()}
+		g.logJoin("join from %s refused: %v", from, err)
+		return join.Answer{Error: err.Error()}, true
+	}
+	// Fresh only if newer than anything this key sent before: a captured
+	// join, renewal or leave replayed later is dropped here.
+	if !g.replay.Accept(ck, in.Stamp, time.Unix(claims.Expires, 0)) {
+		g.counters.JoinReplay.Add(1)
+		g.logJoin("join from %s (%s/%s) dropped: replayed or reordered request (timestamp %s not newer than the last accepted)",
+			from, claims.User, claims.Job, in.Stamp.Time().Format(time.RFC3339Nano))
+		return join.Answer{}, false
 	}
 	node := sanitizeNode(req.Node)
 	probe := ipam.Lease{User: claims.User, Job: claims.Job, Node: node, Key: ck.String()}
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.revoked.Match(probe) {
-		g.cfg.Logf("join from %s refused: %s/%s revoked", from, claims.User, claims.Job)
-		return join.Answer{Error: join.ErrRevoked.Error()}
+		g.logJoin("join from %s refused: %s/%s revoked", from, claims.User, claims.Job)
+		return join.Answer{Error: join.ErrRevoked.Error()}, true
 	}
 	if req.Op == "leave" {
 		ls, _ := g.pool.Release(func(l ipam.Lease) bool { return l.Key == ck.String() })
 		for _, l := range ls {
 			g.removePeer(l.Key)
+			g.cfg.Logf("lease %s (%s) left", l.Name(), l.Addr)
 		}
 		g.refreshOwners()
-		return join.Answer{}
+		return join.Answer{}, true
 	}
 	ttl := g.cfg.LeaseTTL
 	if until := time.Until(time.Unix(claims.Expires, 0)); until < ttl {
 		ttl = until
 	}
-	l, replaced, err := g.pool.Acquire(claims.User, claims.Job, node, ck.String(), ttl, time.Now())
+	l, replaced, err := g.pool.Acquire(claims.User, claims.Job, node, ck.String(), ttl, now)
 	if err != nil {
-		return join.Answer{Error: err.Error()}
+		return join.Answer{Error: err.Error()}, true
 	}
 	if replaced != nil {
 		g.removePeer(replaced.Key)
 	}
 	if err := g.addPeer(l); err != nil {
-		return join.Answer{Error: "peer: " + err.Error()}
+		return join.Answer{Error: "peer: " + err.Error()}, true
 	}
 	g.refreshOwners()
 	g.cfg.Logf("join %s -> %s (%s)", l.Name(), l.Addr, from)
@@ -442,7 +491,7 @@ func (g *Gateway) handle(ck join.Key, req join.Request, from *net.UDPAddr) join.
 		Endpoint: fmt.Sprint(g.cfg.ListenPort),
 		MTU:      g.cfg.MTU,
 		LeaseEnd: l.Expires.Unix(),
-	}
+	}, true
 }
 
 func sanitizeNode(s string) string {
@@ -481,6 +530,7 @@ func (g *Gateway) housekeeping(ctx context.Context) {
 			}
 		}
 		g.mu.Lock()
+		g.replay.Expire(time.Now())
 		gone, _ := g.pool.Expire(time.Now())
 		rv, _ := g.pool.Release(func(l ipam.Lease) bool { return g.revoked.Match(l) })
 		for _, l := range append(gone, rv...) {
@@ -505,13 +555,16 @@ type Stats struct {
 	ToClients     uint64       `json:"bytes_to_clients"`
 	IsolationDrop uint64       `json:"isolation_drops"`
 	RateDrop      uint64       `json:"rate_drops"`
+	JoinDrop      uint64       `json:"join_drops"`   // over the rate limit, or not a request for this gateway
+	JoinReplay    uint64       `json:"join_replays"` // authenticated but not fresh
 }
 
 // Stats returns the current counters and leases.
 func (g *Gateway) Stats() Stats {
 	return Stats{Mode: g.mode, PublicKey: g.PublicKey().String(), Leases: g.pool.Leases(),
 		FromClients: g.counters.FromClients.Load(), ToClients: g.counters.ToClients.Load(),
-		IsolationDrop: g.counters.IsolationDrop.Load(), RateDrop: g.counters.RateDrop.Load()}
+		IsolationDrop: g.counters.IsolationDrop.Load(), RateDrop: g.counters.RateDrop.Load(),
+		JoinDrop: g.counters.JoinDrop.Load(), JoinReplay: g.counters.JoinReplay.Load()}
 }
 
 func (g *Gateway) writeStats() {

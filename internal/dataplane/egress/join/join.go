@@ -8,31 +8,40 @@
 // key; the MAC is HMAC-SHA256 under a key derived from the gateway's private
 // key, so only the gateway can mint or check tokens.
 //
-// The exchange is one UDP datagram each way. The client generates a fresh
-// X25519 key pair per job (its WireGuard key) and seals the request with
-// AES-256-GCM under HKDF(X25519(client, gateway)). Only the holder of the
-// client key and the holder of the pinned gateway key can open the request and
-// the answer, so a client cannot be fooled by a rogue gateway and a request
-// proves possession of the key the gateway will install as a peer. A replayed
-// request gains an attacker nothing: the answer is sealed to the client key.
+// The exchange is one UDP datagram each way: a Noise IK handshake
+// (Noise_IK_25519_ChaChaPoly_BLAKE2s). The client generates a fresh X25519
+// key pair per job (its WireGuard key) and is the initiator; the gateway's
+// static key is pinned from the token. The first message carries the
+// client's static key and the request, the second the answer; both are bound
+// to fresh ephemeral keys, so an answer is good for one request only. Every
+// request carries a TAI64N timestamp that the gateway refuses unless it is
+// newer than the last one it accepted from that client key (as WireGuard's
+// handshake initiation does), so a captured request (join, renewal or leave)
+// cannot be replayed. The gateway rate-limits datagrams per source address
+// and overall before it spends a Diffie-Hellman operation on them. See
+// docs/egress.md for the threat model.
 package join
 
 import (
-	"crypto/aes"
-	"crypto/cipher"
+	"bytes"
 	"crypto/ecdh"
 	"crypto/hkdf"
 	"crypto/hmac"
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/base64"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
 	"net/netip"
 	"strings"
+	"sync"
 	"time"
+
+	"github.com/flynn/noise"
+	"golang.org/x/time/rate"
 )
 
 // Key is a Curve25519 key as WireGuard uses it.
@@ -75,22 +84,6 @@ func (k Key) Public() Key {
 	}
 	copy(p[:], priv.PublicKey().Bytes())
 	return p
-}
-
-func shared(priv, pub Key, label string) ([]byte, error) {
-	sk, err := ecdh.X25519().NewPrivateKey(priv[:])
-	if err != nil {
-		return nil, err
-	}
-	pk, err := ecdh.X25519().NewPublicKey(pub[:])
-	if err != nil {
-		return nil, err
-	}
-	s, err := sk.ECDH(pk)
-	if err != nil {
-		return nil, err
-	}
-	return hkdf.Key(sha256.New, s, nil, label, 32)
 }
 
 // Claims is what a token grants.
@@ -214,119 +207,268 @@ type Answer struct {
 	LeaseEnd int64          `json:"lease_end"`
 }
 
-const (
-	labelReq = "palisade-egress-join-req-v1"
-	labelAns = "palisade-egress-join-ans-v1"
-	magic    = "PEJ1"
-)
+// magic starts every datagram of this protocol version; it is also the
+// Noise prologue, so a message of another version cannot be mistaken for one.
+const magic = "PEJ2"
 
-func seal(key []byte, plain []byte) ([]byte, error) {
-	b, err := aes.NewCipher(key)
-	if err != nil {
-		return nil, err
-	}
-	g, err := cipher.NewGCM(b)
-	if err != nil {
-		return nil, err
-	}
-	nonce := make([]byte, g.NonceSize())
-	if _, err := rand.Read(nonce); err != nil {
-		return nil, err
-	}
-	return g.Seal(nonce, nonce, plain, []byte(magic)), nil
+var suite = noise.NewCipherSuite(noise.DH25519, noise.CipherChaChaPoly, noise.HashBLAKE2s)
+
+// Timestamp is a TAI64N label: 8 bytes of seconds (2^62 + Unix seconds) and
+// 4 of nanoseconds, big-endian, so newer compares greater byte-wise.
+type Timestamp [12]byte
+
+// StampOf encodes t.
+func StampOf(t time.Time) Timestamp {
+	var ts Timestamp
+	binary.BigEndian.PutUint64(ts[:8], uint64(1<<62+t.Unix()))
+	binary.BigEndian.PutUint32(ts[8:], uint32(t.Nanosecond()))
+	return ts
 }
 
-func open(key []byte, ct []byte) ([]byte, error) {
-	b, err := aes.NewCipher(key)
-	if err != nil {
-		return nil, err
-	}
-	g, err := cipher.NewGCM(b)
-	if err != nil {
-		return nil, err
-	}
-	if len(ct) < g.NonceSize() {
-		return nil, errors.New("short message")
-	}
-	return g.Open(nil, ct[:g.NonceSize()], ct[g.NonceSize():], []byte(magic))
+// After reports whether ts is strictly newer than o.
+func (ts Timestamp) After(o Timestamp) bool { return bytes.Compare(ts[:], o[:]) > 0 }
+
+// Time decodes ts (for messages).
+func (ts Timestamp) Time() time.Time {
+	return time.Unix(int64(binary.BigEndian.Uint64(ts[:8])-1<<62), int64(binary.BigEndian.Uint32(ts[8:]))).UTC()
 }
 
-// SealRequest builds the request datagram: magic, client public key, sealed JSON.
-func SealRequest(clientPriv, gwPub Key, r Request) ([]byte, error) {
-	k, err := shared(clientPriv, gwPub, labelReq)
-	if err != nil {
-		return nil, err
-	}
-	p, _ := json.Marshal(r)
-	ct, err := seal(k, p)
-	if err != nil {
-		return nil, err
-	}
-	pub := clientPriv.Public()
-	return append(append([]byte(magic), pub[:]...), ct...), nil
+// Initiator is one client's side: it stamps each request strictly later than
+// the previous one, even if the wall clock steps back.
+type Initiator struct {
+	priv, gwPub Key
+	mu          sync.Mutex
+	last        Timestamp
 }
 
-// OpenRequest is the gateway's side: it returns the client key and request.
-func OpenRequest(gwPriv Key, msg []byte) (Key, Request, error) {
-	var ck Key
-	var r Request
-	if len(msg) < len(magic)+32 || string(msg[:len(magic)]) != magic {
-		return ck, r, errors.New("not a join request")
-	}
-	copy(ck[:], msg[len(magic):len(magic)+32])
-	k, err := shared(gwPriv, ck, labelReq)
-	if err != nil {
-		return ck, r, err
-	}
-	p, err := open(k, msg[len(magic)+32:])
-	if err != nil {
-		return ck, r, errors.New("request not sealed for this gateway")
-	}
-	if err := json.Unmarshal(p, &r); err != nil {
-		return ck, r, err
-	}
-	return ck, r, nil
+// NewInitiator makes the client side for key clientPriv and pinned gateway key gwPub.
+func NewInitiator(clientPriv, gwPub Key) *Initiator {
+	return &Initiator{priv: clientPriv, gwPub: gwPub}
 }
 
-// SealAnswer seals a reply to the client key.
-func SealAnswer(gwPriv, clientPub Key, a Answer) ([]byte, error) {
-	k, err := shared(gwPriv, clientPub, labelAns)
+func (in *Initiator) stamp() Timestamp {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	ts := StampOf(time.Now())
+	if !ts.After(in.last) {
+		ts = in.last
+		n := binary.BigEndian.Uint32(ts[8:]) + 1
+		if n >= 1e9 {
+			binary.BigEndian.PutUint64(ts[:8], binary.BigEndian.Uint64(ts[:8])+1)
+			n = 0
+		}
+		binary.BigEndian.PutUint32(ts[8:], n)
+	}
+	in.last = ts
+	return ts
+}
+
+// Pending is a sent request waiting for its answer.
+type Pending struct {
+	in      *Initiator
+	seed    [32]byte // the ephemeral key's randomness
+	payload []byte
+	Msg     []byte // the datagram to send
+}
+
+// handshake writes message 1 from p's seed: the same seed and payload give
+// the same state, so every answer is read on a fresh copy (a forged answer
+// cannot spoil the state the real one needs).
+func (p *Pending) handshake() (*noise.HandshakeState, []byte, error) {
+	hs, err := noise.NewHandshakeState(noise.Config{CipherSuite: suite, Random: bytes.NewReader(p.seed[:]), Pattern: noise.HandshakeIK,
+		Initiator: true, Prologue: []byte(magic), StaticKeypair: dhKey(p.in.priv), PeerStatic: p.in.gwPub[:]})
+	if err != nil {
+		return nil, nil, err
+	}
+	msg, _, _, err := hs.WriteMessage([]byte(magic), p.payload)
+	return hs, msg, err
+}
+
+// Seal builds a request datagram: magic, then Noise IK message 1 whose
+// payload is the timestamp and the request.
+func (in *Initiator) Seal(r Request) (*Pending, error) {
+	p := &Pending{in: in}
+	if _, err := rand.Read(p.seed[:]); err != nil {
+		return nil, err
+	}
+	ts := in.stamp()
+	body, err := json.Marshal(r)
 	if err != nil {
 		return nil, err
 	}
-	p, _ := json.Marshal(a)
-	ct, err := seal(k, p)
-	if err != nil {
+	p.payload = append(ts[:], body...)
+	if _, p.Msg, err = p.handshake(); err != nil {
 		return nil, err
 	}
-	return append([]byte(magic), ct...), nil
+	return p, nil
 }
 
-// OpenAnswer checks that the reply comes from the pinned gateway key.
-func OpenAnswer(clientPriv, gwPub Key, msg []byte) (Answer, error) {
+// Open reads the answer to this request; an answer to any other request (or
+// from any key but the pinned one) does not open.
+func (p *Pending) Open(msg []byte) (Answer, error) {
 	var a Answer
 	if len(msg) < len(magic) || string(msg[:len(magic)]) != magic {
 		return a, errors.New("not a join answer")
 	}
-	k, err := shared(clientPriv, gwPub, labelAns)
+	hs, _, err := p.handshake()
 	if err != nil {
 		return a, err
 	}
-	p, err := open(k, msg[len(magic):])
+	pl, _, _, err := hs.ReadMessage(nil, msg[len(magic):])
 	if err != nil {
-		return a, errors.New("answer not sealed by the pinned gateway key (wrong gateway or key)")
+		return a, errors.New("answer not sealed by the pinned gateway key for this request (wrong gateway or key, or a stale answer)")
 	}
-	err = json.Unmarshal(p, &a)
+	err = json.Unmarshal(pl, &a)
 	return a, err
 }
 
-// Exchange sends r to the gateway at addr and waits for the answer, retrying
-// over UDP's losses. An error answer becomes an error.
-func Exchange(addr string, clientPriv, gwPub Key, r Request, timeout time.Duration) (Answer, error) {
-	msg, err := SealRequest(clientPriv, gwPub, r)
-	if err != nil {
-		return Answer{}, err
+func dhKey(priv Key) noise.DHKey {
+	pub := priv.Public()
+	return noise.DHKey{Private: append([]byte(nil), priv[:]...), Public: pub[:]}
+}
+
+// Incoming is a request the gateway has opened: authenticated (the client
+// proved its static key) but not yet checked for freshness.
+type Incoming struct {
+	Client Key
+	Stamp  Timestamp
+	Req    Request
+	hs     *noise.HandshakeState
+}
+
+// MinRequest is the size of the smallest well-formed request datagram:
+// magic, ephemeral key, encrypted static key with its tag, encrypted
+// timestamp with its tag. Shorter datagrams are dropped before any DH.
+const MinRequest = len(magic) + 32 + 32 + 16 + len(Timestamp{}) + 16
+
+// OpenRequest is the gateway's side of message 1.
+func OpenRequest(gwPriv Key, msg []byte) (*Incoming, error) {
+	if len(msg) < MinRequest || string(msg[:len(magic)]) != magic {
+		return nil, errors.New("not a join request")
 	}
+	hs, err := noise.NewHandshakeState(noise.Config{CipherSuite: suite, Random: rand.Reader, Pattern: noise.HandshakeIK,
+		Prologue: []byte(magic), StaticKeypair: dhKey(gwPriv)})
+	if err != nil {
+		return nil, err
+	}
+	pl, _, _, err := hs.ReadMessage(nil, msg[len(magic):])
+	if err != nil {
+		return nil, errors.New("request not sealed for this gateway")
+	}
+	in := &Incoming{hs: hs}
+	copy(in.Client[:], hs.PeerStatic())
+	if len(pl) < len(in.Stamp) {
+		return nil, errors.New("request without timestamp")
+	}
+	copy(in.Stamp[:], pl)
+	if err := json.Unmarshal(pl[len(in.Stamp):], &in.Req); err != nil {
+		return nil, fmt.Errorf("request: %w", err)
+	}
+	return in, nil
+}
+
+// SealAnswer is message 2: the answer, readable only by the client that
+// sent this very request.
+func (in *Incoming) SealAnswer(a Answer) ([]byte, error) {
+	p, err := json.Marshal(a)
+	if err != nil {
+		return nil, err
+	}
+	msg, _, _, err := in.hs.WriteMessage([]byte(magic), p)
+	return msg, err
+}
+
+// Replay remembers, per client key, the newest timestamp accepted and how
+// long it matters: until the token that request carried expires, since a
+// replay needs an unexpired token to be acted on at all. Only requests with
+// a valid token are recorded, so its size is bounded by the tokens issued.
+type Replay struct {
+	mu   sync.Mutex
+	last map[Key]replayEntry
+}
+
+type replayEntry struct {
+	ts    Timestamp
+	until time.Time
+}
+
+// Accept records ts for k (kept until `until`) if it is newer than the last
+// accepted one, and reports whether it was.
+func (r *Replay) Accept(k Key, ts Timestamp, until time.Time) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.last == nil {
+		r.last = map[Key]replayEntry{}
+	}
+	prev, ok := r.last[k]
+	if ok && !ts.After(prev.ts) {
+		return false
+	}
+	if prev.until.After(until) {
+		until = prev.until
+	}
+	r.last[k] = replayEntry{ts: ts, until: until}
+	return true
+}
+
+// Expire forgets entries whose tokens have expired.
+func (r *Replay) Expire(now time.Time) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for k, e := range r.last {
+		if !now.Before(e.until) {
+			delete(r.last, k)
+		}
+	}
+}
+
+// Limiter is the gateway's cheap check before any Diffie-Hellman: a token
+// bucket per source address and one for all sources.
+type Limiter struct {
+	mu        sync.Mutex
+	global    *rate.Limiter
+	per       map[netip.Addr]*rate.Limiter
+	perRate   rate.Limit
+	perBurst  int
+	maxSource int
+}
+
+// NewLimiter allows each source perRate datagrams a second (burst perBurst)
+// and all of them together globalRate (burst globalBurst).
+func NewLimiter(perRate rate.Limit, perBurst int, globalRate rate.Limit, globalBurst int) *Limiter {
+	return &Limiter{global: rate.NewLimiter(globalRate, globalBurst), per: map[netip.Addr]*rate.Limiter{},
+		perRate: perRate, perBurst: perBurst, maxSource: 4096}
+}
+
+// Allow reports whether a datagram from src may be processed now.
+func (l *Limiter) Allow(src netip.Addr) bool {
+	src = src.Unmap()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	pl, ok := l.per[src]
+	if !ok {
+		if len(l.per) >= l.maxSource {
+			// Forget sources whose bucket is full again: they lose nothing.
+			for a, x := range l.per {
+				if x.Tokens() >= float64(l.perBurst) {
+					delete(l.per, a)
+				}
+			}
+			if len(l.per) >= l.maxSource {
+				return false // a flood of sources: only the known ones go on
+			}
+		}
+		pl = rate.NewLimiter(l.perRate, l.perBurst)
+		l.per[src] = pl
+	}
+	return pl.Allow() && l.global.Allow()
+}
+
+// Exchange sends r to the gateway at addr and waits for the answer, retrying
+// over UDP's losses. Every retry is a new handshake with a new timestamp (a
+// resent datagram would be refused as a replay); an answer to any of them is
+// taken. An error answer becomes an error.
+func (in *Initiator) Exchange(addr string, r Request, timeout time.Duration) (Answer, error) {
 	c, err := net.Dial("udp", addr)
 	if err != nil {
 		return Answer{}, fmt.Errorf("join %s: %w", addr, err)
@@ -335,31 +477,46 @@ func Exchange(addr string, clientPriv, gwPub Key, r Request, timeout time.Durati
 	deadline := time.Now().Add(timeout)
 	buf := make([]byte, 65536)
 	wait := 250 * time.Millisecond
+	var sent []*Pending
+	var lastErr error
 	for time.Now().Before(deadline) {
-		if _, err := c.Write(msg); err != nil {
+		p, err := in.Seal(r)
+		if err != nil {
+			return Answer{}, err
+		}
+		sent = append(sent, p)
+		if _, err := c.Write(p.Msg); err != nil {
 			return Answer{}, fmt.Errorf("join %s: %w", addr, err)
 		}
-		c.SetReadDeadline(time.Now().Add(wait))
-		n, err := c.Read(buf)
-		if err != nil {
-			if ne, ok := err.(net.Error); ok && ne.Timeout() {
-				if wait < 2*time.Second {
-					wait *= 2
+		until := time.Now().Add(wait)
+		for {
+			c.SetReadDeadline(until)
+			n, err := c.Read(buf)
+			if err != nil {
+				if ne, ok := err.(net.Error); !ok || !ne.Timeout() {
+					// ICMP refusals surface as ECONNREFUSED: keep trying until the deadline.
+					time.Sleep(time.Until(until))
 				}
-				continue
+				break
 			}
-			// ICMP refusals surface as ECONNREFUSED: keep trying until the deadline.
-			time.Sleep(wait)
-			continue
+			for _, p := range sent {
+				a, err := p.Open(buf[:n])
+				if err != nil {
+					lastErr = err
+					continue
+				}
+				if a.Error != "" {
+					return a, fmt.Errorf("gateway refused: %s", a.Error)
+				}
+				return a, nil
+			}
 		}
-		a, err := OpenAnswer(clientPriv, gwPub, buf[:n])
-		if err != nil {
-			return a, err
+		if wait < 2*time.Second {
+			wait *= 2
 		}
-		if a.Error != "" {
-			return a, fmt.Errorf("gateway refused: %s", a.Error)
-		}
-		return a, nil
+	}
+	if lastErr != nil {
+		return Answer{}, fmt.Errorf("join %s: %w", addr, lastErr)
 	}
 	return Answer{}, fmt.Errorf("join %s: no answer within %s (gateway down or unreachable, or it does not hold the key the token pins)", addr, timeout)
 }

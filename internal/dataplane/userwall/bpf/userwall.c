@@ -1969,9 +1969,12 @@ int uw_skb_egress(struct __sk_buff *skb)
 	struct bpf_sock *sk = skb->sk;
 	void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
 	__u8 *h = data;
-	if (!sk || (void *)(h + 40) > end)
+	if (!sk || (void *)(h + 20) > end)
 		return 1;
 	int v4 = (h[0] >> 4) == 4;
+	/* An IPv4 datagram may be shorter than 40 bytes (a 6-byte payload). */
+	if (!v4 && (void *)(h + 40) > end)
+		return 1;
 	__u8 proto = v4 ? h[9] : h[6];
 	if (proto == IPPROTO_TCP) {
 		__u32 hl = v4 ? (h[0] & 0xf) * 4 : 40;
