@@ -195,3 +195,28 @@ func TestFuzzSeesSharedGroup(t *testing.T) {
 		t.Errorf("judged without shared-group, no delivery of bob into proj1 sentinels in %d programs", rep.Rounds)
 	}
 }
+
+// TestRegressions replays the minimal programs of fixed findings: none may
+// leak, and each, run as alice, must reach her sockets (the path is there).
+func TestRegressions(t *testing.T) {
+	needTestbed(t)
+	for _, r := range Regressions {
+		t.Run(r.Name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+			defer cancel()
+			p := r.Program
+			rep, err := Run(ctx, tb, Options{Seed: fuzzSeed, Mode: "userwall", Replay: &p, Minimize: -1})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out bytes.Buffer
+			rep.Write(&out)
+			if rep.Failed() || len(rep.Findings) > 0 {
+				t.Errorf("replay of\n%s\n%s", p.String(), out.String())
+			}
+			if rep.ControlDelivered == 0 {
+				t.Errorf("the same program as alice reached nothing:\n%s", out.String())
+			}
+		})
+	}
+}

@@ -842,6 +842,14 @@ func (f *fuzzer) caseFor(user, node string, s *Sentinel, src netip.Addr) *check.
 		if s.Form == "lo" {
 			c.Path = check.Loopback
 		}
+		// Within a node the matrix takes the dialled local address as the
+		// source the kernel picked (check.Case.Conn); here the source is
+		// known: what the sentinel saw (or, unknown, the node's address).
+		a := src.Unmap().WithZone("")
+		if !a.IsValid() {
+			a = f.world.unicast(s, node)
+		}
+		c.Dst = netip.AddrPortFrom(a, uint16(s.Port))
 	}
 	return c
 }
@@ -895,11 +903,12 @@ func (f *fuzzer) judge(er *execRun, st StepResult, r receipt) (Leak, bool) {
 		return Leak{}, false
 	}
 	l := Leak{Sentinel: r.tag, Step: st.I, Peer: st.Peer, From: r.from, Rule: v.Rule}
-	if n, ok := f.tb.Node(er.runNode); ok && er.runNode != s.Node {
-		c.Src = n.Eth0V6
+	if n, ok := f.tb.Node(er.runNode); ok {
+		a := n.Eth0V6
 		if from.Addr().Unmap().Is4() {
-			c.Src = n.Eth0V4
+			a = n.Eth0V4
 		}
+		c = f.caseFor(who, er.runNode, s, a)
 		l.InClusterAllowed = f.expect(c).Allow
 	}
 	return l, true
@@ -950,15 +959,21 @@ func (f *fuzzer) sweep() {
 }
 
 // attributeBytes judges data without a whole nonce line (a stream cut
-// short) by the run whose socket had its source address.
+// short, the tail segment of a GSO send) by the run whose socket sent it:
+// the same port on the sender's node, and the same address unless the
+// socket was bound to the wildcard (getsockname then names no address).
 func (f *fuzzer) attributeBytes() {
+	type sender struct {
+		er    *execRun
+		local netip.AddrPort
+	}
 	f.mu.Lock()
-	byLocal := map[string]*execRun{}
+	byPort := map[uint16][]sender{}
 	for _, er := range f.runs {
 		for _, rs := range [][]StepResult{er.res.Steps, er.peerRes.Steps} {
 			for _, st := range rs {
-				if st.Local != "" {
-					byLocal[st.Local] = er
+				if a, err := netip.ParseAddrPort(st.Local); err == nil {
+					byPort[a.Port()] = append(byPort[a.Port()], sender{er, a})
 				}
 			}
 		}
@@ -966,14 +981,22 @@ func (f *fuzzer) attributeBytes() {
 	lines := f.bytes
 	f.mu.Unlock()
 	for _, b := range lines {
-		er := byLocal[b.from]
+		from, _ := netip.ParseAddrPort(b.from)
+		var er *execRun
+		for _, c := range byPort[from.Port()] {
+			la, fa := c.local.Addr().Unmap().WithZone(""), from.Addr().Unmap().WithZone("")
+			if la == fa || (la.IsUnspecified() && (fa.IsLoopback() || f.world.addrOf(c.er.runNode, fa))) {
+				er = c.er
+			}
+		}
 		if er == nil {
 			f.report.Unattributed = append(f.report.Unattributed, fmt.Sprintf("%s: %d bytes from %s without a nonce", b.tag, b.n, b.from))
 			continue
 		}
 		if l, bad := f.judge(er, StepResult{I: -1}, receipt{b.tag, b.from}); bad {
 			fd := &Finding{Round: er.round, Program: er.prog,
-				Leaks: []Leak{{Sentinel: l.Sentinel, Step: -1, From: l.From, Rule: l.Rule + fmt.Sprintf(", %d bytes without a nonce", b.n)}}}
+				Leaks: []Leak{{Sentinel: l.Sentinel, Step: -1, From: l.From, Rule: l.Rule + fmt.Sprintf(", %d bytes without a nonce", b.n),
+					InClusterAllowed: l.InClusterAllowed, Count: 1}}}
 			fd.Known = knownFinding(f.world, fd)
 			f.report.Findings = append(f.report.Findings, fd)
 		}
