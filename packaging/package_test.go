@@ -311,7 +311,10 @@ func TestRPMContents(t *testing.T) {
 	if cf := q("-qcp"); !strings.Contains(cf, ConfigPath+"\n") || !strings.Contains(cf, "/etc/logrotate.d/palisade") {
 		t.Errorf("rpm -qcp: %q", cf)
 	}
-	if s := q("-qp", "--scripts"); !strings.Contains(s, "try-restart palisade-agent.service") || !strings.Contains(s, "agent --uninstall") {
+	// The agent is restarted on upgrade only if the new version accepts the
+	// configuration and its policy tests (postinst: agent=palisade-agent.service).
+	if s := q("-qp", "--scripts"); !strings.Contains(s, "agent=palisade-agent.service") || !strings.Contains(s, "try-restart $agent") ||
+		!strings.Contains(s, "agent --uninstall") {
 		t.Errorf("rpm scripts:\n%s", s)
 	}
 	if v := q("-qp", "--qf", "%{VERSION}-%{RELEASE}"); v != testVersion+"-1" {

@@ -217,8 +217,8 @@ func egressCommands() []*cobra.Command {
 			if err := json.Unmarshal(b, &s); err != nil {
 				return err
 			}
-			fmt.Printf("mode %s  key %s\nfrom clients %d B, to clients %d B, isolation drops %d, rate drops %d\n",
-				s.Mode, s.PublicKey, s.FromClients, s.ToClients, s.IsolationDrop, s.RateDrop)
+			fmt.Printf("mode %s  key %s\nfrom clients %d B, to clients %d B, isolation drops %d, rate drops %d\njoin datagrams dropped %d (rate limit or not for this gateway), replayed %d\n",
+				s.Mode, s.PublicKey, s.FromClients, s.ToClients, s.IsolationDrop, s.RateDrop, s.JoinDrop, s.JoinReplay)
 			for _, l := range s.Leases {
 				fmt.Printf("%-16s %-32s until %s\n", l.Addr, l.Name(), l.Expires.UTC().Format(time.RFC3339))
 			}

@@ -73,6 +73,11 @@ func uvnManager(cmd *cobra.Command, needEnabled bool) (*uvn.Manager, *config.Con
 	// not resolve here has no sockets here either).
 	res := identity.System()
 	names := append([]string{}, principals(cfg.UVN.ExemptUsers)...)
+	// Slurm's accounts (slurmctld calls srun's listeners as SlurmUser):
+	// from the configured slurm.conf, else the default one.
+	if sc == nil {
+		sc, _ = slurmconf.Read(slurmconf.DefaultPath)
+	}
 	if sc != nil {
 		names = append(names, sc.Accounts()...)
 	}

@@ -1280,3 +1280,89 @@ func TestProgramClock(t *testing.T) {
 		}
 	}
 }
+
+// TestStampFirstFragment: the first fragment of a fragmented datagram is
+// stamped (IPv4: the option; IPv6: the destination options in front of the
+// fragment header), a later fragment is left alone, and the stamp verifies
+// at delivery both on the first fragment (what tc ingress parses) and on
+// the reassembled datagram (what the socket's check sees: the first
+// fragment's headers without the fragment header).
+func TestStampFirstFragment(t *testing.T) {
+	h := newHarness(t)
+	w := worlds()[0]
+	w.apply(t, h)
+	for _, v6 := range []bool{false, true} {
+		src, dst := addrPick(rand.New(rand.NewPCG(1, 2)), v6, 0), addrPick(rand.New(rand.NewPCG(3, 4)), v6, 0)
+		sock := uwbpfUwTestSock{NowNs: 1e18}
+		if err := h.testSock.Update(uint32(0), sock, ebpf.UpdateAny); err != nil {
+			t.Fatal(err)
+		}
+		whole := buildFrame(v6, ipUDP, 0, src, dst, 40000, 5000, stNone, nil)
+		var first, later []byte
+		if !v6 {
+			first = slices.Clone(whole)
+			binary.BigEndian.PutUint16(first[14+6:], 0x2000) // MF, offset 0
+			first[14+10], first[14+11] = 0, 0
+			binary.BigEndian.PutUint16(first[14+10:], ipv4Checksum(first[14:34]))
+			later = slices.Clone(first)
+			binary.BigEndian.PutUint16(later[14+6:], 0x0001) // offset 8, last
+			later[14+10], later[14+11] = 0, 0
+			binary.BigEndian.PutUint16(later[14+10:], ipv4Checksum(later[14:34]))
+		} else {
+			// IPv6 header, fragment header (offset 0, M), UDP.
+			frag := []byte{ipUDP, 0, 0, 1, 0, 0, 0x12, 0x34}
+			first = slices.Concat(whole[:14+40], frag, whole[14+40:])
+			first[14+6] = 44
+			binary.BigEndian.PutUint16(first[14+4:], uint16(len(first)-14-40))
+			later = slices.Clone(first)
+			later[14+40+2], later[14+40+3] = 0, 8 // offset 1 (8 bytes), last
+		}
+		ret, out, err := h.egress.Test(later)
+		if err != nil || ret != 0 || !bytes.Equal(out, later) {
+			t.Fatalf("v6=%v: a later fragment was changed (ret %d, err %v):\n in % x\nout % x", v6, ret, err, later, out)
+		}
+		ret, out, err = h.egress.Test(first)
+		if err != nil || ret != 0 {
+			t.Fatalf("v6=%v: egress on the first fragment: ret %d, %v", v6, ret, err)
+		}
+		var opt []byte
+		var reasm []byte
+		if !v6 {
+			opt, _ = stampAt(t, out, false)
+			if opt == nil || binary.BigEndian.Uint16(out[14+6:]) != 0x2000 {
+				t.Fatalf("v4 first fragment not stamped, or its fragment field changed:\n% x", out)
+			}
+			reasm = slices.Clone(out)
+			binary.BigEndian.PutUint16(reasm[14+6:], 0)
+		} else {
+			ip := out[14:]
+			if ip[6] != ipDstOpts || ip[40] != 44 || ip[42] != 0x1e || ip[64] != ipUDP ||
+				int(binary.BigEndian.Uint16(ip[4:])) != len(ip)-40 {
+				t.Fatalf("v6 first fragment: want IPv6, destination options (stamp), fragment header, UDP:\n% x", ip)
+			}
+			opt = ip[44:62]
+			// Reassembly drops the fragment header and points the
+			// destination options at the upper layer.
+			reasm = slices.Concat(out[:14+64], out[14+72:])
+			reasm[14+40] = ipUDP
+			binary.BigEndian.PutUint16(reasm[14+4:], uint16(len(reasm)-14-40))
+		}
+		uid, gid := binary.BigEndian.Uint32(opt[2:]), binary.BigEndian.Uint32(opt[6:])
+		sock.Uid, sock.Gid = uid, gid
+		for name, f := range map[string][]byte{"first fragment": out, "reassembled": reasm} {
+			if v := h.run(t, f, sock, 2); !v.deliver || v.rule != uwbpfUwRuleR_SAME_USER {
+				t.Errorf("v6=%v %s: %s, want same-user (the stamp verifies)", v6, name, v)
+			}
+		}
+		// The stamp's uid altered: no identity (the MAC covers it).
+		bad := slices.Clone(reasm)
+		off := 14 + 22 + 2 // IPv4: option type, length, version, meta
+		if v6 {
+			off = 14 + 44 + 2
+		}
+		bad[off+3] ^= 1
+		if v := h.run(t, bad, sock, 2); v.deliver || v.event == nil || uwbpfUwStamp(v.event.Stamp) != uwbpfUwStampS_BAD_MAC {
+			t.Errorf("v6=%v reassembled, uid altered: %s, want a refusal for a bad MAC", v6, v)
+		}
+	}
+}

@@ -56,6 +56,10 @@ type Event struct {
 	// at the socket it was queued to), "early" (refused before the stack by
 	// a reset / ICMP), "bind", "unix", or "send" (at the sender: unstampable).
 	Stage string `json:"stage,omitempty"`
+	// Claim: shared on the connector's carried gid alone — this node had
+	// not looked the connector's groups up yet (docs/policy.md, "The
+	// carried gid is a claim"); logged, not only sampled.
+	Claim bool `json:"claim,omitempty"`
 }
 
 // eventSink turns ring-buffer records into rate-limited JSON lines and
@@ -249,6 +253,7 @@ func (s *eventSink) decodeRecord(r *uwbpfUwEvent) Event {
 			e.SiteRule = string(v.Rule)
 		}
 	}
+	e.Claim = r.Claim != 0
 	if r.HasConnector != 0 {
 		e.Connector = &Party{UID: r.Cuid, User: s.names.User(r.Cuid), GID: r.Cgid, Group: s.names.Group(r.Cgid)}
 	}
@@ -274,7 +279,7 @@ func (s *eventSink) decodeRecord(r *uwbpfUwEvent) Event {
 
 // sampled reports whether e is an allowed verdict recorded within the
 // sampling budget: for the flows only, never logged.
-func (e *Event) sampled() bool { return e.Verdict == "allow" && e.Rule != "unverified" }
+func (e *Event) sampled() bool { return e.Verdict == "allow" && e.Rule != "unverified" && !e.Claim }
 
 func (s *eventSink) handle(raw []byte) {
 	var r uwbpfUwEvent

@@ -52,6 +52,7 @@ func Cases() []*Case {
 	add(abstractUnix("unix-stream"), abstractUnix("unix-dgram"))
 	add(casesV2()...)
 	add(casesV3()...)
+	add(casesRedteam()...)
 	add(casesUDP()...)
 	return cs
 }

@@ -56,6 +56,10 @@ type Sock struct {
 	// FreeBindOff clears IP_FREEBIND again once bound: the kernel checks
 	// the flag at bind time only, so the socket keeps its foreign source.
 	FreeBindOff bool `json:"freebind_off,omitempty"`
+	// IncomingCPU sets SO_INCOMING_CPU to this CPU + 1 (0: unset): a
+	// socket whose incoming CPU is the receiving CPU scores one more in
+	// the kernel's UDP lookup (unprivileged).
+	IncomingCPU int `json:"incoming_cpu,omitempty"`
 }
 
 const (
@@ -172,6 +176,11 @@ func (s Sock) open() (int, error) {
 	if s.FreeBind {
 		if err := unix.SetsockoptInt(fd, unix.IPPROTO_IP, unix.IP_FREEBIND, 1); err != nil {
 			return fail("IP_FREEBIND", err)
+		}
+	}
+	if s.IncomingCPU > 0 {
+		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_INCOMING_CPU, s.IncomingCPU-1); err != nil {
+			return fail("SO_INCOMING_CPU", err)
 		}
 	}
 	if s.Broadcast {

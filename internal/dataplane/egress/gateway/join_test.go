@@ -11,6 +11,7 @@ import (
 	"github.com/palisade-hpc/palisade/internal/dataplane/egress/join"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+	"golang.org/x/time/rate"
 )
 
 // startScratch runs a netstack gateway in a scratch network namespace (this
@@ -106,5 +107,24 @@ func TestLeaveReplay(t *testing.T) {
 	}
 	if hasLease(g, ck.Public()) {
 		t.Fatal("lease still held after the client's leave")
+	}
+}
+
+// TestJoinLogLimited: anyone can make the join socket log; past the limit
+// lines are counted, and the count is logged when logging resumes.
+func TestJoinLogLimited(t *testing.T) {
+	var lines []string
+	g := &Gateway{cfg: Config{Logf: func(f string, a ...any) { lines = append(lines, fmt.Sprintf(f, a...)) }},
+		joinLog: rate.NewLimiter(0, 2)}
+	for i := range 5 {
+		g.logJoin("junk %d", i)
+	}
+	if len(lines) != 2 {
+		t.Fatalf("%d lines logged, want 2: %q", len(lines), lines)
+	}
+	g.joinLog = rate.NewLimiter(rate.Inf, 1)
+	g.logJoin("later")
+	if len(lines) != 4 || lines[2] != "join: 3 messages not logged (rate limit)" || lines[3] != "later" {
+		t.Fatalf("after the limit: %q", lines)
 	}
 }

@@ -1378,6 +1378,18 @@ static __always_inline int bind_check(struct bpf_sock_addr *ctx, int v4)
 		t.ipv6.dport = ctx->user_port;
 		sk = bpf_sk_lookup_udp(ctx, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
 	}
+	if (!sk && !v4 && !(ctx->user_ip6[0] | ctx->user_ip6[1] | ctx->user_ip6[2] | ctx->user_ip6[3])) {
+		/* [::] of a socket that takes IPv4 too (IPV6_V6ONLY off)
+		 * receives IPv4 on every address: the IPv4 wildcard's holder
+		 * is co-bound as well (the kernel's lookup can prefer bob's
+		 * socket: SO_INCOMING_CPU). */
+		struct udp6_sock *us = ctx->sk ? bpf_skc_to_udp6_sock(ctx->sk) : 0;
+		if (us && !BPF_CORE_READ_BITFIELD_PROBED(&us->udp.inet.sk.__sk_common, skc_ipv6only)) {
+			__builtin_memset(&t, 0, sizeof(t));
+			t.ipv4.dport = ctx->user_port;
+			sk = bpf_sk_lookup_udp(ctx, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
+		}
+	}
 	if (!sk)
 		return 1;
 	struct uw_owner *o = owner_of(sk);
