@@ -1435,6 +1435,34 @@ int uw_bind6(struct bpf_sock_addr *ctx)
  * direction is allowed too. The permission lives and dies with the socket.
  */
 
+/* The socket sent to addr:port now: its answers are replies for PEER_TTL.
+ * A peer is in at most one slot (it is added only when absent), so the first
+ * match is the match; a slot already noted this second is not written again
+ * (connected sockets renew theirs on every datagram, cgroup egress). */
+static __always_inline void sent_to_now(struct uw_peers *ps, const __u8 *addr, __u16 port)
+{
+	__u32 now = now_ns() >> 30;
+	int hit = -1;
+#pragma unroll
+	for (int i = 0; i < NPEERS; i++) {
+		if (ps->p[i].port == port && addr_eq(ps->p[i].addr, addr)) {
+			hit = i;
+			break;
+		}
+	}
+	if (hit < 0) {
+		hit = ps->next % NPEERS;
+		ps->next = (ps->next + 1) % NPEERS;
+	} else if (hit < NPEERS && ps->p[hit].t == now) {
+		return;
+	}
+	if (hit >= 0 && hit < NPEERS) {
+		__builtin_memcpy(ps->p[hit].addr, addr, 16);
+		ps->p[hit].port = port;
+		ps->p[hit].t = now;
+	}
+}
+
 static __always_inline void note_peer(struct bpf_sock_addr *ctx, const __u8 *addr, __u16 port)
 {
 	/* Context fields first: a TCP connect leaves without a helper call. */
@@ -1453,28 +1481,8 @@ static __always_inline void note_peer(struct bpf_sock_addr *ctx, const __u8 *add
 		bpf_sk_storage_get(&sk_owners, ctx->sk, &init, BPF_SK_STORAGE_GET_F_CREATE);
 	}
 	struct uw_peers *ps = bpf_sk_storage_get(&udp_peers, ctx->sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
-	if (!ps)
-		return;
-	__u32 now = now_ns() >> 30;
-	/* A peer is in at most one slot (it is added only when absent): the
-	 * first match is the match. */
-	int hit = -1;
-#pragma unroll
-	for (int i = 0; i < NPEERS; i++) {
-		if (ps->p[i].port == port && addr_eq(ps->p[i].addr, addr)) {
-			hit = i;
-			break;
-		}
-	}
-	if (hit < 0) {
-		hit = ps->next % NPEERS;
-		ps->next = (ps->next + 1) % NPEERS;
-	}
-	if (hit >= 0 && hit < NPEERS) {
-		__builtin_memcpy(ps->p[hit].addr, addr, 16);
-		ps->p[hit].port = port;
-		ps->p[hit].t = now;
-	}
+	if (ps)
+		sent_to_now(ps, addr, port);
 }
 
 static __always_inline void note4(struct bpf_sock_addr *ctx)
@@ -1906,26 +1914,8 @@ static __always_inline int egress_dgram(struct __sk_buff *skb, struct bpf_sock *
 		}
 		__u16 port = (uh[2] << 8) | uh[3];
 		struct uw_peers *ps = bpf_sk_storage_get(&udp_peers, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
-		if (!ps)
-			return 1;
-		__u32 now = now_ns() >> 30;
-		int hit = -1;
-#pragma unroll
-		for (int i = 0; i < NPEERS; i++) {
-			if (ps->p[i].port == port && addr_eq(ps->p[i].addr, dst)) {
-				hit = i;
-				break;
-			}
-		}
-		if (hit < 0) {
-			hit = ps->next % NPEERS;
-			ps->next = (ps->next + 1) % NPEERS;
-		}
-		if (hit >= 0 && hit < NPEERS && (ps->p[hit].t != now || ps->p[hit].port != port)) {
-			__builtin_memcpy(ps->p[hit].addr, dst, 16);
-			ps->p[hit].port = port;
-			ps->p[hit].t = now;
-		}
+		if (ps)
+			sent_to_now(ps, dst, port);
 		return 1;
 	}
 	/* Options or extension headers: could it be stamped where it goes? */
