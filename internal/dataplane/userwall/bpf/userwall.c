@@ -1876,6 +1876,28 @@ int uw_skb_ingress(struct __sk_buff *skb)
  *    instead of being dropped by the receiver without a word.
  * Returns 0 to refuse.
  */
+/* A connected datagram socket renews its peer (its answers stay replies) as
+ * it sends. The headers are plain (20 bytes IPv4, 40 IPv6): the destination
+ * address, then the UDP destination port right after. Read with the helper,
+ * not in place: 6.1's verifier loses the bound of a header that may be 20 or
+ * 40 bytes ("invalid access to packet"). */
+static __always_inline void renew_peer(struct __sk_buff *skb, struct bpf_sock *sk, int v4)
+{
+	__u8 dst[16];
+	__be16 dport;
+	if (v4) {
+		__u32 d;
+		if (ld(skb, 16, &d, 4) || ld(skb, 22, &dport, 2))
+			return;
+		map4(dst, d);
+	} else if (ld(skb, 24, dst, 16) || ld(skb, 42, &dport, 2)) {
+		return;
+	}
+	struct uw_peers *ps = bpf_sk_storage_get(&udp_peers, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (ps)
+		sent_to_now(ps, dst, bpf_ntohs(dport));
+}
+
 static __always_inline int egress_dgram(struct __sk_buff *skb, struct bpf_sock *sk, __u8 *h, void *end, int v4)
 {
 	__u32 hl = v4 ? (h[0] & 0xf) * 4 : 40;
@@ -1899,23 +1921,7 @@ static __always_inline int egress_dgram(struct __sk_buff *skb, struct bpf_sock *
 	if (!c)
 		return 1;
 	if (plain) {
-		if (hl > 60)
-			return 1;
-		__u8 *uh = h + hl;
-		if ((void *)(uh + 4) > end)
-			return 1;
-		__u8 dst[16];
-		if (v4) {
-			__u32 d;
-			__builtin_memcpy(&d, &h[16], 4);
-			map4(dst, d);
-		} else {
-			__builtin_memcpy(dst, &h[24], 16);
-		}
-		__u16 port = (uh[2] << 8) | uh[3];
-		struct uw_peers *ps = bpf_sk_storage_get(&udp_peers, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
-		if (ps)
-			sent_to_now(ps, dst, port);
+		renew_peer(skb, sk, v4);
 		return 1;
 	}
 	/* Options or extension headers: could it be stamped where it goes? */
@@ -1973,10 +1979,19 @@ int uw_skb_egress(struct __sk_buff *skb)
 	__u8 *h = data;
 	if (!sk || (void *)(h + 20) > end)
 		return 1;
-	int v4 = (h[0] >> 4) == 4;
-	/* An IPv4 datagram may be shorter than 40 bytes (a 6-byte payload). */
-	if (!v4 && (void *)(h + 40) > end)
+	if ((void *)(h + 40) > end) {
+		/* An IPv4 datagram shorter than 40 bytes (a payload of under 12):
+		 * only its peer to renew, read with the helper (6.1's verifier
+		 * cannot follow a bound of 20 or 40 bytes chosen by family). */
+		__u8 b[10];
+		if (ld(skb, 0, b, 10) || b[0] != 0x45 || !dgram_proto(b[9]))
+			return 1;
+		sk = bpf_sk_fullsock(sk);
+		if (sk && sk->state == 1 /* connected */ && owner_of(sk) && uw_cfg())
+			renew_peer(skb, sk, 1);
 		return 1;
+	}
+	int v4 = (h[0] >> 4) == 4;
 	__u8 proto = v4 ? h[9] : h[6];
 	if (proto == IPPROTO_TCP) {
 		__u32 hl = v4 ? (h[0] & 0xf) * 4 : 40;
