@@ -352,7 +352,11 @@ type Options struct {
 	Only []string
 	// Log receives a line per case as it ends; nil = quiet.
 	Log func(format string, args ...any)
-	// BasePort is the first port cases use (default 42000).
+	// BasePort is the first port cases use (default 20000: below the
+	// kernel's ephemeral range, 32768-60999, so that no connection a node
+	// made itself — an earlier case's client, now in TIME_WAIT, or a
+	// daemon's — holds a port a case's listener must bind: CI run ci4 lost
+	// a case to "bind: address already in use" at 42xxx).
 	BasePort int
 }
 
@@ -363,7 +367,7 @@ func RunSuite(ctx context.Context, tb *testbed.Testbed, opts Options) ([]*Result
 		return nil, errors.New("the attack suite needs at least 2 nodes")
 	}
 	if opts.BasePort == 0 {
-		opts.BasePort = 42000
+		opts.BasePort = 20000
 	}
 	logf := opts.Log
 	if logf == nil {
