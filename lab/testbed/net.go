@@ -116,6 +116,10 @@ func (tb *Testbed) upNetwork(ctx context.Context) error {
 		"net.ipv6.icmp.ratelimit":    "0",
 		"net.ipv4.icmp_msgs_per_sec": "10000",
 		"net.ipv4.icmp_msgs_burst":   "1000",
+		// The fuzzer's sentinels (lab/check/fuzz, 47000+) lie in the
+		// ephemeral range: no connection of the node's own may take
+		// (or leave in TIME_WAIT) a port a sentinel must bind.
+		"net.ipv4.ip_local_reserved_ports": "47000-48999",
 	}
 	for _, ns := range tb.netnsNames() {
 		kv := base
