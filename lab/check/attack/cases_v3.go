@@ -24,9 +24,9 @@ func casesV3() []*Case {
 
 // deputyCreds are the ids of a root process acting for uid: how slurmstepd
 // opens a step's I/O connection (seteuid), how a set-uid-root program run by
-// uid looks (real uid the user, effective root), or a file server's
-// setfsuid (simulated here as real+effective root, saved the user: every uid
-// but one exempt).
+// uid looks (real uid the user, effective root), or a daemon half-way
+// through dropping privileges (real and effective root, saved the user:
+// every uid but one exempt).
 func deputyCreds(kind string, uid int) *Creds {
 	switch kind {
 	case "setuid-root":
