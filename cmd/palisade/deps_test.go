@@ -69,6 +69,8 @@ var rules = []rule{
 	{pkg: "lab/modes/egress", allow: []string{"internal/...", "lab/testbed"},
 		deny: []string{"internal/cli", "internal/dataplane/userwall/...", "internal/dataplane/uvn/..."}},
 	{pkg: "lab/directory", allow: []string{"internal/...", "lab/modes/userwall", "lab/testbed"}, deny: []string{"internal/cli"}},
+	// Web portals' paths (Open OnDemand, JupyterHub) on a userwall testbed.
+	{pkg: "lab/portal/...", allow: []string{"internal/...", "lab/modes/userwall", "lab/testbed"}, deny: []string{"internal/cli"}},
 	{pkg: "lab/bench", allow: []string{"internal/...", "lab/..."}, deny: []string{"internal/cli", "lab/cli"}},
 	// Tests only (no non-test imports).
 	{pkg: "lab/kernels"},
