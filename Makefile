@@ -19,7 +19,7 @@ endif
 COMMIT     ?= $(shell git rev-parse HEAD 2>/dev/null)
 BUILD_DATE ?= $(shell if [ -n "$$SOURCE_DATE_EPOCH" ]; then date -u -d @$$SOURCE_DATE_EPOCH +%Y-%m-%dT%H:%M:%SZ; else TZ=UTC git log -1 --format=%cd --date=format-local:%Y-%m-%dT%H:%M:%SZ 2>/dev/null; fi)
 VPKG    := github.com/palisade-hpc/palisade/internal/version
-LDFLAGS := -X $(VPKG).version=$(VERSION) -X $(VPKG).commit=$(COMMIT) -X $(VPKG).date=$(BUILD_DATE)
+LDFLAGS := -B gobuildid -X $(VPKG).version=$(VERSION) -X $(VPKG).commit=$(COMMIT) -X $(VPKG).date=$(BUILD_DATE)
 
 .PHONY: all build deps generate demo test test-kernels unit race lint lint-imports vm-kernel package clean
 
@@ -46,9 +46,11 @@ build: generate $(SPANK_SO)
 	$(GO) build $(GOFLAGS) -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/palisade
 	$(GO) build $(GOFLAGS) -ldflags "$(LDFLAGS)" -o $(LAB) ./cmd/palisade-lab
 
-# .deb and .rpm in dist/ (nfpm as a Go library; docs/deploy.md).
+# .deb and .rpm in dist/, with their debug packages (nfpm as a Go library;
+# docs/deploy.md). MAINTAINER='Name <address>' names who publishes them.
+MAINTAINER ?=
 package: build
-	$(GO) run ./packaging/mkpkg -version '$(VERSION)' -date '$(BUILD_DATE)' -bin $(BIN) -spank-so $(SPANK_SO) -out dist
+	$(GO) run ./packaging/mkpkg -version '$(VERSION)' -date '$(BUILD_DATE)' -bin $(BIN) -spank-so $(SPANK_SO) -out dist $(if $(MAINTAINER),-maintainer '$(MAINTAINER)')
 
 # The uvn VM's guest kernel (Debian's, downloaded once into /var/cache/palisade/vm).
 vm-kernel: build

@@ -9,6 +9,7 @@ require (
 	github.com/coreos/go-systemd/v22 v22.7.0
 	github.com/flynn/noise v1.1.0
 	github.com/google/nftables v0.3.0
+	github.com/goreleaser/chglog v0.7.4
 	github.com/goreleaser/nfpm/v2 v2.45.0
 	github.com/mdlayher/netlink v1.11.2
 	github.com/miekg/dns v1.1.73
@@ -55,7 +56,6 @@ require (
 	github.com/google/go-cmp v0.7.0 // indirect
 	github.com/google/rpmpack v0.7.1 // indirect
 	github.com/google/uuid v1.6.0 // indirect
-	github.com/goreleaser/chglog v0.7.4 // indirect
 	github.com/goreleaser/fileglob v1.4.0 // indirect
 	github.com/huandu/xstrings v1.5.0 // indirect
 	github.com/inconshreveable/mousetrap v1.1.0 // indirect
