@@ -214,7 +214,8 @@ c.JupyterHub.db_url = f"sqlite:///{HUB_DIR}/jupyterhub.sqlite"
 c.JupyterHub.cookie_secret_file = f"{HUB_DIR}/cookie_secret"
 c.JupyterHub.pid_file = f"{HUB_DIR}/jupyterhub.pid"
 c.JupyterHub.allow_named_servers = True
-c.JupyterHub.cleanup_servers = True
+# Jobs outlive a restart of the hub (it finds them again through squeue).
+c.JupyterHub.cleanup_servers = False
 # Users may share their servers with other users by name: JupyterHub decides
 # who may use a shared server, Palisade which listeners the proxy reaches on
 # whose behalf.
