@@ -69,13 +69,12 @@ var rules = []rule{
 	{pkg: "lab/modes/egress", allow: []string{"internal/...", "lab/testbed"},
 		deny: []string{"internal/cli", "internal/dataplane/userwall/...", "internal/dataplane/uvn/..."}},
 	{pkg: "lab/directory", allow: []string{"internal/...", "lab/modes/userwall", "lab/testbed"}, deny: []string{"internal/cli"}},
-	// Web portals' paths (Open OnDemand, JupyterHub) on a userwall testbed.
-	{pkg: "lab/portal/...", allow: []string{"internal/...", "lab/modes/userwall", "lab/testbed"}, deny: []string{"internal/cli"}},
 	{pkg: "lab/bench", allow: []string{"internal/...", "lab/..."}, deny: []string{"internal/cli", "lab/cli"}},
 	// Tests only (no non-test imports).
 	{pkg: "lab/kernels"},
 	{pkg: "lab/sidebyside"},
 	{pkg: "lab/portal/jupyterhub"},
+	{pkg: "lab/portal/ondemand"},
 	{pkg: "lab/cli", allow: []string{"internal/cli", "lab/..."}, deny: []string{"lab/cli"}},
 	{pkg: "cmd/palisade-lab", allow: []string{"internal/cli", "lab/..."}},
 	// The packages: the product's files, its unit, its man pages.
