@@ -37,6 +37,7 @@ func New() *cobra.Command {
 		identCommand(),
 		uvnCommand(),
 		keyCommand(),
+		portalCommand(),
 	)
 	root.AddCommand(egressCommands()...) // gateway, egress and its namespace helper
 	AddVersion(root)

@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -110,9 +111,17 @@ func vmSuite(t *testing.T, series string) {
 	if _, err := vm.PrepareKernel(ctx, series); err != nil {
 		t.Fatalf("guest kernel %s: %v", series, err)
 	}
-	name := fmt.Sprintf("paluv%s%d", strings.ReplaceAll(series, ".", ""), os.Getpid()%1000)
+	name := testbed.RunName("uv") // the series run one after the other
+	// The product with failure injection (the rollback subtest's
+	// PALISADE_UVN_FAIL_AT), which the shipped binary does not honour.
+	bin := filepath.Join(t.TempDir(), "palisade")
+	build := exec.Command("go", "build", "-tags", "palisade_fault_injection", "-o", bin, "github.com/palisade-hpc/palisade/cmd/palisade")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build -tags palisade_fault_injection: %v\n%s", err, out)
+	}
 	t0 := time.Now()
-	tb, err := testbed.Up(ctx, testbed.Options{Name: name, Nodes: 3, Mode: ModeName, VM: true, Kernel: series})
+	tb, err := testbed.Up(ctx, testbed.Options{Name: name, Nodes: 3, Mode: ModeName, VM: true, Binary: bin, Kernel: series})
 	if err != nil {
 		t.Fatalf("testbed up --vm --kernel %s --mode uvn: %v", series, err)
 	}
