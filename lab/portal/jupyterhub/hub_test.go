@@ -87,6 +87,7 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, "jupyterhub:", venv, "is missing: run .ci/deps")
 		os.Exit(1)
 	}
+	t0 := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	_ = testbed.Down(ctx, tbName)
 	var err error
@@ -97,13 +98,17 @@ func TestMain(m *testing.M) {
 		_ = testbed.Down(context.Background(), tbName)
 		os.Exit(1)
 	}
+	fmt.Printf("jupyterhub: testbed %s up in %.1fs\n", tbName, time.Since(t0).Seconds())
+	t0 = time.Now()
 	code := 1
 	stop, err := setup()
+	fmt.Printf("jupyterhub: portal up in %.1fs\n", time.Since(t0).Seconds())
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "jupyterhub setup:", err)
 	} else {
 		code = m.Run()
 	}
+	t0 = time.Now()
 	if stop != nil {
 		stop()
 	}
@@ -117,6 +122,7 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, "testbed down:", err)
 		code = 1
 	}
+	fmt.Printf("jupyterhub: portal and testbed down in %.1fs\n", time.Since(t0).Seconds())
 	os.Exit(code)
 }
 
