@@ -73,6 +73,7 @@ var rules = []rule{
 	// Tests only (no non-test imports).
 	{pkg: "lab/kernels"},
 	{pkg: "lab/sidebyside"},
+	{pkg: "lab/portal/jupyterhub"},
 	{pkg: "lab/cli", allow: []string{"internal/cli", "lab/..."}, deny: []string{"lab/cli"}},
 	{pkg: "cmd/palisade-lab", allow: []string{"internal/cli", "lab/..."}},
 	// The packages: the product's files, its unit, its man pages.
