@@ -611,16 +611,36 @@ func (a *agent) syncAddrs() error {
 	}
 	// Unicast addresses only: broadcast and multicast datagrams go to many
 	// sockets and are decided at each of them, never early.
-	var addrs []netip.Addr
+	var addrs, bcast []netip.Addr
 	set := map[netip.Addr]bool{}
 	for _, x := range list {
 		if ip, ok := netip.AddrFromSlice(x.IP); ok {
 			addrs = append(addrs, ip)
 			set[ip.Unmap()] = true
 		}
+		// The broadcast address given (brd), and the subnet's last
+		// address, for which the kernel makes a broadcast route itself
+		// (prefixes up to /30).
+		if b, ok := netip.AddrFromSlice(x.Broadcast); ok && b.Unmap().Is4() && !b.IsUnspecified() {
+			bcast = append(bcast, b.Unmap())
+		}
+		if x.IPNet != nil {
+			if ip4 := x.IPNet.IP.To4(); ip4 != nil {
+				if ones, bits := x.IPNet.Mask.Size(); bits == 32 && ones < 31 {
+					var b [4]byte
+					for i := range b {
+						b[i] = ip4[i] | ^x.IPNet.Mask[i]
+					}
+					bcast = append(bcast, netip.AddrFrom4(b))
+				}
+			}
+		}
 	}
 	a.localAddrs.Store(&set)
 	if err := a.dp.SetLocalAddrs(addrs); err != nil {
+		return err
+	}
+	if err := a.dp.SetBroadcasts(bcast); err != nil {
 		return err
 	}
 	a.nodeAddrs = addrs
@@ -652,12 +672,12 @@ func (a *agent) syncNode() {
 // wantInterfaces: lo and the configured list, or every interface. Each gets
 // the stamping (egress) and early-refusal (ingress) programs; l2 is the L2
 // header length by which they find the IP header.
-func (a *agent) wantInterfaces() (want map[string]int, l2 map[int]int, err error) {
+func (a *agent) wantInterfaces() (want map[string]int, l2, mtu map[int]int, err error) {
 	links, err := nldump.Retry(netlink.LinkList)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	want, l2 = map[string]int{}, map[int]int{}
+	want, l2, mtu = map[string]int{}, map[int]int{}, map[int]int{}
 	for _, l := range links {
 		at := l.Attrs()
 		if at.Name == "lo" || len(a.cfg.Agent.Interfaces) == 0 || slices.Contains(a.cfg.Agent.Interfaces, at.Name) {
@@ -670,9 +690,10 @@ func (a *agent) wantInterfaces() (want map[string]int, l2 map[int]int, err error
 			}
 			want[at.Name] = at.Index
 			l2[at.Index] = n
+			mtu[at.Index] = at.MTU
 		}
 	}
-	return want, l2, nil
+	return want, l2, mtu, nil
 }
 
 // l2HeaderLen is the length of the link-layer header the tc programs see.
@@ -689,7 +710,7 @@ func l2HeaderLen(encap string) (int, bool) {
 }
 
 func (a *agent) syncInterfaces() error {
-	want, l2, err := a.wantInterfaces()
+	want, l2, mtu, err := a.wantInterfaces()
 	if err != nil {
 		return err
 	}
@@ -697,6 +718,9 @@ func (a *agent) syncInterfaces() error {
 	// The header lengths first: a program attached before would not find
 	// the IP header and stamp nothing.
 	if err := a.dp.SetInterfaces(l2); err != nil {
+		errs = append(errs, err)
+	}
+	if err := a.dp.SetInterfaceMTUs(mtu); err != nil {
 		errs = append(errs, err)
 	}
 	for name, idx := range want {

@@ -72,7 +72,10 @@ func newHarness(t *testing.T) *harness { return newHarnessMode(t, 1) }
 
 // newHarnessMode loads the programs with test_mode set as given: 0 runs
 // them on the real clock (and real sockets).
-func newHarnessMode(t *testing.T, testMode uint32) *harness {
+func newHarnessMode(t *testing.T, testMode uint32) *harness { return newHarnessNetns(t, testMode, 0) }
+
+// newHarnessNetns also sets the namespace the programs enforce (netns_cookie).
+func newHarnessNetns(t *testing.T, testMode uint32, cookie uint64) *harness {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("not root: loading eBPF programs needs CAP_BPF and CAP_NET_ADMIN")
@@ -92,6 +95,9 @@ func newHarnessMode(t *testing.T, testMode uint32) *harness {
 		}
 	}
 	if err := spec.Variables["test_mode"].Set(testMode); err != nil {
+		t.Fatal(err)
+	}
+	if err := spec.Variables["netns_cookie"].Set(cookie); err != nil {
 		t.Fatal(err)
 	}
 	coll, err := ebpf.NewCollection(spec)
@@ -1197,6 +1203,41 @@ func TestSealedGID(t *testing.T) {
 						w.name, uid, gid, slices.Contains(w.known, uid), w.members[uid], binary.BigEndian.Uint32(opt[2:]), got, want)
 				}
 			}
+		}
+	}
+}
+
+// TestAdoptAtDelivery: a datagram socket without an owner record (one older
+// than the agent, bound by a send the kernel refused before its sendmsg hook)
+// is never permission: at delivery, the real uw_skb_ingress (not in test
+// mode) reads the socket's namespace from the socket itself; this
+// namespace's socket is decided with its kernel owner (the test run's socket
+// is root's, no exemption here), another namespace's is left to its own
+// agent. An unstamped datagram from a cluster node is the probe: refused at
+// this namespace's socket, passed at another's.
+func TestAdoptAtDelivery(t *testing.T) {
+	self, err := NetnsCookie()
+	if err != nil {
+		t.Fatal(err)
+	}
+	frame := buildFrame(false, ipUDP, 0, netip.MustParseAddr("198.18.0.2"), netip.MustParseAddr("198.18.0.1"), 40000, 40001, stNone, nil)
+	for _, tc := range []struct {
+		cookie  uint64
+		deliver bool
+		rule    uwbpfUwRule
+	}{
+		{self, false, uwbpfUwRuleR_UNSTAMPED_FROM_CLUSTER}, // this namespace's socket: decided
+		{self + 1, true, 0}, // another namespace's: not this copy's
+	} {
+		h := newHarnessNetns(t, 0, tc.cookie)
+		w := worlds()[0]
+		w.samples = 0
+		w.pol.ExemptListeners = nil
+		w.apply(t, h)
+		v := h.run(t, frame, uwbpfUwTestSock{}, 1)
+		if v.deliver != tc.deliver || v.rule != tc.rule {
+			t.Errorf("recordless socket, programs enforcing netns %d (this one is %d): %s, want deliver=%v rule=%s",
+				tc.cookie, self, v, tc.deliver, ruleOrNone(tc.rule))
 		}
 	}
 }

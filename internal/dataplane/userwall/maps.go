@@ -1,6 +1,7 @@
 package userwall
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -227,6 +228,51 @@ func (d *Dataplane) SetLocalAddrs(addrs []netip.Addr) error {
 		want[lpmKey(netip.PrefixFrom(a, a.BitLen()))] = true
 	}
 	return syncSized(d, "local_addrs", want)
+}
+
+// SetInterfaceMTUs records the device MTU of each managed interface
+// (if_mtu; others are cleared): a datagram to a broadcast, multicast or
+// link-local destination, whose route keeps that MTU, must leave the
+// stamp's room in it or is refused at send (rule unstampable).
+func (d *Dataplane) SetInterfaceMTUs(mtu map[int]int) error {
+	m := d.Map("if_mtu")
+	var errs []error
+	var k, v uint32
+	var stale []uint32
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		if _, ok := mtu[int(k)]; v != 0 && !ok {
+			stale = append(stale, k)
+		}
+	}
+	for idx, n := range mtu {
+		if idx <= 0 || idx >= int(m.MaxEntries()) || n < 0 {
+			errs = append(errs, fmt.Errorf("interface index %d (MTU %d) cannot be managed", idx, n))
+			continue
+		}
+		if err := m.Update(uint32(idx), uint32(n), ebpf.UpdateAny); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	for _, k := range stale {
+		if err := m.Update(k, uint32(0), ebpf.UpdateAny); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// SetBroadcasts makes the IPv4 broadcast addresses of the node's
+// interfaces exactly addrs (bcast_addrs; see SetInterfaceMTUs).
+func (d *Dataplane) SetBroadcasts(addrs []netip.Addr) error {
+	want := map[uint32]bool{}
+	for _, a := range addrs {
+		if a = a.Unmap(); a.Is4() {
+			b := a.As4()
+			want[binary.NativeEndian.Uint32(b[:])] = true
+		}
+	}
+	return syncSet(d.Map("bcast_addrs"), want)
 }
 
 // SetKnownUsers makes the known-users set exactly uids: the users whose every

@@ -255,6 +255,7 @@ type uwbpfUwUnixPeers struct {
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
 	uwbpfMapAuditCounters        = "audit_counters"
+	uwbpfMapBcastAddrs           = "bcast_addrs"
 	uwbpfMapClusterNets          = "cluster_nets"
 	uwbpfMapCounters             = "counters"
 	uwbpfMapEventStats           = "event_stats"
@@ -262,6 +263,7 @@ const (
 	uwbpfMapExemptConn           = "exempt_conn"
 	uwbpfMapExemptLis            = "exempt_lis"
 	uwbpfMapFlowBudget           = "flow_budget"
+	uwbpfMapIfMtu                = "if_mtu"
 	uwbpfMapIfaces               = "ifaces"
 	uwbpfMapKeys                 = "keys"
 	uwbpfMapKnownUsers           = "known_users"
@@ -282,6 +284,7 @@ const (
 	uwbpfMapSitePortClass        = "site_port_class"
 	uwbpfMapSitePortMask         = "site_port_mask"
 	uwbpfMapSiteSrc              = "site_src"
+	uwbpfMapSkForeign            = "sk_foreign"
 	uwbpfMapSkOwners             = "sk_owners"
 	uwbpfMapTestSock             = "test_sock"
 	uwbpfMapUdpPeers             = "udp_peers"
@@ -385,6 +388,7 @@ type uwbpfProgramSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type uwbpfMapSpecs struct {
 	AuditCounters  *ebpf.MapSpec `ebpf:"audit_counters"`
+	BcastAddrs     *ebpf.MapSpec `ebpf:"bcast_addrs"`
 	ClusterNets    *ebpf.MapSpec `ebpf:"cluster_nets"`
 	Counters       *ebpf.MapSpec `ebpf:"counters"`
 	EventStats     *ebpf.MapSpec `ebpf:"event_stats"`
@@ -392,6 +396,7 @@ type uwbpfMapSpecs struct {
 	ExemptConn     *ebpf.MapSpec `ebpf:"exempt_conn"`
 	ExemptLis      *ebpf.MapSpec `ebpf:"exempt_lis"`
 	FlowBudget     *ebpf.MapSpec `ebpf:"flow_budget"`
+	IfMtu          *ebpf.MapSpec `ebpf:"if_mtu"`
 	Ifaces         *ebpf.MapSpec `ebpf:"ifaces"`
 	Keys           *ebpf.MapSpec `ebpf:"keys"`
 	KnownUsers     *ebpf.MapSpec `ebpf:"known_users"`
@@ -412,6 +417,7 @@ type uwbpfMapSpecs struct {
 	SitePortClass  *ebpf.MapSpec `ebpf:"site_port_class"`
 	SitePortMask   *ebpf.MapSpec `ebpf:"site_port_mask"`
 	SiteSrc        *ebpf.MapSpec `ebpf:"site_src"`
+	SkForeign      *ebpf.MapSpec `ebpf:"sk_foreign"`
 	SkOwners       *ebpf.MapSpec `ebpf:"sk_owners"`
 	TestSock       *ebpf.MapSpec `ebpf:"test_sock"`
 	UdpPeers       *ebpf.MapSpec `ebpf:"udp_peers"`
@@ -457,6 +463,7 @@ func (o *uwbpfObjects) Close() error {
 // It can be passed to loadUwbpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type uwbpfMaps struct {
 	AuditCounters  *ebpf.Map `ebpf:"audit_counters"`
+	BcastAddrs     *ebpf.Map `ebpf:"bcast_addrs"`
 	ClusterNets    *ebpf.Map `ebpf:"cluster_nets"`
 	Counters       *ebpf.Map `ebpf:"counters"`
 	EventStats     *ebpf.Map `ebpf:"event_stats"`
@@ -464,6 +471,7 @@ type uwbpfMaps struct {
 	ExemptConn     *ebpf.Map `ebpf:"exempt_conn"`
 	ExemptLis      *ebpf.Map `ebpf:"exempt_lis"`
 	FlowBudget     *ebpf.Map `ebpf:"flow_budget"`
+	IfMtu          *ebpf.Map `ebpf:"if_mtu"`
 	Ifaces         *ebpf.Map `ebpf:"ifaces"`
 	Keys           *ebpf.Map `ebpf:"keys"`
 	KnownUsers     *ebpf.Map `ebpf:"known_users"`
@@ -484,6 +492,7 @@ type uwbpfMaps struct {
 	SitePortClass  *ebpf.Map `ebpf:"site_port_class"`
 	SitePortMask   *ebpf.Map `ebpf:"site_port_mask"`
 	SiteSrc        *ebpf.Map `ebpf:"site_src"`
+	SkForeign      *ebpf.Map `ebpf:"sk_foreign"`
 	SkOwners       *ebpf.Map `ebpf:"sk_owners"`
 	TestSock       *ebpf.Map `ebpf:"test_sock"`
 	UdpPeers       *ebpf.Map `ebpf:"udp_peers"`
@@ -494,6 +503,7 @@ type uwbpfMaps struct {
 func (m *uwbpfMaps) Close() error {
 	return _UwbpfClose(
 		m.AuditCounters,
+		m.BcastAddrs,
 		m.ClusterNets,
 		m.Counters,
 		m.EventStats,
@@ -501,6 +511,7 @@ func (m *uwbpfMaps) Close() error {
 		m.ExemptConn,
 		m.ExemptLis,
 		m.FlowBudget,
+		m.IfMtu,
 		m.Ifaces,
 		m.Keys,
 		m.KnownUsers,
@@ -521,6 +532,7 @@ func (m *uwbpfMaps) Close() error {
 		m.SitePortClass,
 		m.SitePortMask,
 		m.SiteSrc,
+		m.SkForeign,
 		m.SkOwners,
 		m.TestSock,
 		m.UdpPeers,

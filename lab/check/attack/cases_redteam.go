@@ -3,7 +3,10 @@ package attack
 import (
 	"errors"
 	"fmt"
+	"net/netip"
 	"runtime"
+	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -14,7 +17,9 @@ import (
 
 // Cases of the redteam pass on round 3.
 func casesRedteam() []*Case {
-	return []*Case{coBindDualWild(), revokedClaimFirstContact()}
+	return []*Case{coBindDualWild(), revokedClaimFirstContact(),
+		predatesAgentFailedSend("noaddr", false, 4), predatesAgentFailedSend("port0", true, 6),
+		groupNearMTU("bcast"), groupNearMTU("allhosts"), groupNearMTU("allnodes"), groupNearMTU("linklocal")}
 }
 
 // coBindDualWild: bind6 looked up only the IPv6 table, so an IPv6 socket on
@@ -131,4 +136,113 @@ func revokedClaimFirstContact() *Case {
 			}
 			return nil
 		}}
+}
+
+// predatesAgentFailedSend: a datagram socket older than the agent got its
+// owner at the connect/sendmsg hook that binds it — but inet_sendmsg
+// autobinds before udp_sendmsg, which returns several errors (no
+// destination, port 0, a datagram over 64 KiB, MSG_OOB) before its cgroup
+// hook runs: the socket was bound without a record and received everyone's
+// datagrams. Now a socket without a record is decided at delivery with the
+// kernel's own record of its owner (adopt_at_delivery).
+func predatesAgentFailedSend(how string, local bool, fam int) *Case {
+	return &Case{Name: "udp-socket-predates-agent-failed-send-" + how + "-" + where(local) + "-v" + itoa(fam), Class: "missing-state",
+		Why: "alice's UDP socket was created while A had no agent and bound by a send that failed (" + how + ") after the agent started: autobind ran, the sendmsg hook did not, so it has no owner record",
+		Run: func(e *Env, r *Run) error {
+			r.Defer(func() { e.restoreAgent(e.A) })
+			if err := uwlab.StopAgent(e.Ctx, e.TB, e.A); err != nil {
+				return err
+			}
+			spec := SinkSpec{Sock: sock("udp", fam), FailedSend: how}
+			s, err := e.SinkGated(r, e.A.Name, Victim, spec, func() error { return uwlab.StartAgent(e.Ctx, e.TB, e.A) })
+			if err != nil {
+				return err
+			}
+			bound, err := netip.ParseAddrPort(s.Addr)
+			if err != nil || bound.Port() == 0 {
+				return fmt.Errorf("sink address %q (the failed send must have bound it): %v", s.Addr, err)
+			}
+			node, dst := e.path(local, fam)
+			to := ap(dst, int(bound.Port()))
+			act := ActSpec{Sock: sock("udp", fam), Dst: to, Count: 3}
+			r.Attack(e, s, node, Attacker, "udp → "+to+" (a socket older than the agent, bound by a failed send)", act)
+			r.Control(e, s, node, Victim, "udp → "+to, act)
+			return nil
+		}}
+}
+
+// groupNearMTU: the agent lowers the MTU of the cluster subnets' routes by
+// the stamp's room, so a unicast datagram near the MTU (or fragmented) to
+// another node is stamped. Broadcast (the local table's routes), multicast
+// (224.0.0.0/24 takes no route at all) and IPv6 link-local (fe80::/64 is
+// one route per interface) keep the device's MTU: a datagram within the
+// room of it left unstamped and was refused by the receiver, without a
+// word to the sender. Now it is refused at send with EPERM (rule
+// unstampable), as a datagram with IP options is. The controls: alice's
+// largest datagram that leaves the room reaches her listener on A, and her
+// datagram one room larger gets EPERM at once; bob's get neither through.
+func groupNearMTU(kind string) *Case {
+	fam := 4
+	if kind == "allnodes" || kind == "linklocal" {
+		fam = 6
+	}
+	return &Case{Name: "group-near-mtu-" + kind + "-cross-v" + itoa(fam), Class: "false-deny",
+		Why: "alice's datagram to " + kind + " within the stamp's room of the MTU must fail at send (EPERM), not vanish; one that leaves the room reaches her listener on A; bob's reach nothing",
+		Run: func(e *Env, r *Run) error {
+			p := e.Port
+			dst := ap(netip.MustParseAddr("198.18.0.255"), p)
+			switch kind {
+			case "allhosts":
+				dst = ap(netip.MustParseAddr("224.0.0.1"), p)
+			case "allnodes":
+				dst = ap(netip.MustParseAddr("ff02::1").WithZone("eth0"), p)
+			case "linklocal":
+				ll, err := e.LinkLocal(e.A.Name)
+				if err != nil {
+					return err
+				}
+				dst = ap(ll, p)
+			}
+			mtu, err := e.linkMTU(e.B.Name, "eth0")
+			if err != nil {
+				return err
+			}
+			// Payload sizes: the IP and UDP headers plus the stamp's room
+			// fill the MTU exactly (fits), or the room is missing (big).
+			hdr, room := 28, userwall.StampRoom4
+			if fam == 6 {
+				hdr, room = 48, userwall.StampRoom6
+			}
+			fit, big := mtu-hdr-room, mtu-hdr
+			s, err := e.Sink(r, e.A.Name, Victim, SinkSpec{Sock: Sock{Proto: "udp", Family: fam, Bind: ap(wild(fam), p)}})
+			if err != nil {
+				return err
+			}
+			send := Sock{Proto: "udp", Family: fam, Broadcast: fam == 4, MulticastIf: "eth0"}
+			r.Attack(e, s, e.B.Name, Attacker, fmt.Sprintf("udp %d bytes → %s", fit, dst), ActSpec{Sock: send, Dst: dst, Count: 3, Size: fit})
+			r.Attack(e, s, e.B.Name, Attacker, fmt.Sprintf("udp %d bytes → %s", big, dst), ActSpec{Sock: send, Dst: dst, Count: 3, Size: big})
+			r.Control(e, s, e.B.Name, Victim, fmt.Sprintf("udp %d bytes → %s", fit, dst), ActSpec{Sock: send, Dst: dst, Count: 3, Size: fit})
+			res, err := e.Act(e.B.Name, Victim, ActSpec{Sock: send, Dst: dst, Count: 1, Size: big, Nonce: newNonce()})
+			if err != nil {
+				return err
+			}
+			r.Judged(false, e.B.Name, Victim, fmt.Sprintf("udp %d bytes → %s refused at send with EPERM", big, dst),
+				!res.OK && res.Errno == "EPERM", fmt.Sprintf("send: ok=%v errno=%q", res.OK, res.Errno))
+			return nil
+		}}
+}
+
+// linkMTU is the MTU of dev on node.
+func (e *Env) linkMTU(node, dev string) (int, error) {
+	out, err := e.Root(node, "ip", "-o", "link", "show", "dev", dev)
+	if err != nil {
+		return 0, err
+	}
+	f := strings.Fields(out)
+	for i := 0; i+1 < len(f); i++ {
+		if f[i] == "mtu" {
+			return strconv.Atoi(f[i+1])
+		}
+	}
+	return 0, fmt.Errorf("%s: no MTU in %q", dev, out)
 }

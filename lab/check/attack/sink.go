@@ -43,6 +43,11 @@ type SinkSpec struct {
 	// line and wait for a line on stdin (the starter changes the node
 	// meanwhile: e.g. starts the agent, so the socket predates it).
 	Gated bool `json:"gated,omitempty"`
+	// FailedSend (datagram sockets): after the gate, one send that the
+	// kernel refuses after it autobound the socket but before the cgroup
+	// sendmsg hook runs: "noaddr" (no destination: EDESTADDRREQ),
+	// "port0" (destination port 0: EINVAL). The socket is then bound.
+	FailedSend string `json:"failed_send,omitempty"`
 	// Creds, for a sink run as root: the ids it takes before it opens its
 	// socket (a process that kept a group's gid, as sg leaves it).
 	Creds *Creds `json:"creds,omitempty"`
@@ -132,6 +137,14 @@ func serve(spec SinkSpec, enc *json.Encoder, mu *sync.Mutex, gate <-chan struct{
 		if err := unix.Listen(fd, 128); err != nil {
 			emit(SinkLine{Type: "error", Error: at("listen", err).Error(), Errno: Errno(err)})
 			return err
+		}
+	}
+	switch spec.FailedSend {
+	case "noaddr":
+		_ = unix.Sendto(fd, []byte("PALISADE hello\n"), 0, nil)
+	case "port0":
+		if sa, err := sockaddr(spec.Sock, ap(lo(spec.Sock.Family), 0)); err == nil {
+			_ = unix.Sendto(fd, []byte("PALISADE hello\n"), 0, sa)
 		}
 	}
 	for _, to := range spec.SendFirst {

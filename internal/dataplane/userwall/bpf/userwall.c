@@ -296,6 +296,25 @@ struct {
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 } unenforced_nets SEC(".maps");
 
+/* Device MTU of each managed interface (0: not known), and this node's
+ * IPv4 broadcast addresses: a datagram to a destination whose route keeps
+ * the device's MTU (broadcast, multicast, IPv6 link-local) has no room for
+ * the stamp near that MTU, and is refused at send (no_room, unstampable). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, MAX_IFINDEX);
+	__type(key, __u32);
+	__type(value, __u32);
+} if_mtu SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u8);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} bcast_addrs SEC(".maps");
+
 /* Bitmap of the ports off-cluster sources may reach: bit p%64 of word p/64. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -336,6 +355,16 @@ struct {
 	__type(key, int);
 	__type(value, struct uw_peers);
 } udp_peers SEC(".maps");
+
+/* Sockets without an owner record found to be another namespace's at
+ * delivery (adopt_at_delivery): their packets cost one lookup here, not
+ * two reads of kernel memory. */
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, __u8);
+} sk_foreign SEC(".maps");
 
 /* The sender of a node's own looped multicast/broadcast copies, known from
  * the sending socket: its copies carry no stamp (the kernel clones them
@@ -1753,6 +1782,63 @@ static __always_inline struct uw_owner *kernel_tcp_owner(struct bpf_sock *sk, st
 	return o;
 }
 
+/*
+ * A socket without an owner record that is not TCP (kernel_tcp_owner): a
+ * datagram socket created before the agent and bound since by a send the
+ * kernel refused before its sendmsg hook could run (inet_sendmsg autobinds
+ * first: no destination, port 0, over 64 KiB, MSG_OOB), a UDP-Lite, SCTP or
+ * DCCP socket older than the agent (no iterator sees them) — or another
+ * namespace's socket. No record must never count as permission, so the
+ * socket's namespace is read from the socket itself: a cgroup_skb program
+ * cannot ask for the cookie before 6.17, and no BTF cast exists for an IPv4
+ * datagram socket, so the net pointer is read from the start of the socket
+ * (sock_common) and its cookie from there. This namespace's socket takes the
+ * kernel's own record of its owner (sk_uid: the creator's fs uid; no group,
+ * as for TCP) and keeps it as its record; another namespace's is remembered
+ * as such (sk_foreign). tmp holds the record if storage cannot be had
+ * (decided all the same: fail closed). sk_netns_cookie: the namespace of
+ * skb's socket (0: unreadable), a global function so that its buffer is not
+ * on the stack beside site_decide's.
+ */
+__noinline __u64 sk_netns_cookie(struct __sk_buff *skb)
+{
+	if (!skb)
+		return 0;
+	struct bpf_sock *sk = skb->sk;
+	if (!sk)
+		return 0;
+	sk = bpf_sk_fullsock(sk);
+	if (!sk)
+		return 0;
+	__u8 head[64];
+	__u32 off = bpf_core_field_offset(struct sock, __sk_common.skc_net);
+	__u64 net = 0, cookie = 0;
+	if (off > sizeof(head) - 8 || bpf_probe_read_kernel(head, off + 8, sk))
+		return 0;
+	__builtin_memcpy(&net, &head[off & 0x3f], 8);
+	if (!net || bpf_probe_read_kernel(&cookie, 8, (void *)(net + bpf_core_field_offset(struct net, net_cookie))))
+		return 0;
+	return cookie;
+}
+
+static __always_inline struct uw_owner *adopt_at_delivery(struct __sk_buff *skb, struct bpf_sock *sk,
+							  struct uw_owner *tmp)
+{
+	if (bpf_sk_storage_get(&sk_foreign, sk, 0, 0))
+		return 0;
+	if (sk_netns_cookie(skb) != netns_cookie) {
+		__u8 one = 1;
+		bpf_sk_storage_get(&sk_foreign, sk, &one, BPF_SK_STORAGE_GET_F_CREATE);
+		return 0;
+	}
+	tmp->uid = bpf_get_socket_uid(skb);
+	tmp->gid = (__u32)-1;
+	tmp->set = 1;
+	tmp->pad = 0;
+	struct uw_owner *o = bpf_sk_storage_get(&sk_owners, sk, tmp, BPF_SK_STORAGE_GET_F_CREATE);
+	return o ? o : tmp;
+}
+
 SEC("cgroup_skb/ingress")
 int uw_skb_ingress(struct __sk_buff *skb)
 {
@@ -1796,7 +1882,7 @@ int uw_skb_ingress(struct __sk_buff *skb)
 			return 1;
 		l = owner_of(sk);
 		if (!l)
-			l = kernel_tcp_owner(sk, &tl);
+			l = sk->protocol == IPPROTO_TCP ? kernel_tcp_owner(sk, &tl) : adopt_at_delivery(skb, sk, &tl);
 		if (!l)
 			return 1; /* not a socket of this namespace */
 	}
@@ -1886,7 +1972,9 @@ int uw_skb_ingress(struct __sk_buff *skb)
  *    The peer is the one the socket is connected to (the datagram's
  *    destination), so nothing is opened to anyone else;
  *  - a user's datagram that cannot carry a stamp to another node (IP
- *    options, IPv6 extension headers) is refused here with EPERM, at once,
+ *    options, IPv6 extension headers; or too large for the stamp's room
+ *    toward a broadcast, multicast or IPv6 link-local destination, whose
+ *    route keeps the device's MTU) is refused here with EPERM, at once,
  *    instead of being dropped by the receiver without a word.
  * Returns 0 to refuse.
  */
@@ -1912,6 +2000,36 @@ static __always_inline void renew_peer(struct __sk_buff *skb, struct bpf_sock *s
 		sent_to_now(ps, dst, bpf_ntohs(dport));
 }
 
+/* Would a plain datagram leave without room for the stamp where its route
+ * keeps the device's MTU? Its length (or a GSO segment's) plus the room
+ * against the MTU of the interface it goes out of (if_mtu): a larger one is
+ * sent in fragments of that MTU, the first of them full. */
+static __always_inline int no_room(struct __sk_buff *skb, int v4)
+{
+	__u32 idx = skb->ifindex;
+	__u32 *mtu = bpf_map_lookup_elem(&if_mtu, &idx);
+	if (!mtu || !*mtu)
+		return 0;
+	__u32 len = skb->gso_size ? (v4 ? 20 : 40) + 8 + skb->gso_size : skb->len;
+	return len + (v4 ? UW_ROOM4 : UW_ROOM6) > *mtu;
+}
+
+/* Destinations whose route the agent cannot lower by the stamp's room
+ * (routemtu.go): IPv4 broadcast (the local table's routes; the limited
+ * broadcast and 224.0.0.0/24 take no route at all), multicast, IPv6
+ * link-local (fe80::/64 exists once per interface and cannot be singled
+ * out). */
+static __always_inline int device_mtu_dst(const __u8 *dst)
+{
+	if (group_addr(dst))
+		return 1;
+	if (!is_v4mapped(dst))
+		return link_local(dst);
+	__u32 a;
+	__builtin_memcpy(&a, &dst[12], 4);
+	return bpf_map_lookup_elem(&bcast_addrs, &a) != 0;
+}
+
 static __always_inline int egress_dgram(struct __sk_buff *skb, struct bpf_sock *sk, __u8 *h, void *end, int v4)
 {
 	__u32 hl = v4 ? (h[0] & 0xf) * 4 : 40;
@@ -1926,7 +2044,10 @@ static __always_inline int egress_dgram(struct __sk_buff *skb, struct bpf_sock *
 	sk = bpf_sk_fullsock(sk);
 	if (!sk)
 		return 1;
-	if (plain && sk->state != 1 /* TCP_ESTABLISHED: a connected socket */)
+	/* A plain datagram too large for a stamp toward a broadcast, multicast
+	 * or link-local destination (checked below). */
+	int big = plain && skb->ifindex != 1 && no_room(skb, v4);
+	if (plain && !big && sk->state != 1 /* TCP_ESTABLISHED: a connected socket */)
 		return 1;
 	struct uw_owner *o = owner_of(sk);
 	if (!o)
@@ -1934,18 +2055,24 @@ static __always_inline int egress_dgram(struct __sk_buff *skb, struct bpf_sock *
 	struct uw_config *c = uw_cfg();
 	if (!c)
 		return 1;
-	if (plain) {
+	if (plain && !big) {
 		renew_peer(skb, sk, v4);
 		return 1;
 	}
-	/* Options or extension headers: could it be stamped where it goes? */
-	if (bpf_map_lookup_elem(&exempt_conn, &o->uid))
-		return 1;
+	/* Options or extension headers, or too large: could it be stamped
+	 * where it goes? */
 	struct pkt p;
-	if (!parse(skb, 0, &p) || !port_proto(p.proto) || p.proto == IPPROTO_TCP || p.dport <= c->system_port_max)
+	if (bpf_map_lookup_elem(&exempt_conn, &o->uid) || !parse(skb, 0, &p) || !port_proto(p.proto) ||
+	    p.proto == IPPROTO_TCP || p.dport <= c->system_port_max ||
+	    (plain ? !device_mtu_dst(p.dst)
+		   : skb->ifindex == 1 || (!lpm_has(&cluster_nets, p.dst) && !link_local(p.dst) && !group_addr(p.dst)))) {
+		/* lo carries a token instead; off-cluster gets no stamp; a
+		 * large datagram to a cluster node is fragmented with room
+		 * (the route's MTU is lowered). */
+		if (plain && sk->state == 1)
+			renew_peer(skb, sk, v4);
 		return 1;
-	if (skb->ifindex == 1 || (!lpm_has(&cluster_nets, p.dst) && !link_local(p.dst) && !group_addr(p.dst)))
-		return 1; /* lo carries a token instead; off-cluster gets no stamp */
+	}
 	count(P_SOURCE, R_UNSTAMPABLE);
 	struct uw_event e = {};
 	e.cuid = o->uid;
