@@ -18,7 +18,7 @@ import (
 
 	"golang.org/x/time/rate"
 
-	"github.com/palisade-hpc/palisade/internal/ident"
+	ident "github.com/palisade-hpc/palisade/internal/sockowner"
 	"github.com/palisade-hpc/palisade/internal/sys/peercred"
 )
 
