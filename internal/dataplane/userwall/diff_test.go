@@ -1209,11 +1209,11 @@ func TestSealedGID(t *testing.T) {
 
 // TestAdoptAtDelivery: a datagram socket without an owner record (one older
 // than the agent, bound by a send the kernel refused before its sendmsg hook)
-// is never permission: at delivery, the real uw_skb_ingress (not in test
-// mode) reads the socket's namespace from the socket itself; this
+// of a user is never permission: at delivery, the real uw_skb_ingress (not
+// in test mode) reads the socket's namespace from the socket itself; this
 // namespace's socket is decided with its kernel owner (the test run's socket
-// is root's, no exemption here), another namespace's is left to its own
-// agent. An unstamped datagram from a cluster node is the probe: refused at
+// is root's: not exempt here, as a user's), another namespace's is left to
+// its own agent, and a kernel or system socket (exempt owner) passes. An unstamped datagram from a cluster node is the probe: refused at
 // this namespace's socket, passed at another's.
 func TestAdoptAtDelivery(t *testing.T) {
 	self, err := NetnsCookie()
@@ -1222,17 +1222,22 @@ func TestAdoptAtDelivery(t *testing.T) {
 	}
 	frame := buildFrame(false, ipUDP, 0, netip.MustParseAddr("198.18.0.2"), netip.MustParseAddr("198.18.0.1"), 40000, 40001, stNone, nil)
 	for _, tc := range []struct {
-		cookie  uint64
-		deliver bool
-		rule    uwbpfUwRule
+		cookie     uint64
+		rootExempt bool
+		deliver    bool
+		rule       uwbpfUwRule
 	}{
-		{self, false, uwbpfUwRuleR_UNSTAMPED_FROM_CLUSTER}, // this namespace's socket: decided
-		{self + 1, true, 0}, // another namespace's: not this copy's
+		{self, false, false, uwbpfUwRuleR_UNSTAMPED_FROM_CLUSTER}, // this namespace's user socket: decided
+		{self + 1, false, true, 0},                                // another namespace's: not this copy's
+		{self, true, true, 0},                                     // a kernel or system socket: passes as before
 	} {
 		h := newHarnessNetns(t, 0, tc.cookie)
 		w := worlds()[0]
 		w.samples = 0
 		w.pol.ExemptListeners = nil
+		if tc.rootExempt {
+			w.pol.ExemptListeners = []uint32{uRoot}
+		}
 		w.apply(t, h)
 		v := h.run(t, frame, uwbpfUwTestSock{}, 1)
 		if v.deliver != tc.deliver || v.rule != tc.rule {

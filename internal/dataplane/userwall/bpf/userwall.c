@@ -356,9 +356,10 @@ struct {
 	__type(value, struct uw_peers);
 } udp_peers SEC(".maps");
 
-/* Sockets without an owner record found to be another namespace's at
- * delivery (adopt_at_delivery): their packets cost one lookup here, not
- * two reads of kernel memory. */
+/* Sockets without an owner record that are not decided here, found so at
+ * their first packet (adopt_at_delivery): another namespace's, and this
+ * namespace's kernel and system sockets (an exempt owner). Their packets
+ * cost one lookup here, not two reads of kernel memory. */
 struct {
 	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
@@ -1792,10 +1793,11 @@ static __always_inline struct uw_owner *kernel_tcp_owner(struct bpf_sock *sk, st
  * socket's namespace is read from the socket itself: a cgroup_skb program
  * cannot ask for the cookie before 6.17, and no BTF cast exists for an IPv4
  * datagram socket, so the net pointer is read from the start of the socket
- * (sock_common) and its cookie from there. This namespace's socket takes the
- * kernel's own record of its owner (sk_uid: the creator's fs uid; no group,
- * as for TCP) and keeps it as its record; another namespace's is remembered
- * as such (sk_foreign). tmp holds the record if storage cannot be had
+ * (sock_common) and its cookie from there. This namespace's socket of a
+ * user takes the kernel's own record of its owner (sk_uid: the creator's fs
+ * uid; no group, as for TCP) and keeps it as its record; another
+ * namespace's, and a kernel or system socket (exempt owner), are remembered
+ * as not decided here (sk_foreign). tmp holds the record if storage cannot be had
  * (decided all the same: fail closed). sk_netns_cookie: the namespace of
  * skb's socket (0: unreadable), a global function so that its buffer is not
  * on the stack beside site_decide's.
@@ -1826,12 +1828,17 @@ static __always_inline struct uw_owner *adopt_at_delivery(struct __sk_buff *skb,
 {
 	if (bpf_sk_storage_get(&sk_foreign, sk, 0, 0))
 		return 0;
-	if (sk_netns_cookie(skb) != netns_cookie) {
+	__u32 uid = bpf_get_socket_uid(skb);
+	/* A kernel socket (lockd, a tunnel's) or root's or a service's socket
+	 * older than the agent passes as it always has: never lock out the
+	 * system (an exempt listener's socket would refuse identity-less
+	 * datagrams once decided: NFS servers without the agent). */
+	if (sk_netns_cookie(skb) != netns_cookie || bpf_map_lookup_elem(&exempt_lis, &uid)) {
 		__u8 one = 1;
 		bpf_sk_storage_get(&sk_foreign, sk, &one, BPF_SK_STORAGE_GET_F_CREATE);
 		return 0;
 	}
-	tmp->uid = bpf_get_socket_uid(skb);
+	tmp->uid = uid;
 	tmp->gid = (__u32)-1;
 	tmp->set = 1;
 	tmp->pad = 0;
