@@ -2128,6 +2128,23 @@ static __always_inline void flow_key(struct uw_flow_key *k, const struct pkt *p)
 	k->proto = p->proto;
 }
 
+/* The key lives only in these two (its stack slot is shared with others:
+ * uw_tc_ingress and site_decide are near the verifier's 512 bytes). */
+static __always_inline int polite_seen(const struct pkt *p, __u64 now)
+{
+	struct uw_flow_key k = {};
+	flow_key(&k, p);
+	__u64 *seen = bpf_map_lookup_elem(&polite_ok, &k);
+	return seen && now - *seen <= POLITE_TTL_NS;
+}
+
+static __always_inline void polite_note(const struct pkt *p, __u64 now)
+{
+	struct uw_flow_key k = {};
+	flow_key(&k, p);
+	bpf_map_update_elem(&polite_ok, &k, &now, BPF_ANY);
+}
+
 /*
  * tc ingress (every managed interface, lo included): the polite path. A SYN
  * or datagram to a local unicast user port that the rules refuse for the
@@ -2161,13 +2178,10 @@ int uw_tc_ingress(struct __sk_buff *skb)
 	__u64 w = 0;
 	__u8 st = stamp_key(c, &p, &k, &w);
 	st = (p.has_stamp && st == S_NONE) ? S_VALID : (st == S_NONE ? S_NONE : st);
-	struct uw_flow_key fk = {};
 	__u64 now = 0;
 	if (udp && st == S_VALID && !test_mode) {
-		flow_key(&fk, &p);
 		now = now_ns();
-		__u64 *seen = bpf_map_lookup_elem(&polite_ok, &fk);
-		if (seen && now - *seen <= POLITE_TTL_NS)
+		if (polite_seen(&p, now))
 			return TC_ACT_OK;
 	}
 	if (!lpm_has(&local_addrs, p.dst))
@@ -2222,7 +2236,7 @@ int uw_tc_ingress(struct __sk_buff *skb)
 	bpf_sk_release(sk);
 	if (allows(rule)) {
 		if (now)
-			bpf_map_update_elem(&polite_ok, &fk, &now, BPF_ANY);
+			polite_note(&p, now);
 		return TC_ACT_OK;
 	}
 	__u32 path = path_of(skb, p.proto);
