@@ -3,6 +3,7 @@ package policy
 import (
 	"fmt"
 	"slices"
+	"strconv"
 	"time"
 
 	"github.com/palisade-hpc/palisade/internal/identity"
@@ -84,10 +85,30 @@ func (p *Policy) GrantFor(c Conn) *Grant {
 // Describe says who granted what to whom, until when ("alice's grant on
 // 8888/tcp to bob, expires 2026-11-27 18:00:00 UTC").
 func (g Grant) Describe(res identity.Resolver) string {
-	to := identity.UserName(res, g.Grantee)
+	to := UserName(res, g.Grantee)
 	if g.Group {
-		to = "@" + identity.GroupName(res, g.Grantee)
+		to = "@" + GroupName(res, g.Grantee)
 	}
-	return fmt.Sprintf("%s's grant on %d/tcp to %s, expires %s", identity.UserName(res, g.Owner), g.Port, to,
+	return fmt.Sprintf("%s's grant on %d/tcp to %s, expires %s", UserName(res, g.Owner), g.Port, to,
 		g.Expires.UTC().Format("2006-01-02 15:04:05 UTC"))
+}
+
+// UserName is uid's name, or the number when it has none (res may be nil).
+func UserName(res identity.Resolver, uid uint32) string {
+	if res != nil {
+		if n, err := res.LookupUID(uid); err == nil {
+			return n
+		}
+	}
+	return strconv.FormatUint(uint64(uid), 10)
+}
+
+// GroupName is gid's name, or the number.
+func GroupName(res identity.Resolver, gid uint32) string {
+	if res != nil {
+		if n, err := res.LookupGID(gid); err == nil {
+			return n
+		}
+	}
+	return strconv.FormatUint(uint64(gid), 10)
 }

@@ -116,15 +116,17 @@ func (s *grantStore) event(what string, g GrantInfo, by uint32) {
 		return
 	}
 	line, _ := json.Marshal(struct {
-		Time    time.Time `json:"time"`
-		Node    string    `json:"node"`
-		Grant   string    `json:"grant"`
-		Owner   Party     `json:"owner"`
-		Port    uint16    `json:"port"`
-		To      string    `json:"to"`
-		Expires time.Time `json:"expires"`
-		By      uint32    `json:"by"`
-	}{s.now().UTC(), s.node, what, Party{UID: g.Owner, User: g.OwnerName}, g.Port, grantee(g), g.Expires.UTC(), by})
+		Time     time.Time `json:"time"`
+		Node     string    `json:"node"`
+		Grant    string    `json:"grant"`
+		Owner    string    `json:"owner"`
+		OwnerUID uint32    `json:"owner_uid"`
+		Port     uint16    `json:"port"`
+		To       string    `json:"to"`
+		ToID     uint32    `json:"to_id"`
+		Expires  time.Time `json:"expires"`
+		By       uint32    `json:"by"`
+	}{s.now().UTC(), s.node, what, g.OwnerName, g.Owner, g.Port, grantee(g), g.Grantee, g.Expires.UTC(), by})
 	s.logLine(line)
 }
 
@@ -217,11 +219,11 @@ func (s *grantStore) share(asker uint32, req GrantRequest) (GrantAnswer, error) 
 	var made []GrantInfo
 	for _, w := range want {
 		g := GrantInfo{Grant: policy.Grant{Owner: asker, Port: req.Port, Grantee: w.Grantee, Group: w.Group, Expires: now.Add(d)},
-			OwnerName: identity.UserName(s.res, asker), Created: now, Node: s.node}
+			OwnerName: policy.UserName(s.res, asker), Created: now, Node: s.node}
 		if g.Group {
-			g.GranteeName = identity.GroupName(s.res, g.Grantee)
+			g.GranteeName = policy.GroupName(s.res, g.Grantee)
 		} else {
-			g.GranteeName = identity.UserName(s.res, g.Grantee)
+			g.GranteeName = policy.UserName(s.res, g.Grantee)
 		}
 		if i := slices.IndexFunc(next, func(o GrantInfo) bool {
 			return o.Owner == asker && o.Port == g.Port && o.Grantee == g.Grantee && o.Group == g.Group
@@ -289,13 +291,19 @@ func (s *grantStore) unshare(asker uint32, req GrantRequest) (GrantAnswer, error
 }
 
 // list: root sees every grant; a user the grants they made and those that
-// name them (as a user; group grants name no one in particular).
+// admit them (to them, or to a group NSS says they are in).
 func (s *grantStore) list(asker uint32) []GrantInfo {
+	var groups []uint32
+	if asker != 0 {
+		if name, err := s.res.LookupUID(asker); err == nil {
+			groups, _ = s.res.GroupsOf(name)
+		}
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	out := []GrantInfo{}
 	for _, g := range s.grants {
-		if asker == 0 || g.Owner == asker || (!g.Group && g.Grantee == asker) {
+		if asker == 0 || g.Owner == asker || (!g.Group && g.Grantee == asker) || (g.Group && slices.Contains(groups, g.Grantee)) {
 			out = append(out, g)
 		}
 	}
@@ -384,11 +392,11 @@ func (s *grantStore) adopt(gs []policy.Grant) {
 		if !g.Expires.After(now) {
 			continue
 		}
-		gi := GrantInfo{Grant: g, OwnerName: identity.UserName(s.res, g.Owner), Node: s.node}
+		gi := GrantInfo{Grant: g, OwnerName: policy.UserName(s.res, g.Owner), Node: s.node}
 		if g.Group {
-			gi.GranteeName = identity.GroupName(s.res, g.Grantee)
+			gi.GranteeName = policy.GroupName(s.res, g.Grantee)
 		} else {
-			gi.GranteeName = identity.UserName(s.res, g.Grantee)
+			gi.GranteeName = policy.UserName(s.res, g.Grantee)
 		}
 		s.grants = append(s.grants, gi)
 	}
