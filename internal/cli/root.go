@@ -39,6 +39,7 @@ func New() *cobra.Command {
 		identCommand(),
 		uvnCommand(),
 		keyCommand(),
+		portalCommand(),
 	)
 	root.AddCommand(egressCommands()...) // gateway, egress and its namespace helper
 	AddVersion(root)

@@ -30,6 +30,7 @@ import (
 	"github.com/palisade-hpc/palisade/internal/dataplane/uvn"
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/portal"
 )
 
 // Config is the whole configuration file, decoded and validated. The [policy],
@@ -75,6 +76,7 @@ type Config struct {
 	Agent      agentconfig.Config `toml:"agent"`
 	UVN        uvn.Config         `toml:"uvn"`
 	Egress     egress.Config      `toml:"egress"`
+	Portal     portal.Config      `toml:"portal"`
 	// SiteRules and Tests are the [[rule]] and [[test]] entries of the file
 	// and of the files [policy] include names, in order.
 	SiteRules []RuleConfig `toml:"rule"`
@@ -272,7 +274,7 @@ func (c *Config) sections() []struct {
 		v    any
 	}{
 		{"policy", &c.Rules}, {"cluster", &c.Cluster}, {"offcluster", &c.OffCluster},
-		{"agent", &c.Agent}, {"uvn", &c.UVN}, {"egress", &c.Egress},
+		{"agent", &c.Agent}, {"uvn", &c.UVN}, {"egress", &c.Egress}, {"portal", &c.Portal},
 		{"rule", &c.SiteRules}, {"test", &c.Tests},
 	}
 }
@@ -380,7 +382,7 @@ func parse(name string, data []byte, res identity.Resolver, included []includedF
 	}
 	slices.SortFunc(unknown, func(a, b string) int { return loc.line(a, "") - loc.line(b, "") })
 	for _, k := range unknown {
-		fail(loc.line(k, ""), k, "unknown section or key (known sections: policy, cluster, offcluster, agent, uvn, egress, rule, test)")
+		fail(loc.line(k, ""), k, "unknown section or key (known sections: policy, cluster, offcluster, agent, uvn, egress, portal, rule, test)")
 	}
 	if len(errs) > 0 {
 		// Values failed to decode: validating the rest would only add noise.
@@ -477,7 +479,7 @@ func (c *Config) planeSections() []struct {
 	name string
 	v    any
 } {
-	return c.sections()[3:6]
+	return c.sections()[3:7]
 }
 
 // buildPolicy validates the three policy tables into c.Policy and c.Nodes,

@@ -1,24 +1,20 @@
 package ident
 
 import (
-	"os"
-	"path/filepath"
 	"slices"
-	"strconv"
-	"strings"
 	"sync"
 	"time"
+
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 )
 
 // procIndex maps socket inodes to the processes holding them, built by
-// scanning /proc/*/fd. A scan costs a readlink per open fd on the node, so
+// scanning /proc/*/fd (procfs.SocketInodes). A scan costs a readlink per open fd on the node, so
 // a hit is reused for cacheTTL (ident2 kept 15 s; a miss rescans anyway, so
 // a short one is enough), and concurrent misses share one scan: a lookup
 // that started before a scan began is answered by that scan, which already
 // saw its socket. A flood of lookups thus costs about one scan at a time.
 type procIndex struct {
-	root string // "/proc"; tests may point elsewhere
-
 	mu       sync.Mutex
 	byInode  map[uint32][]int
 	scanned  time.Time // when the current map's scan started
@@ -28,7 +24,7 @@ type procIndex struct {
 const defaultCacheTTL = 2 * time.Second
 
 func newProcIndex() *procIndex {
-	return &procIndex{root: "/proc", cacheTTL: defaultCacheTTL}
+	return &procIndex{cacheTTL: defaultCacheTTL}
 }
 
 // pids returns the processes holding socket inode, rescanning on a miss or
@@ -49,41 +45,15 @@ func (p *procIndex) pids(inode uint32) []int {
 }
 
 func (p *procIndex) alive(pids []int) bool {
-	for _, pid := range pids {
-		if _, err := os.Stat(filepath.Join(p.root, strconv.Itoa(pid))); err != nil {
-			return false
-		}
-	}
-	return true
+	return !slices.ContainsFunc(pids, func(pid int) bool { return !procfs.Alive(pid) })
 }
 
 func (p *procIndex) scan() map[uint32][]int {
 	m := make(map[uint32][]int)
-	ents, err := os.ReadDir(p.root)
-	if err != nil {
-		return m
-	}
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		fdDir := filepath.Join(p.root, e.Name(), "fd")
-		fds, err := os.ReadDir(fdDir)
-		if err != nil {
-			continue // exited, or a kernel thread
-		}
-		for _, fd := range fds {
-			link, err := os.Readlink(filepath.Join(fdDir, fd.Name()))
-			if err != nil || !strings.HasPrefix(link, "socket:[") {
-				continue
-			}
-			ino, err := strconv.ParseUint(strings.TrimSuffix(link[len("socket:["):], "]"), 10, 32)
-			if err != nil {
-				continue
-			}
-			if l := m[uint32(ino)]; !slices.Contains(l, pid) {
-				m[uint32(ino)] = append(l, pid)
+	for _, pid := range procfs.PIDs() {
+		for _, ino := range procfs.SocketInodes(pid) {
+			if l := m[ino]; !slices.Contains(l, pid) {
+				m[ino] = append(l, pid)
 			}
 		}
 	}

@@ -20,12 +20,12 @@ import (
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
-	"golang.org/x/sys/unix"
 	"golang.org/x/time/rate"
 
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/internal/sys/nldump"
+	"github.com/palisade-hpc/palisade/internal/sys/peercred"
 	"github.com/palisade-hpc/palisade/internal/sys/pktinfo"
 )
 
@@ -513,15 +513,11 @@ func isLocalIn(h *netlink.Handle, a netip.Addr) bool {
 // peerUID is the uid of the Unix API client (SO_PEERCRED), for the log;
 // -1 if unknown.
 func peerUID(c *net.UnixConn) int {
-	uid := -1
-	if rc, err := c.SyscallConn(); err == nil {
-		rc.Control(func(fd uintptr) {
-			if cr, err := unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); err == nil {
-				uid = int(cr.Uid)
-			}
-		})
+	cr, err := peercred.Of(c)
+	if err != nil {
+		return -1
 	}
-	return uid
+	return int(cr.Uid)
 }
 
 // warnUnprivilegedPorts warns when this node lets ordinary users bind

@@ -1,10 +1,8 @@
 package membership
 
 import (
-	"os"
-	"path/filepath"
+	"maps"
 	"slices"
-	"strconv"
 
 	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 )
@@ -25,21 +23,13 @@ func LocalUIDs() ([]uint32, error) {
 }
 
 func localIDs(ids func(procfs.Creds) []uint32) ([]uint32, error) {
-	self, err := os.Readlink("/proc/self/ns/net")
-	if err != nil {
-		return nil, err
-	}
-	ents, err := os.ReadDir("/proc")
+	self, err := procfs.NetNS(0)
 	if err != nil {
 		return nil, err
 	}
 	seen := map[uint32]bool{}
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		if ns, err := os.Readlink(filepath.Join("/proc", e.Name(), "ns", "net")); err != nil || ns != self {
+	for _, pid := range procfs.PIDs() {
+		if ns, err := procfs.NetNS(pid); err != nil || ns != self {
 			continue
 		}
 		c, err := procfs.ReadCreds(pid)
@@ -50,10 +40,5 @@ func localIDs(ids func(procfs.Creds) []uint32) ([]uint32, error) {
 			seen[id] = true
 		}
 	}
-	out := make([]uint32, 0, len(seen))
-	for id := range seen {
-		out = append(out, id)
-	}
-	slices.Sort(out)
-	return out, nil
+	return slices.Sorted(maps.Keys(seen)), nil
 }

@@ -11,11 +11,13 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/palisade-hpc/palisade/lab/testbed"
 )
 
 // testbedName is this package's own testbed instance (go test runs
 // packages in parallel; every package that needs a testbed has its own).
-const testbedName = "palbench"
+var testbedName = testbed.RunName("bn")
 
 func TestSummarizeAndRatios(t *testing.T) {
 	s := Summarize([]float64{3, 1, 2, math.NaN(), 5})
@@ -135,7 +137,7 @@ func TestQuickOnTestbed(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
 	var log strings.Builder
-	res, err := Run(ctx, Options{Quick: true, Modes: modes, Out: out, Name: testbedName, VMName: "palbenchvm", Log: &log})
+	res, err := Run(ctx, Options{Quick: true, Modes: modes, Out: out, Name: testbedName, VMName: testbed.RunName("bv"), Log: &log})
 	t.Log(log.String())
 	if err != nil {
 		t.Fatalf("bench: %v", err)

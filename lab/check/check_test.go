@@ -19,7 +19,7 @@ import (
 
 // instance is this package's own testbed: packages test in parallel, and
 // other engineers run theirs on the same machine.
-const instance = "palchk"
+var instance = testbed.RunName("ck")
 
 // TestIntegration brings up a real testbed, runs the whole matrix in mode
 // none (everything must be open, data checked both ways), proves the
@@ -34,10 +34,7 @@ func TestIntegration(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 	defer cancel()
-	// A leftover of an interrupted run of this very test goes first.
-	if err := testbed.Down(ctx, instance); err != nil {
-		t.Fatalf("down leftover %s: %v", instance, err)
-	}
+	testbed.DownOrphans(ctx) // leftovers of interrupted runs
 	before := takeSnapshot(t)
 	t0 := time.Now()
 	tb, err := testbed.Up(ctx, testbed.Options{Name: instance})

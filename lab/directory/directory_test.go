@@ -3,7 +3,6 @@ package directory
 import (
 	"bufio"
 	"context"
-	"fmt"
 	"io"
 	"os"
 	"os/exec"
@@ -35,10 +34,10 @@ func TestDirectoryUserwall(t *testing.T) {
 	if os.Geteuid() != 0 || testing.Short() {
 		t.Skip("needs root (brings up a testbed)")
 	}
-	name := fmt.Sprintf("palm%05d", os.Getpid()%100000)
+	name := testbed.RunName("dm")
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	_ = testbed.Down(ctx, name)
+	testbed.DownOrphans(ctx)
 	dt, err := testbed.Up(ctx, testbed.Options{Name: name, Nodes: 3, Mode: "userwall", Directory: testbed.DirectoryLDAP})
 	if err != nil {
 		t.Fatal(err)

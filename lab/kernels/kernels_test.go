@@ -12,9 +12,9 @@ package kernels
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
-	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -84,7 +84,7 @@ func userwallOn(t *testing.T, series string) {
 	if _, err := vm.PrepareKernel(ctx, series); err != nil {
 		t.Fatalf("guest kernel %s: %v", series, err)
 	}
-	name := fmt.Sprintf("palk%s%d", strings.ReplaceAll(series, ".", ""), os.Getpid()%1000)
+	name := testbed.RunName("k" + cmp.Or(map[string]string{"6.1": "a", "6.12": "b"}[series], "z"))
 	t0 := time.Now()
 	tb, err := testbed.Up(ctx, testbed.Options{Name: name, Nodes: 3, Mode: userwalllab.ModeName, VM: true, Kernel: series})
 	if err != nil {
@@ -184,7 +184,7 @@ snap /tmp/after
 diff /tmp/before /tmp/after && echo UNCHANGED
 `
 	vmDir := filepath.Join(dir, "vm")
-	if err := vm.Start(ctx, vmDir, filepath.Join(dir, "palisade-lab"), vm.AgentArgs{Name: "palkfloor", Nodes: 0, Kernel: floor, KernelArgs: []string{vm.LSMList}}); err != nil {
+	if err := vm.Start(ctx, vmDir, filepath.Join(dir, "palisade-lab"), vm.AgentArgs{Name: testbed.RunName("kf"), Nodes: 0, Kernel: floor, KernelArgs: []string{vm.LSMList}}); err != nil {
 		t.Fatal(err)
 	}
 	defer func() {

@@ -63,7 +63,7 @@ func TestDirectoryBadInput(t *testing.T) {
 // down leaves nothing.
 func TestDirectory(t *testing.T) {
 	needRoot(t)
-	name := testName('d')
+	name := RunName("td")
 	hostNS, _ := os.ReadFile("/etc/nsswitch.conf")
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()

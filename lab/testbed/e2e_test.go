@@ -24,7 +24,9 @@ func TestEndToEnd(t *testing.T) {
 	defer cancel()
 	bin := palisadeBinary(t)
 	pal := func(args ...string) (string, error) {
-		out, err := exec.CommandContext(ctx, bin, args...).CombinedOutput()
+		cmd := exec.CommandContext(ctx, bin, args...)
+		cmd.Env = append(os.Environ(), OwnerEnv+"="+strconv.Itoa(os.Getpid()))
+		out, err := cmd.CombinedOutput()
 		return string(out), err
 	}
 	pal("testbed", "down", "--name", name) // leftovers of an interrupted run

@@ -168,6 +168,7 @@ func Up(ctx context.Context, opts Options) (*Testbed, error) {
 
 	s := &state{Name: opts.Name, Nodes: opts.Nodes, Mode: opts.Mode, VM: opts.VM, Kernel: opts.Kernel, Phase: "starting",
 		Directory: opts.Directory, DirUsers: opts.DirectoryUsers, Audit: opts.Audit, Agents: opts.Agents}
+	s.Owner, s.OwnerStart = owner()
 	if opts.Egress {
 		s.Extensions = append(s.Extensions, "egress")
 	}

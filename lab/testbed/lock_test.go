@@ -16,7 +16,7 @@ func TestLockFile(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root (writes to " + BaseDir + ")")
 	}
-	name := testName('k')
+	name := RunName("tk")
 	var holders, most atomic.Int32
 	var wg sync.WaitGroup
 	for i := 0; i < 8; i++ {

@@ -248,6 +248,10 @@ type state struct {
 	// Phase is "starting" until bring-up (mode included) completed, then "up".
 	Phase    string `json:"phase"`
 	MPIHello string `json:"mpi_hello,omitempty"`
+	// Owner is the test process that brought the instance up (its pid and
+	// start time, in clock ticks), 0 for the CLI's: DownOrphans.
+	Owner      int    `json:"owner_pid,omitempty"`
+	OwnerStart uint64 `json:"owner_start,omitempty"`
 }
 
 func statePath(name string) string { return filepath.Join(InstanceDir(name), "state.json") }

@@ -22,36 +22,12 @@ import (
 
 // Instance names of this package's tests: other packages run their own
 // testbeds at the same time, and two runs of this package (a developer's
-// and `make test`) must not collide, so the names carry the test's pid.
+// and `make test`) must not collide.
 var (
-	tbName   = testName('t')
-	failName = testName('f')
-	e2eName  = testName('e')
-	// testNameRE matches the names of any run of this package.
-	testNameRE = regexp.MustCompile(`^pal[tfe8d](\d{5})$`)
+	tbName   = RunName("tt")
+	failName = RunName("tf")
+	e2eName  = RunName("te")
 )
-
-func testName(kind byte) string { return fmt.Sprintf("pal%c%05d", kind, os.Getpid()%100000) }
-
-// cleanStale takes down instances of runs of this package that died
-// without cleaning up (their pid is gone).
-func cleanStale() {
-	ents, _ := os.ReadDir(BaseDir)
-	for _, e := range ents {
-		m := testNameRE.FindStringSubmatch(e.Name())
-		if m == nil || !e.IsDir() {
-			continue
-		}
-		pid, _ := strconv.Atoi(m[1])
-		if pid == os.Getpid()%100000 {
-			continue
-		}
-		if _, err := os.Stat(fmt.Sprintf("/proc/%d", pid)); err == nil {
-			continue // maybe still running (or a reused pid: leave it)
-		}
-		Down(context.Background(), e.Name())
-	}
-}
 
 var (
 	binOnce sync.Once
@@ -87,7 +63,7 @@ func palisadeBinary(t *testing.T) string {
 
 func TestMain(m *testing.M) {
 	if os.Geteuid() == 0 {
-		cleanStale()
+		DownOrphans(context.Background())
 	}
 	code := m.Run()
 	if binDir != "" {
@@ -621,7 +597,7 @@ func TestEightNodes(t *testing.T) {
 	needRoot(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	name := testName('8')
+	name := RunName("t8")
 	tb, err := Up(ctx, Options{Name: name, Nodes: 8, Binary: "/bin/true"})
 	if err != nil {
 		t.Fatal(err)

@@ -23,6 +23,7 @@ import (
 	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/membership"
 	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/portal"
 	"github.com/palisade-hpc/palisade/internal/sys/cgroup2"
 	"github.com/palisade-hpc/palisade/internal/sys/nldump"
 	"github.com/palisade-hpc/palisade/internal/sys/procfs"
@@ -100,6 +101,7 @@ type agent struct {
 	sink     *eventSink
 	flows    *flowRecorder
 	ident    *ident.Server
+	portal   *portal.Server // [portal] delegation (nil: off); its settings are atomic
 	// flowCfg is what the flows socket's goroutines read of the running
 	// configuration (set by the main loop); localAddrs are this node's
 	// addresses as last synced (syncAddrs).
@@ -420,6 +422,13 @@ func (a *agent) startServices(ctx context.Context, svc *services) error {
 	if stop, err := a.serveFlows(ctx); err != nil {
 		a.log.Warn("flows socket not served (palisade flows, audit report)", "err", err)
 		a.notes = append(a.notes, "flows socket not served: "+err.Error())
+	} else {
+		svc.add(stop)
+	}
+
+	if stop, err := a.servePortal(ctx); err != nil {
+		a.log.Warn("portal delegation not served", "err", err)
+		a.notes = append(a.notes, "portal delegation not served: "+err.Error())
 	} else {
 		svc.add(stop)
 	}

@@ -16,11 +16,11 @@ import (
 	"sync"
 	"time"
 
-	"golang.org/x/sys/unix"
 	"golang.org/x/time/rate"
 
 	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/sys/peercred"
 )
 
 // The flows socket: the agent's local API for `palisade flows` and
@@ -155,16 +155,11 @@ func (s *flowServer) close() {
 }
 
 func askerUID(c *net.UnixConn) (uint32, bool) {
-	var uid uint32
-	ok := false
-	if rc, err := c.SyscallConn(); err == nil {
-		rc.Control(func(fd uintptr) {
-			if cr, err := unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); err == nil {
-				uid, ok = cr.Uid, true
-			}
-		})
+	cr, err := peercred.Of(c)
+	if err != nil {
+		return 0, false
 	}
-	return uid, ok
+	return cr.Uid, true
 }
 
 func (s *flowServer) serveConn(ctx context.Context, c *net.UnixConn) {

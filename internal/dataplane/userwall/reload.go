@@ -259,6 +259,7 @@ func (a *agent) applyReload() error {
 	if d := cfg.Agent.GroupRefreshInterval(); d != old.Agent.GroupRefreshInterval() {
 		a.members.SetRefresh(d)
 	}
+	a.reloadPortal(old, cfg)
 	a.exempt.setGroups(cfg.Policy)
 	a.members.Refresh()
 	a.syncNode()

@@ -268,3 +268,51 @@ func ThreadsCPU(pid int) (float64, error) {
 	}
 	return t, nil
 }
+
+// PIDs lists the processes in /proc now.
+func PIDs() []int {
+	ps, err := procfs.AllProcs()
+	if err != nil {
+		return nil
+	}
+	out := make([]int, len(ps))
+	for i, p := range ps {
+		out[i] = p.PID
+	}
+	return out
+}
+
+// NetNS names pid's network namespace ("net:[4026531840]"; pid 0: the
+// caller's): two processes are in the same namespace when the names are
+// equal.
+func NetNS(pid int) (string, error) {
+	p := "/proc/self/ns/net"
+	if pid != 0 {
+		p = "/proc/" + strconv.Itoa(pid) + "/ns/net"
+	}
+	return os.Readlink(p)
+}
+
+// SocketInodes returns the inodes of the sockets pid holds open (nil if it
+// is gone or its descriptors are not readable).
+func SocketInodes(pid int) []uint32 {
+	p, err := procfs.NewProc(pid)
+	if err != nil {
+		return nil
+	}
+	targets, err := p.FileDescriptorTargets()
+	if err != nil {
+		return nil
+	}
+	var out []uint32
+	for _, t := range targets {
+		s, ok := strings.CutPrefix(t, "socket:[")
+		if !ok {
+			continue
+		}
+		if ino, err := strconv.ParseUint(strings.TrimSuffix(s, "]"), 10, 32); err == nil {
+			out = append(out, uint32(ino))
+		}
+	}
+	return out
+}

@@ -1,6 +1,7 @@
 package procfs
 
 import (
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -196,5 +197,40 @@ func TestThreadsCPU(t *testing.T) {
 	}
 	if ns, err := ThreadsCPU(1 << 30); ns != 0 || err != nil {
 		t.Errorf("ThreadsCPU of a pid that cannot exist = %v, %v", ns, err)
+	}
+}
+
+// TestPIDsNetNSSocketInodes: this process is listed, its network namespace
+// is the caller's, and a socket it opens is among its socket inodes.
+func TestPIDsNetNSSocketInodes(t *testing.T) {
+	if !slices.Contains(PIDs(), os.Getpid()) {
+		t.Fatal("PIDs: this process missing")
+	}
+	self, err := NetNS(0)
+	if err != nil || !strings.HasPrefix(self, "net:[") {
+		t.Fatalf("NetNS(0) = %q, %v", self, err)
+	}
+	if ns, err := NetNS(os.Getpid()); err != nil || ns != self {
+		t.Errorf("NetNS(self pid) = %q, %v; want %q", ns, err, self)
+	}
+	l, err := net.ListenPacket("udp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	var st syscall.Stat_t
+	f, err := l.(*net.UDPConn).File()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := syscall.Fstat(int(f.Fd()), &st); err != nil {
+		t.Fatal(err)
+	}
+	if got := SocketInodes(os.Getpid()); !slices.Contains(got, uint32(st.Ino)) {
+		t.Errorf("SocketInodes: %v lacks the socket's inode %d", got, st.Ino)
+	}
+	if got := SocketInodes(-1); got != nil {
+		t.Errorf("SocketInodes of no process: %v", got)
 	}
 }

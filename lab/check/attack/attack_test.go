@@ -15,7 +15,7 @@ import (
 )
 
 // instance is this package's own testbed (other packages test in parallel).
-const instance = "palatkt"
+var instance = testbed.RunName("at")
 
 var tb *testbed.Testbed
 
@@ -27,7 +27,7 @@ func TestMain(m *testing.M) {
 	}
 	testbed.RegisterMode(uwlab.ModeName, uwlab.TestbedMode{}) // as cmd/palisade-lab wires it
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	_ = testbed.Down(ctx, instance)
+	testbed.DownOrphans(ctx)
 	var err error
 	tb, err = testbed.Up(ctx, testbed.Options{Name: instance, Nodes: 2, Mode: "userwall"})
 	cancel()

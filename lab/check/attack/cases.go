@@ -55,6 +55,7 @@ func Cases() []*Case {
 	add(casesRedteam()...)
 	add(casesUDP()...)
 	add(casesGrants()...)
+	add(casesPortal()...)
 	return cs
 }
 

@@ -189,7 +189,7 @@ func http3(fam int) *Case {
 			if _, err := os.Stat(quicPython); err != nil {
 				return fmt.Errorf("%s: %w (run .ci/deps)", quicPython, err)
 			}
-			script := filepath.Join(os.TempDir(), "pal-attack-h3.py")
+			script := filepath.Join(e.TB.Dir, "pal-attack-h3.py") // the instance's own: suites run side by side
 			if err := os.WriteFile(script, h3Script, 0o644); err != nil {
 				return err
 			}

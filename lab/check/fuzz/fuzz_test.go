@@ -16,7 +16,7 @@ import (
 )
 
 // instance is this package's own testbed (other packages test in parallel).
-const instance = "palfuzzt"
+var instance = testbed.RunName("fz")
 
 var tb *testbed.Testbed
 
@@ -41,7 +41,7 @@ func TestMain(m *testing.M) {
 	}
 	testbed.RegisterMode(uwlab.ModeName, uwlab.TestbedMode{}) // as cmd/palisade-lab wires it
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	_ = testbed.Down(ctx, instance)
+	testbed.DownOrphans(ctx)
 	var err error
 	tb, err = testbed.Up(ctx, testbed.Options{Name: instance, Nodes: 2, Mode: "userwall"})
 	cancel()

@@ -15,7 +15,7 @@ import (
 )
 
 // The package's own testbed instance (others run theirs concurrently).
-const tbName = "palegt"
+var tbName = testbed.RunName("eg")
 
 var (
 	tb  *testbed.Testbed
@@ -63,7 +63,7 @@ func run(m *testing.M) (int, error) {
 			return 1, fmt.Errorf("go build: %v\n%s", err, out)
 		}
 	}
-	testbed.Down(ctx, tbName)
+	testbed.DownOrphans(ctx)
 	tb, err = testbed.Up(ctx, testbed.Options{Name: tbName, Nodes: 2, Egress: true, Binary: bin})
 	if err != nil {
 		return 1, err
@@ -255,8 +255,12 @@ func TestUserIsolation(t *testing.T) {
 	if err == nil || strings.Contains(out, "served-by-alice") {
 		t.Fatalf("bob reached alice's job through the gateway:\n%s", out)
 	}
-	time.Sleep(1500 * time.Millisecond) // stats are written every second
-	after, _ := env.Stats(false)
+	// The gateway writes its counters every second: wait for the drop to
+	// show, within a bound.
+	after := before
+	for deadline := time.Now().Add(10 * time.Second); after.IsolationDrop <= before.IsolationDrop && time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		after, _ = env.Stats(false)
+	}
 	if after.IsolationDrop <= before.IsolationDrop {
 		t.Errorf("gateway counted no isolation drop (%d -> %d)", before.IsolationDrop, after.IsolationDrop)
 	}

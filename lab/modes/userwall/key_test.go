@@ -150,11 +150,9 @@ func TestKeyRotation(t *testing.T) {
 	notDelivered(t, "node2", "alice", "tcp", a, 5301)
 	notDelivered(t, "node2", "alice", "udp", a, 5302, "connected")
 	run(t, []tcase{{"node2", "alice", "tcp", "127.0.0.1", 22, "OK*", nil}}) // system ports need no identity
-	seen := false
-	for _, e := range events(t, "node1") {
-		seen = seen || (e.Dst == a+":5301" && (e.Stamp == "unknown-key" || e.Stamp == "bad-mac"))
-	}
-	if !seen {
+	if !waitEvent(t, "node1", func(e uw.Event) bool {
+		return e.Dst == a+":5301" && (e.Stamp == "unknown-key" || e.Stamp == "bad-mac")
+	}) {
 		t.Error(`no event with "stamp":"unknown-key"/"bad-mac" on node1 for node2's foreign key`)
 	}
 }

@@ -27,7 +27,7 @@ import (
 // mechanism with real traffic between real users.
 // tbName is the suite's testbed; PALISADE_TEST_TESTBED gives each developer
 // (or parallel run) its own instance.
-var tbName = cmp.Or(os.Getenv("PALISADE_TEST_TESTBED"), "paluwt")
+var tbName = cmp.Or(os.Getenv("PALISADE_TEST_TESTBED"), testbed.RunName("uw"))
 
 var tb *testbed.Testbed
 
@@ -105,7 +105,8 @@ func TestMain(m *testing.M) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	var err error
-	_ = testbed.Down(ctx, tbName)
+	testbed.DownOrphans(ctx)
+	_ = testbed.Down(ctx, tbName) // PALISADE_TEST_TESTBED: a previous run of that name
 	tb, err = testbed.Up(ctx, testbed.Options{Name: tbName, Nodes: 2, Mode: "userwall"})
 	cancel()
 	if err != nil {
@@ -399,19 +400,29 @@ func events(t *testing.T, node string) []uw.Event {
 	return out
 }
 
+// waitEvent waits until node's event log holds an event that match
+// accepts: the agent's sink writes it after the kernel's ring buffer
+// delivered it, some time after the refused attempt returned.
+func waitEvent(t *testing.T, node string, match func(uw.Event) bool) bool {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if slices.ContainsFunc(events(t, node), match) {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+	}
+}
+
 func TestEventsAndMetrics(t *testing.T) {
 	needTestbed(t)
 	listen(t, "node1", "alice", "tcp", "0.0.0.0", 5131)
 	run(t, []tcase{{"node1", "carol", "tcp", "127.0.0.1", 5131, eperm, nil}})
-	time.Sleep(300 * time.Millisecond)
-	found := false
-	for _, e := range events(t, "node1") {
-		if e.Dst == "127.0.0.1:5131" && e.Connector != nil && e.Connector.User == "carol" &&
-			e.Listener.User == "alice" && e.Rule == "default-deny" && e.Path == "local-tcp" && e.Proto == "tcp" && e.Node == "node1" {
-			found = true
-		}
-	}
-	if !found {
+	if !waitEvent(t, "node1", func(e uw.Event) bool {
+		return e.Dst == "127.0.0.1:5131" && e.Connector != nil && e.Connector.User == "carol" &&
+			e.Listener.User == "alice" && e.Rule == "default-deny" && e.Path == "local-tcp" && e.Proto == "tcp" && e.Node == "node1"
+	}) {
 		t.Errorf("no event for carol → alice 127.0.0.1:5131 in node1's event log")
 	}
 	out, err := tb.Output(context.Background(), "node1", "", "/usr/bin/python3", "-c",
@@ -713,12 +724,9 @@ func TestBroadcastUDP(t *testing.T) {
 	needTestbed(t)
 	listen(t, "node1", "alice", "udp", "0.0.0.0", 5196)
 	try(t, "node2", "bob", "udp", "198.18.0.255", 5196)
-	time.Sleep(300 * time.Millisecond)
-	found := false
-	for _, e := range events(t, "node1") {
-		found = found || (e.Dst == "198.18.0.255:5196" && e.Path == "remote-udp" && e.Verdict == "deny")
-	}
-	if !found {
+	if !waitEvent(t, "node1", func(e uw.Event) bool {
+		return e.Dst == "198.18.0.255:5196" && e.Path == "remote-udp" && e.Verdict == "deny"
+	}) {
 		t.Error("bob's broadcast to alice's UDP port on node1 was not refused")
 	}
 }
@@ -771,11 +779,9 @@ func TestNoIdentityFromCluster(t *testing.T) {
 		{"node2", "alice", "udp", a, 5172, icmp, []string{"connected"}},
 		{"node2", "", "tcp", a, 22, "OK*", nil}, // system ports stay open
 	})
-	found := false
-	for _, e := range events(t, "node1") {
-		found = found || (e.Dst == a+":5171" && e.Rule == uw.RuleUnstamped && e.Connector == nil)
-	}
-	if !found {
+	if !waitEvent(t, "node1", func(e uw.Event) bool {
+		return e.Dst == a+":5171" && e.Rule == uw.RuleUnstamped && e.Connector == nil
+	}) {
 		// From a cluster node, a SYN without identity is not "off-cluster".
 		t.Error("no " + uw.RuleUnstamped + " event for the option-less SYN")
 	}
@@ -876,10 +882,18 @@ func TestUninstall(t *testing.T) {
 		}
 	}
 	// No program of ours is loaded any more (cgroup, tcx attachments gone).
-	time.Sleep(200 * time.Millisecond)
+	// The kernel frees a detached program after an RCU grace period: wait
+	// for each to go, within a bound.
 	for _, id := range progs {
-		if out, err := exec.Command("bpftool", "prog", "show", "id", strconv.Itoa(int(id))).CombinedOutput(); err == nil {
-			t.Errorf("program %d still loaded: %s", id, out)
+		var out []byte
+		var err error
+		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+			if out, err = exec.Command("bpftool", "prog", "show", "id", strconv.Itoa(int(id))).CombinedOutput(); err != nil {
+				break
+			}
+		}
+		if err == nil {
+			t.Errorf("program %d still loaded 10 s after uninstall: %s", id, out)
 		}
 	}
 	out, _ := exec.Command("bpftool", "cgroup", "show", "/sys/fs/cgroup/unified").CombinedOutput()

@@ -85,7 +85,7 @@ func TestVM(t *testing.T) {
 		t.Skip("qemu-system-x86_64 not installed")
 	}
 	ctx := context.Background()
-	name := fmt.Sprintf("paluv%d", os.Getpid()%10000)
+	name := testbed.RunName("uv")
 	t0 := time.Now()
 	tb, err := testbed.Up(ctx, testbed.Options{Name: name, Nodes: 3, Mode: ModeName, VM: true})
 	if err != nil {

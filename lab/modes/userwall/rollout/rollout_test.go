@@ -29,7 +29,7 @@ func up(t *testing.T, opts testbed.Options) *testbed.Testbed {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	_ = testbed.Down(ctx, opts.Name)
+	testbed.DownOrphans(ctx)
 	tb, err := testbed.Up(ctx, opts)
 	if err != nil {
 		t.Fatal(err)
@@ -73,7 +73,7 @@ func rules(rep *check.Report) map[string]int {
 // every case the policy refuses is in its listener node's event log as an
 // audit event; a reload with audit = false then enforces, without a restart.
 func TestAuditMode(t *testing.T) {
-	tb := up(t, testbed.Options{Name: "palaudit", Nodes: 3, Mode: userwalllab.ModeName, Audit: true})
+	tb := up(t, testbed.Options{Name: testbed.RunName("ra"), Nodes: 3, Mode: userwalllab.ModeName, Audit: true})
 	rep := matrix(t, tb, "audit")
 	audited := 0
 	for _, c := range rep.Cases {
@@ -111,7 +111,7 @@ func TestAuditMode(t *testing.T) {
 // listeners on node3, and node3's identity-less traffic admitted as
 // unverified), and between enforcing nodes other users stay refused.
 func TestStagedRollout(t *testing.T) {
-	tb := up(t, testbed.Options{Name: "palstage", Nodes: 3, Mode: userwalllab.ModeName, Agents: []string{"node1", "node2"}})
+	tb := up(t, testbed.Options{Name: testbed.RunName("rs"), Nodes: 3, Mode: userwalllab.ModeName, Agents: []string{"node1", "node2"}})
 	rep := matrix(t, tb, "userwall")
 	r := rules(rep)
 	if r[check.RuleUnverified] == 0 || r[check.RuleUnenforcedNode] == 0 || r["default-deny"] == 0 {

@@ -1,0 +1,509 @@
+package portal
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"runtime/debug"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/palisade-hpc/palisade/internal/identity"
+	"github.com/palisade-hpc/palisade/internal/sys/peercred"
+)
+
+// Kernel is what the delegation needs of the data plane that enforces.
+type Kernel interface {
+	// ExemptConnector reports whether the kernel treats uid as an exempt
+	// connector (its map, "@group" members included).
+	ExemptConnector(uid uint32) (bool, error)
+	// SocketOwner is the kernel's owner record of the socket fd.
+	SocketOwner(fd int) (uid, gid uint32, err error)
+}
+
+// Settings are what the server needs of the configuration, replaced on
+// reload.
+type Settings struct {
+	Config Config
+	// Exempt are the configuration's exempt connectors (uids; the kernel's
+	// map is asked too).
+	Exempt []uint32
+}
+
+// Server serves the delegation socket.
+type Server struct {
+	kernel   Kernel
+	res      identity.Resolver
+	log      *slog.Logger
+	settings atomic.Pointer[Settings]
+	now      func() time.Time
+
+	l    *net.UnixListener
+	path string
+	file os.FileInfo
+
+	mu       sync.Mutex
+	sessions map[sessionKey]*session
+	holds    map[uint32]int // held sessions per user
+	gen      uint64
+	ctx      context.Context
+}
+
+type sessionKey struct{ uid, proxy uint32 }
+
+type session struct {
+	Session
+	gen  uint64 // which registration (a held one ends only itself)
+	done chan struct{}
+}
+
+// Bounds: connections served at once, held sessions per user and in all.
+const (
+	maxClients      = 64
+	maxHoldsPerUser = 8
+	maxHolds        = 4096
+	requestTimeout  = 10 * time.Second
+	connectTimeout  = 10 * time.Second
+)
+
+// NewServer makes a server; Serve starts it.
+func NewServer(k Kernel, res identity.Resolver, s Settings, log *slog.Logger) *Server {
+	srv := &Server{kernel: k, res: res, log: log, now: time.Now,
+		sessions: map[sessionKey]*session{}, holds: map[uint32]int{}}
+	srv.settings.Store(&s)
+	return srv
+}
+
+// SetSettings applies a reloaded configuration (sessions stay; a proxy no
+// longer listed cannot use its sessions).
+func (s *Server) SetSettings(st Settings) { s.settings.Store(&st) }
+
+// Listen creates the socket at path (mode 0666; a stale socket replaced).
+func (s *Server) Listen(path string) error {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return err
+	}
+	if fi, err := os.Lstat(path); err == nil && fi.Mode()&os.ModeSocket == 0 {
+		return fmt.Errorf("%s exists and is not a socket", path)
+	}
+	tmp := fmt.Sprintf("%s.%d.tmp", path, os.Getpid())
+	os.Remove(tmp)
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: tmp, Net: "unix"})
+	if err != nil {
+		return err
+	}
+	l.SetUnlinkOnClose(false)
+	err = os.Chmod(tmp, 0o666) // every request is authorised by its sender
+	if err == nil {
+		err = os.Rename(tmp, path)
+	}
+	if err != nil {
+		l.Close()
+		os.Remove(tmp)
+		return err
+	}
+	s.l, s.path = l, path
+	s.file, _ = os.Lstat(path)
+	return nil
+}
+
+// Serve accepts until Close.
+func (s *Server) Serve(ctx context.Context) {
+	s.mu.Lock()
+	s.ctx = ctx
+	s.mu.Unlock()
+	sem := make(chan struct{}, maxClients)
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	for {
+		c, err := s.l.AcceptUnix()
+		if err != nil {
+			return
+		}
+		select {
+		case sem <- struct{}{}:
+		default:
+			c.Close()
+			continue
+		}
+		wg.Go(func() {
+			released := false
+			release := func() {
+				if !released {
+					released = true
+					<-sem
+				}
+			}
+			defer release()
+			defer c.Close()
+			// A bug in one request must not end the agent (and with it
+			// enforcement's upkeep): it fails that request only.
+			defer func() {
+				if p := recover(); p != nil {
+					s.log.Error("portal request failed", "panic", p, "stack", string(debug.Stack()))
+				}
+			}()
+			s.serveConn(ctx, c, release)
+		})
+	}
+}
+
+// Close stops accepting, removes the socket and ends held sessions.
+func (s *Server) Close() {
+	if s.l != nil {
+		s.l.Close()
+		if fi, err := os.Lstat(s.path); err == nil && s.file != nil && os.SameFile(fi, s.file) {
+			os.Remove(s.path)
+		}
+	}
+}
+
+func (s *Server) serveConn(ctx context.Context, c *net.UnixConn, release func()) {
+	c.SetDeadline(time.Now().Add(requestTimeout))
+	cr, err := peercred.Of(c)
+	if err != nil {
+		return
+	}
+	r := bufio.NewReaderSize(c, 4096)
+	line, err := r.ReadSlice('\n')
+	if err != nil && !(errors.Is(err, io.EOF) && len(line) > 0) {
+		return
+	}
+	var req Request
+	if err := json.Unmarshal(line, &req); err != nil {
+		reply(c, fail(CodeBadRequest, "malformed request: %v", err), -1)
+		return
+	}
+	switch req.Op {
+	case OpConnect:
+		resp, fd := s.connect(ctx, cr.Uid, req)
+		reply(c, resp, fd)
+	case OpSession:
+		resp, sess := s.register(cr.Uid, req)
+		if sess == nil || !req.Hold {
+			reply(c, resp, -1)
+			return
+		}
+		// Held: the session lives while this connection does (and no
+		// longer than its expiry). It no longer counts against the
+		// clients served at once.
+		reply(c, resp, -1)
+		release()
+		s.hold(ctx, c, cr.Uid, sess)
+	case OpEnd:
+		reply(c, s.end(cr.Uid, req), -1)
+	case OpSessions:
+		reply(c, s.list(cr.Uid), -1)
+	default:
+		reply(c, fail(CodeBadRequest, "unknown op %q (want %s, %s, %s or %s)", req.Op, OpSession, OpEnd, OpSessions, OpConnect), -1)
+	}
+}
+
+func fail(code, format string, args ...any) Response {
+	return Response{Code: code, Error: fmt.Sprintf(format, args...)}
+}
+
+// reply writes resp, with fd (if ≥ 0) as SCM_RIGHTS, and closes fd.
+func reply(c *net.UnixConn, resp Response, fd int) {
+	b, _ := json.Marshal(resp)
+	b = append(b, '\n')
+	c.SetWriteDeadline(time.Now().Add(requestTimeout))
+	if fd >= 0 {
+		c.WriteMsgUnix(b, unixRights(fd), nil)
+		closeFD(fd)
+		return
+	}
+	c.Write(b)
+}
+
+// proxyUID reports whether uid is a [portal] proxy, and its name.
+func (s *Server) proxyUID(st *Settings, uid uint32) (string, bool) {
+	for _, p := range st.Config.Proxies {
+		id, err := identity.UID(s.res, p)
+		if err == nil && id == uid {
+			return p, true
+		}
+	}
+	return "", false
+}
+
+// actable says why no connection may be made as uid ("" = it may).
+func (s *Server) actable(st *Settings, uid uint32) string {
+	if uid == 0 {
+		return "root is never acted for"
+	}
+	if int64(uid) < st.Config.MinUID {
+		return fmt.Sprintf("uid %d is below [portal] min_uid %d (system accounts are never acted for)", uid, st.Config.MinUID)
+	}
+	if slices.Contains(st.Exempt, uid) {
+		return fmt.Sprintf("uid %d is an exempt connector: a connection as it would reach everyone", uid)
+	}
+	ex, err := s.kernel.ExemptConnector(uid)
+	if err != nil {
+		return fmt.Sprintf("the kernel's exempt connectors cannot be read: %v", err)
+	}
+	if ex {
+		return fmt.Sprintf("uid %d is an exempt connector: a connection as it would reach everyone", uid)
+	}
+	return ""
+}
+
+// register records the session a user asks for.
+func (s *Server) register(uid uint32, req Request) (Response, *session) {
+	st := s.settings.Load()
+	if why := s.actable(st, uid); why != "" {
+		return fail(CodeForbidden, "no session: %s", why), nil
+	}
+	if req.Proxy == "" {
+		return fail(CodeBadRequest, "a session names its proxy (proxy)"), nil
+	}
+	puid, err := identity.UID(s.res, req.Proxy)
+	if err != nil {
+		return fail(CodeBadRequest, "proxy %q: %v", req.Proxy, err), nil
+	}
+	pname, ok := s.proxyUID(st, puid)
+	if !ok {
+		return fail(CodeForbidden, "%q is not a [portal] proxy", req.Proxy), nil
+	}
+	name, err := s.res.LookupUID(uid)
+	if err != nil {
+		return fail(CodeForbidden, "uid %d: %v", uid, err), nil
+	}
+	_, gid, err := s.res.LookupUser(name)
+	if err != nil {
+		return fail(CodeForbidden, "user %s: %v", name, err), nil
+	}
+	group := ""
+	if req.Group != "" {
+		g, err := identity.GID(s.res, req.Group)
+		if err != nil {
+			return fail(CodeBadRequest, "group %q: %v", req.Group, err), nil
+		}
+		gids, err := s.res.GroupsOf(name)
+		if err != nil {
+			return fail(CodeInternal, "groups of %s: %v", name, err), nil
+		}
+		if !slices.Contains(gids, g) {
+			return fail(CodeForbidden, "%s is not a member of group %s", name, req.Group), nil
+		}
+		gid, group = g, identity.GroupName(s.res, g)
+	}
+	ttl := st.Config.maxSession()
+	if req.TTL != "" {
+		d, err := time.ParseDuration(req.TTL)
+		if err != nil || d <= 0 {
+			return fail(CodeBadRequest, "ttl %q: want a positive duration", req.TTL), nil
+		}
+		ttl = min(ttl, d)
+	}
+	now := s.now()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if req.Hold {
+		total := 0
+		for _, n := range s.holds {
+			total += n
+		}
+		if s.holds[uid] >= maxHoldsPerUser || total >= maxHolds {
+			return fail(CodeForbidden, "too many held sessions"), nil
+		}
+		s.holds[uid]++
+	}
+	s.gen++
+	sess := &session{Session: Session{User: name, UID: uid, Proxy: pname, ProxyUID: puid, Group: group, GID: gid,
+		Started: now, Expires: now.Add(ttl), Held: req.Hold}, gen: s.gen, done: make(chan struct{})}
+	k := sessionKey{uid, puid}
+	if old := s.sessions[k]; old != nil {
+		close(old.done)
+	}
+	s.sessions[k] = sess
+	s.log.Info("portal session", "user", name, "proxy", pname, "gid", gid, "expires", sess.Expires.UTC(), "held", req.Hold)
+	return Response{OK: true, UID: uid, GID: gid, Expires: sess.Expires}, sess
+}
+
+// hold keeps a held session until its connection closes, it is replaced or
+// ended, it expires, or the server stops.
+func (s *Server) hold(ctx context.Context, c *net.UnixConn, uid uint32, sess *session) {
+	defer func() {
+		s.mu.Lock()
+		s.holds[uid]--
+		if s.holds[uid] <= 0 {
+			delete(s.holds, uid)
+		}
+		k := sessionKey{uid, sess.ProxyUID}
+		if cur := s.sessions[k]; cur != nil && cur.gen == sess.gen {
+			delete(s.sessions, k)
+			s.log.Info("portal session ended (its holder went away)", "user", sess.User, "proxy", sess.Proxy)
+		}
+		s.mu.Unlock()
+	}()
+	c.SetDeadline(time.Time{})
+	closed := make(chan struct{})
+	go func() {
+		var b [64]byte
+		for {
+			if _, err := c.Read(b[:]); err != nil {
+				close(closed)
+				return
+			}
+		}
+	}()
+	t := time.NewTimer(time.Until(sess.Expires))
+	defer t.Stop()
+	select {
+	case <-closed:
+	case <-sess.done:
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	c.Close()
+	<-closed
+}
+
+// end removes the caller's sessions (with one proxy, or all).
+func (s *Server) end(uid uint32, req Request) Response {
+	var puid uint32
+	if req.Proxy != "" {
+		id, err := identity.UID(s.res, req.Proxy)
+		if err != nil {
+			return fail(CodeBadRequest, "proxy %q: %v", req.Proxy, err)
+		}
+		puid = id
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for k, v := range s.sessions {
+		if k.uid == uid && (req.Proxy == "" || k.proxy == puid) {
+			close(v.done)
+			delete(s.sessions, k)
+			n++
+		}
+	}
+	return Response{OK: true, Ended: n}
+}
+
+func (s *Server) list(uid uint32) Response {
+	now := s.now()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := []Session{}
+	for k, v := range s.sessions {
+		if now.After(v.Expires) {
+			continue
+		}
+		if uid == 0 || k.uid == uid || k.proxy == uid {
+			out = append(out, v.Session)
+		}
+	}
+	slices.SortFunc(out, func(a, b Session) int {
+		if a.User != b.User {
+			if a.User < b.User {
+				return -1
+			}
+			return 1
+		}
+		return int(a.ProxyUID) - int(b.ProxyUID)
+	})
+	return Response{OK: true, Sessions: out}
+}
+
+// sessionFor is the live session of uid with proxy (nil: none).
+func (s *Server) sessionFor(uid, proxy uint32) *Session {
+	now := s.now()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	k := sessionKey{uid, proxy}
+	v := s.sessions[k]
+	if v == nil {
+		return nil
+	}
+	if !now.Before(v.Expires) {
+		if !v.Held {
+			delete(s.sessions, k)
+		}
+		return nil
+	}
+	c := v.Session
+	return &c
+}
+
+// connect makes the connection a proxy asks for, as the user; the
+// descriptor returned (≥ 0) is the caller's to send and close.
+func (s *Server) connect(ctx context.Context, peer uint32, req Request) (Response, int) {
+	st := s.settings.Load()
+	pname, ok := s.proxyUID(st, peer)
+	refuse := func(code, format string, args ...any) (Response, int) {
+		r := fail(code, format, args...)
+		s.log.Warn("portal connection refused", "proxy_uid", peer, "user", req.User, "address", req.Address, "err", r.Error)
+		return r, -1
+	}
+	if !ok {
+		return refuse(CodeForbidden, "uid %d is not a [portal] proxy", peer)
+	}
+	if req.User == "" || req.Address == "" {
+		return refuse(CodeBadRequest, "connect needs user and address")
+	}
+	uid, err := identity.UID(s.res, req.User)
+	if err != nil {
+		return refuse(CodeForbidden, "user %q: %v", req.User, err)
+	}
+	if why := s.actable(st, uid); why != "" {
+		return refuse(CodeForbidden, "%s", why)
+	}
+	sess := s.sessionFor(uid, peer)
+	if sess == nil {
+		return refuse(CodeForbidden, "%s has no session with proxy %s (only the user's own process can register one: palisade portal session)", req.User, pname)
+	}
+	// The session's group is re-checked: a user removed from it since
+	// gets her primary group.
+	gid := sess.GID
+	if sess.Group != "" {
+		if gids, err := s.res.GroupsOf(sess.User); err != nil || !slices.Contains(gids, gid) {
+			_, gid, err = s.res.LookupUser(sess.User)
+			if err != nil {
+				return refuse(CodeForbidden, "user %s: %v", sess.User, err)
+			}
+		}
+	}
+	host, port, err := net.SplitHostPort(req.Address)
+	if err != nil {
+		return refuse(CodeBadRequest, "address %q: %v", req.Address, err)
+	}
+	pn, err := strconv.ParseUint(port, 10, 16)
+	if err != nil || pn == 0 {
+		return refuse(CodeBadRequest, "address %q: bad port", req.Address)
+	}
+	cctx, cancel := context.WithTimeout(ctx, connectTimeout)
+	defer cancel()
+	addrs, err := net.DefaultResolver.LookupNetIP(cctx, "ip", host)
+	if err != nil || len(addrs) == 0 {
+		return refuse(CodeUnreachable, "%s: cannot resolve: %v", host, err)
+	}
+	var lastErr error
+	for _, a := range addrs {
+		fd, err := connectAs(cctx, s.kernel, uid, gid, a.Unmap(), uint16(pn))
+		if err != nil {
+			lastErr = err
+			var oe *ownerError
+			if errors.As(err, &oe) {
+				return refuse(CodeInternal, "%v", err)
+			}
+			continue
+		}
+		to := net.JoinHostPort(a.Unmap().String(), port)
+		s.log.Info("portal connection", "proxy", pname, "user", sess.User, "uid", uid, "gid", gid, "address", to)
+		return Response{OK: true, UID: uid, GID: gid, Address: to}, fd
+	}
+	return refuse(CodeUnreachable, "%s: %v", req.Address, lastErr)
+}
