@@ -176,7 +176,7 @@ func (p *Policy) InCluster(addr netip.Addr) bool {
 //     then the site's rules (Rules) in order: the first that matches decides
 //     with its own name (SiteRule.Matches);
 //  2. off-cluster-port / off-cluster-denied: a source outside ClusterSubnets
-//     carries no trusted identity, so only OffClusterPorts decide for it;
+//     (and not link-local: Trusted) carries no trusted identity, so only OffClusterPorts decide for it;
 //  3. same-user: connector uid == listener uid;
 //  4. shared-group: the listener's effective gid is one of the connector's
 //     groups (effective or supplementary) — how newgrp/sg shares a listener;
@@ -186,7 +186,18 @@ func (p *Policy) InCluster(addr netip.Addr) bool {
 //  8. default-deny.
 //
 // Among 3-7 the order only changes which allowing rule is reported.
-func (p *Policy) Decide(c Conn) Verdict { return p.DecideTrusted(c, p.InCluster(c.Source)) }
+func (p *Policy) Decide(c Conn) Verdict { return p.DecideTrusted(c, p.Trusted(c.Source)) }
+
+// Trusted reports whether the data plane trusts the identity a source
+// carries: InCluster, or a link-local unicast address (fe80::/10,
+// 169.254/16). Only a neighbour on a cluster link can send from one, and
+// userwall verifies its stamp like any other (an unstamped datagram from it
+// is refused as unstamped-from-cluster, never let in as an off-cluster
+// reply); counting it off-cluster here made explain and the differential
+// test disagree with the kernel (docs/fuzz.md, finding 2).
+func (p *Policy) Trusted(addr netip.Addr) bool {
+	return p.InCluster(addr) || addr.Unmap().IsLinkLocalUnicast()
+}
 
 // DecideTrusted is Decide for a data plane that knows whether the
 // connector's identity is proven (userwall: a valid stamp from the cluster,

@@ -213,6 +213,30 @@ func TestInCluster(t *testing.T) {
 	}
 }
 
+// TestTrustedLinkLocal: a link-local source carries a trusted identity as the
+// data plane treats it (userwall verifies its stamp), so a proj1 member from
+// a neighbour's fe80:: address reaches a proj1 listener, and carol does not.
+func TestTrustedLinkLocal(t *testing.T) {
+	p := testPolicy()
+	for addr, want := range map[netip.Addr]bool{
+		netip.MustParseAddr("fe80::1"): true, netip.MustParseAddr("fe80::1%eth0"): true,
+		netip.MustParseAddr("169.254.3.4"): true, netip.MustParseAddr("::ffff:169.254.3.4"): true,
+		netip.MustParseAddr("fec0::1"): false, outside: false, outside6: false, node2: true,
+	} {
+		if got := p.Trusted(addr); got != want {
+			t.Errorf("Trusted(%v) = %v, want %v", addr, got, want)
+		}
+	}
+	ll := netip.MustParseAddr("fe80::6856:91ff:feba:2608%eth0")
+	shared := Identity{UID: alice, GID: proj1}
+	if v := p.Decide(Conn{Source: ll, Connector: Identity{UID: bob, GID: bob, Groups: []uint32{proj1}}, Listener: shared, Port: 5000}); !v.Allow || v.Rule != RuleSharedGroup {
+		t.Errorf("proj1 member from link-local: %+v, want shared-group", v)
+	}
+	if v := p.Decide(Conn{Source: ll, Connector: user(carol), Listener: shared, Port: 5000}); v.Allow || v.Rule != RuleDenied {
+		t.Errorf("carol from link-local: %+v, want default-deny", v)
+	}
+}
+
 func TestHasGroup(t *testing.T) {
 	id := Identity{UID: 1, GID: 10, Groups: []uint32{20, 30}}
 	for gid, want := range map[uint32]bool{10: true, 20: true, 30: true, 1: false, 40: false} {

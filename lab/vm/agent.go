@@ -135,46 +135,18 @@ func agentUp(ctx context.Context, args AgentArgs, logf func(string, ...any)) (*t
 }
 
 // detachFromHostTestbeds gives the guest testbed state of its own. The
-// guest sees the host's root through a read-only 9p lower layer, and host
-// testbeds running at the same time (other test packages in CI) create and
-// delete the shared users, homes and ssh keys there: a guest that reused a
-// host home lost its authorized_keys when the host instance went down. So
-// the account files are copied up into the guest's tmpfs layer (a stable
-// snapshot) and the testbeds' base directory and the netns overlay
-// directories are replaced by empty tmpfs mounts, where the guest testbed
-// makes its own homes, keys and overlays.
+// guest's /etc is already its own (a snapshot taken at boot, etc.go); the
+// testbeds' base directory, which the guest sees through the read-only 9p
+// lower layer, is the host testbeds' live state (they create and delete
+// homes and ssh keys there: a guest that reused a host home lost its
+// authorized_keys when the host instance went down), so it is replaced by
+// an empty tmpfs where the guest testbed makes its own.
 func detachFromHostTestbeds() error {
-	for _, f := range []string{"/etc/passwd", "/etc/group", "/etc/shadow", "/etc/gshadow"} {
-		b, err := os.ReadFile(f)
-		if err != nil {
-			return err
-		}
-		st, err := os.Stat(f)
-		if err != nil {
-			return err
-		}
-		// Rewriting the file copies it up into the overlay's upper layer.
-		if err := os.WriteFile(f, b, st.Mode().Perm()); err != nil {
-			return fmt.Errorf("copy up %s: %w", f, err)
-		}
-	}
 	if err := os.MkdirAll(testbed.BaseDir, 0o755); err != nil {
 		return err
 	}
 	if err := syscall.Mount("paltb", testbed.BaseDir, "tmpfs", 0, "mode=755"); err != nil {
 		return fmt.Errorf("tmpfs on %s: %w", testbed.BaseDir, err)
-	}
-	// The netns overlay directories too: a host testbed creates /etc/netns
-	// when it starts and removes it when it ends, and a guest that saw it at
-	// boot (through the 9p lower layer) then failed to create its links in
-	// it ("symlink ... /etc/netns/<ns>: no such file or directory").
-	for _, d := range []string{"/etc/netns", "/etc/palisade"} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			return err
-		}
-		if err := syscall.Mount("paltb", d, "tmpfs", 0, "mode=755"); err != nil {
-			return fmt.Errorf("tmpfs on %s: %w", d, err)
-		}
 	}
 	return nil
 }

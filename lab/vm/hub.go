@@ -90,6 +90,9 @@ func RunHub(dir string, owner int) error {
 		return err
 	}
 	h.logf("VM lock taken")
+	if err := withEtcSnapshot(argv, dir); err != nil {
+		return err
+	}
 	os.Remove(filepath.Join(dir, fileCtl))
 	os.Remove(filepath.Join(dir, fileHub))
 	ql, err := os.Create(filepath.Join(dir, "qemu.log"))

@@ -42,7 +42,12 @@ func TestHubGoesWithOwner(t *testing.T) {
 	// has exited (one waiter per process).
 	start := func(withOwner bool) (done chan struct{}, guest func() int, ownerProc *exec.Cmd) {
 		dir := t.TempDir()
-		b, _ := json.Marshal([]string{"sleep", "600"})
+		// The hub appends the /etc snapshot to -initrd's file (etc.go).
+		initrd := filepath.Join(dir, "base.img")
+		if err := os.WriteFile(initrd, nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		b, _ := json.Marshal([]string{"sh", "-c", "exec sleep 600", "-initrd", initrd})
 		if err := os.WriteFile(filepath.Join(dir, fileQemuArgs), b, 0o644); err != nil {
 			t.Fatal(err)
 		}

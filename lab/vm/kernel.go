@@ -498,7 +498,8 @@ func scriptsHash() string {
 // initScript is the initramfs /init: mount the host root over 9p, load
 // modules from the package's tree through it, stack an overlayfs with a
 // tmpfs upper layer on top (so the guest may write anywhere without touching
-// the host), mount the kernel filesystems inside it, then hand over to
+// the host), put the guest's own /etc (the snapshot appended to the
+// initramfs at boot, etc.go) over it, mount the kernel filesystems inside it, then hand over to
 // busybox init (a real PID 1 that reaps orphans) which starts the agent.
 const initScript = `#!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -516,6 +517,8 @@ mount --bind /lower$(arg pal.moddir) /lib/modules || fail modules
 for m in $(arg pal.modules | tr , ' '); do builtin $m || modprobe $m || echo "PALVM-WARN modprobe $m"; done
 mount -t tmpfs -o mode=755 upper /upper && mkdir -p /upper/u /upper/w || fail tmpfs
 mount -t overlay overlay -o lowerdir=/lower,upperdir=/upper/u,workdir=/upper/w /host || fail overlay
+[ -d /etcsnap ] || fail "no /etc snapshot in the initramfs"
+mount --bind /etcsnap /host/etc || fail "bind the /etc snapshot"
 mount -t proc proc /host/proc
 mount -t sysfs sysfs /host/sys
 mount -t devtmpfs devtmpfs /host/dev

@@ -23,6 +23,8 @@ func main() {
 	flag.StringVar(&date, "date", os.Getenv("SOURCE_DATE_EPOCH"), "build time: RFC 3339 or seconds since the epoch")
 	flag.StringVar(&o.OutDir, "out", "dist", "output directory")
 	flag.StringVar(&formats, "formats", "deb,rpm", "package formats")
+	flag.StringVar(&o.Maintainer, "maintainer", packaging.DefaultMaintainer, "the packages' maintainer: 'Name <address>'")
+	flag.BoolVar(&o.NoDebug, "no-debug", false, "leave out the debug packages (-dbgsym, -debuginfo)")
 	flag.Parse()
 	if date != "" {
 		t, err := time.Parse(time.RFC3339, date)

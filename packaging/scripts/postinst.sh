@@ -21,7 +21,7 @@ if [ -d /run/systemd/system ]; then
 		# The new version must accept the configuration and pass its
 		# policy tests ([[test]]), or the running agent and its policy stay.
 		agent=palisade-agent.service
-		if [ -f /etc/palisade/palisade.toml ] && ! out=$(/usr/bin/palisade policy test /etc/palisade/palisade.toml 2>&1); then
+		if [ -f /etc/palisade/palisade.toml ] && ! out=$(palisade policy test /etc/palisade/palisade.toml 2>&1); then
 			echo "palisade: /etc/palisade/palisade.toml is refused by this version (invalid, or its policy tests fail);" >&2
 			echo "palisade: palisade-agent NOT restarted: the running agent keeps enforcing its policy. Fix it, then:" >&2
 			echo "palisade:   palisade policy test && systemctl restart palisade-agent" >&2

@@ -11,5 +11,5 @@ esac
 if [ -d /run/systemd/system ]; then
 	systemctl disable --now palisade-agent.service palisade-ident.service palisade-gateway.service >/dev/null 2>&1 || true
 fi
-/usr/bin/palisade agent --uninstall >/dev/null 2>&1 || true
+palisade agent --uninstall >/dev/null 2>&1 || true
 exit 0

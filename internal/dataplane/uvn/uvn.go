@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -25,7 +24,8 @@ type Manager struct {
 	nodes []netip.Addr
 	st    store
 	// FailAt makes the named step fail (tests: rollback on injected
-	// failure). Also read from $PALISADE_UVN_FAIL_AT.
+	// failure). Builds with -tags palisade_fault_injection also read it
+	// from $PALISADE_UVN_FAIL_AT (faultinject.go); the shipped binary never.
 	FailAt string
 	// Logf receives progress messages (nil: silent).
 	Logf func(format string, args ...any)
@@ -41,8 +41,15 @@ type Manager struct {
 // New returns a manager for a validated [uvn] section; nodes are the
 // cluster's node addresses ([cluster] nodes), the default unicast peers.
 func New(cfg *Config, nodes []netip.Addr) *Manager {
-	return &Manager{cfg: cfg, nodes: nodes, st: store{cfg.StateDir}, FailAt: os.Getenv("PALISADE_UVN_FAIL_AT")}
+	return &Manager{cfg: cfg, nodes: nodes, st: store{cfg.StateDir}, FailAt: failAtEnv()}
 }
+
+// failAtEnv is FailAt's value from the environment: none, unless the build
+// injects failures (faultinject.go).
+var failAtEnv = func() string { return "" }
+
+// faultInjection reports a build with -tags palisade_fault_injection.
+var faultInjection = false
 
 func (m *Manager) logf(format string, args ...any) {
 	if m.Logf != nil {

@@ -1,11 +1,5 @@
 package fuzz
 
-import (
-	"net/netip"
-
-	"github.com/palisade-hpc/palisade/internal/policy"
-)
-
 // Known findings: leaks the fuzzer finds today that are already reported
 // (issue numbers in docs/fuzz.md) and being fixed elsewhere. A finding that
 // matches one is printed as "known finding" and does not fail the run, so
@@ -16,22 +10,9 @@ type known struct {
 	match func(w *World, fd *Finding) bool
 }
 
-var knownFindings = []known{
-	{"link-local source: data plane trusts it, policy core does not", func(_ *World, fd *Finding) bool {
-		// A stamped datagram or SYN from another node's link-local
-		// address: userwall verifies the stamp and applies the rules
-		// (docs/userwall.md: "a valid MAC is trusted from link-local
-		// sources too"), policy.InCluster counts fe80::/10 as off-cluster.
-		// Only a finding where that disagreement alone refuses.
-		for _, l := range fd.Leaks {
-			a, err := netip.ParseAddrPort(l.From)
-			if err != nil || !a.Addr().IsLinkLocalUnicast() || l.Rule != string(policy.RuleOffClusterDenied) || !l.InClusterAllowed {
-				return false
-			}
-		}
-		return len(fd.Leaks) > 0
-	}},
-}
+// None today: the link-local disagreement (docs/fuzz.md, finding 2) was
+// closed in the policy core (policy.Trusted).
+var knownFindings = []known{}
 
 func knownFinding(w *World, fd *Finding) string {
 	for _, k := range knownFindings {
@@ -57,4 +38,8 @@ var Regressions = []struct {
 	{"looped limited broadcast, port taken on the subnet broadcast address", Program{Node: "node1", User: "carol", Steps: []Step{
 		{Op: "socket", Fam: 4, Proto: "udp"}, {Op: "setsockopt", Opt: "SO_BROADCAST", Val: "1"},
 		{Op: "bind", Addr: "198.18.0.255:47014"}, {Op: "connect", Addr: "255.255.255.255:47007"}, {Op: "send"}}}},
+	// Finding 2's program as carol (no group): from a link-local source the
+	// identity rules still apply, now that the policy core trusts it too.
+	{"link-local source, all-nodes multicast, sender in no group", Program{Node: "node1", User: "carol", Steps: []Step{
+		{Op: "socket", Fam: 6, Proto: "udp"}, {Op: "sendto", Addr: "[ff02::1%eth0]:47108"}}}},
 }

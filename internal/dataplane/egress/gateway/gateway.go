@@ -15,7 +15,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"runtime"
 	"runtime/debug"
@@ -298,8 +297,8 @@ func (g *Gateway) Close() {
 	g.closers = nil
 }
 
-// kernelTun creates the tun, addresses it, enables forwarding and
-// masquerading of the pool (root only).
+// kernelTun creates the tun, addresses it, enables forwarding (restored on
+// Close) and masquerading of the pool (root only).
 func (g *Gateway) kernelTun() (tun.Device, error) {
 	c := g.cfg
 	td, err := tun.CreateTUN(c.TunName, c.MTU)
@@ -318,24 +317,23 @@ func (g *Gateway) kernelTun() (tun.Device, error) {
 	if err := netlink.LinkSetUp(link); err != nil {
 		return nil, err
 	}
-	if err := os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1"), 0); err != nil {
-		return nil, fmt.Errorf("enable forwarding: %w", err)
+	restore, err := enableForwarding(c.StateDir)
+	if err != nil {
+		return nil, err
 	}
-	table := "palisade_egress_" + strings.ReplaceAll(c.TunName, "-", "_")
-	rules := fmt.Sprintf(`table ip %[1]s {
-  chain postrouting {
-    type nat hook postrouting priority srcnat; policy accept;
-    ip saddr %[2]s oifname != "%[3]s" masquerade
-  }
-}
-`, table, c.Pool.Masked(), c.TunName)
-	exec.Command("nft", "delete", "table", "ip", table).Run()
-	cmd := exec.Command("nft", "-f", "-")
-	cmd.Stdin = strings.NewReader(rules)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return nil, fmt.Errorf("nft: %v: %s", err, out)
+	g.closers = append(g.closers, func() {
+		if err := restore(); err != nil {
+			c.Logf("%v", err)
+		}
+	})
+	if err := installNAT(c.TunName, c.Pool); err != nil {
+		return nil, err
 	}
-	g.closers = append(g.closers, func() { exec.Command("nft", "delete", "table", "ip", table).Run() })
+	g.closers = append(g.closers, func() {
+		if err := removeNAT(c.TunName); err != nil {
+			c.Logf("remove the NAT table: %v", err)
+		}
+	})
 	return td, nil
 }
 

@@ -3,7 +3,7 @@
 # and add $(SPANK_SO) to `build`. Needs gcc and libslurm-dev (<slurm/spank.h>).
 CC          ?= gcc
 SPANK_SO    := bin/pal_uvn_spank.so
-SPANK_FLAGS := -Wall -Wextra -Werror -O2 -fPIC -shared
+SPANK_FLAGS := -Wall -Wextra -Werror -O2 -g -D_FORTIFY_SOURCE=2 -fPIC -shared -Wl,-z,relro,-z,now
 
 $(SPANK_SO): internal/dataplane/uvn/spank/c/pal_uvn_spank.c
 	@mkdir -p $(dir $@)

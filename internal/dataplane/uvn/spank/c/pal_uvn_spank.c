@@ -30,7 +30,7 @@
  *
  * plugstack.conf (no path is compiled in):
  *
- *   required /usr/lib/palisade/pal_uvn_spank.so palisade=/usr/bin/palisade config=/etc/palisade/palisade.toml [timeout=30]
+ *   required /usr/lib/palisade/spank/pal_uvn_spank.so palisade=/usr/bin/palisade config=/etc/palisade/palisade.toml [timeout=30]
  *
  * Build: gcc -Wall -Wextra -O2 -fPIC -shared -o pal_uvn_spank.so pal_uvn_spank.c
  * (headers from libslurm-dev).
