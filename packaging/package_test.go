@@ -621,6 +621,43 @@ func TestRPMInstallsInRoot(t *testing.T) {
 	}
 }
 
+// TestUnitsVerify loads the installed units with systemd's own loader
+// (systemd-analyze verify: every directive, the capability sets, the
+// executables, and the start transaction of each unit with its
+// dependencies) in a clean root with Debian's systemd and slurmd, the
+// optional slurmd drop-in installed as docs/deploy.md says. A drop-in that
+// orders slurmd before the agent must be refused as a cycle (the control:
+// verify does check ordering). systemd itself does not run here: its units
+// are not started as PID 1 would (see the report of issue 22).
+func TestUnitsVerify(t *testing.T) {
+	p := build(t)
+	if _, err := exec.LookPath("systemd-analyze"); err != nil {
+		t.Fatal("systemd-analyze not installed (Debian package systemd)")
+	}
+	root := cleanRoot(t, "systemd", "slurmd", "procps")
+	os.WriteFile(filepath.Join(root, "tmp", filepath.Base(p.deb)), must(os.ReadFile(p.deb)), 0o644)
+	if out, err := inRoot(root, "dpkg", "-i", "/tmp/"+filepath.Base(p.deb)); err != nil {
+		t.Fatalf("dpkg -i: %v\n%s", err, out)
+	}
+	dropin := filepath.Join(root, "etc/systemd/system/slurmd.service.d")
+	os.MkdirAll(dropin, 0o755)
+	if err := os.WriteFile(filepath.Join(dropin, "palisade.conf"), must(os.ReadFile(filepath.Join(root, "usr/share/palisade/systemd/slurmd-palisade.conf"))), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	verify := func() (string, error) {
+		out, err := exec.Command("systemd-analyze", "verify", "--root="+root, "--man=no",
+			"palisade-agent.service", "palisade-ident.service", "palisade-gateway.service", "slurmd.service").CombinedOutput()
+		return string(out), err
+	}
+	if out, err := verify(); err != nil || out != "" {
+		t.Errorf("systemd-analyze verify: %v\n%s", err, out)
+	}
+	os.WriteFile(filepath.Join(dropin, "zz-cycle.conf"), []byte("[Unit]\nBefore=palisade-agent.service\n"), 0o644)
+	if out, err := verify(); !strings.Contains(out, "Found ordering cycle") {
+		t.Errorf("systemd-analyze verify of slurmd ordered before the agent (control): %v\n%s", err, out)
+	}
+}
+
 // TestLintian: lintian finds nothing in the .debs but what
 // packaging/lintian/palisade overrides, each with its reason.
 func TestLintian(t *testing.T) {

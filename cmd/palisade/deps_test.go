@@ -74,6 +74,7 @@ var rules = []rule{
 	{pkg: "lab/kernels"},
 	{pkg: "lab/sidebyside"},
 	{pkg: "lab/portal/jupyterhub"},
+	{pkg: "lab/portal/ondemand"},
 	{pkg: "lab/cli", allow: []string{"internal/cli", "lab/..."}, deny: []string{"lab/cli"}},
 	{pkg: "cmd/palisade-lab", allow: []string{"internal/cli", "lab/..."}},
 	// The packages: the product's files, its unit, its man pages.

@@ -111,6 +111,15 @@ func (c *Config) Findings(o CheckOptions) []Finding {
 	case max > 1023:
 		add(Warning, "policy.system_port_max", "%d opens users' listeners on ports 1024-%d to every user and every host", max, max)
 	}
+	for _, px := range c.Portal.Proxies {
+		uid, err := identity.UID(o.Resolver, px)
+		switch {
+		case err != nil:
+			add(Warning, "portal.proxies", "%s: %v (nothing can act through it)", px, err)
+		case slices.Contains(p.ExemptConnectors, uid):
+			add(Warning, "portal.proxies", "%s is also an exempt connector: it reaches every user's listeners by itself, whatever the delegation refuses (docs/portals.md)", px)
+		}
+	}
 	if c.Rules.ExemptConnectors != nil && len(p.ExemptConnectors) == 0 {
 		add(Warning, "policy.exempt_connectors", "empty: not even root may reach users' listeners (monitoring, debugging); the default is [\"root\"]")
 	}

@@ -5,6 +5,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/palisade-hpc/palisade/internal/identity"
 )
 
 func findings(t *testing.T, conf, slurmConf string) []Finding {
@@ -114,5 +116,33 @@ func TestConfigSHA256(t *testing.T) {
 	d, _ := Parse("x", []byte(safeConfig+"\n"), users)
 	if len(c.SHA256) != 64 || c.SHA256 == d.SHA256 {
 		t.Errorf("hashes %q %q", c.SHA256, d.SHA256)
+	}
+}
+
+func TestPortalProxyExempt(t *testing.T) {
+	res, err := identity.ParseTables([]byte("root:x:0:0::/:/bin/sh\nwww-data:x:33:33::/:/bin/sh\n"), []byte("root:x:0:\nwww-data:x:33:\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		toml, want string
+	}{
+		{"[policy]\nexempt_connectors = [\"root\", \"www-data\"]\n[portal]\nproxies = [\"www-data\"]\n", "also an exempt connector"},
+		{"[portal]\nproxies = [\"nosuch\"]\n", "nothing can act through it"},
+		{"[portal]\nproxies = [\"www-data\"]\n", ""},
+	} {
+		cfg, err := Parse("t.toml", []byte(c.toml), res)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got []string
+		for _, f := range cfg.Findings(CheckOptions{Resolver: res, Elsewhere: true}) {
+			if f.Key == "portal.proxies" {
+				got = append(got, f.Msg)
+			}
+		}
+		if c.want == "" && len(got) > 0 || c.want != "" && (len(got) != 1 || !strings.Contains(got[0], c.want)) {
+			t.Errorf("%q: findings %q, want %q", c.toml, got, c.want)
+		}
 	}
 }

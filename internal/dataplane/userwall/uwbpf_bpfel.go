@@ -62,6 +62,17 @@ type uwbpfUwEvent struct {
 	_            [7]byte
 }
 
+type uwbpfUwFlowKey struct {
+	_     structs.HostLayout
+	Src   [16]uint8
+	Dst   [16]uint8
+	Sport uint16
+	Dport uint16
+	Uid   uint32
+	Gid   uint32
+	Proto uint32
+}
+
 type uwbpfUwGrantKey struct {
 	_    structs.HostLayout
 	Luid uint32
@@ -278,6 +289,7 @@ const (
 	uwbpfMapLoopSenders          = "loop_senders"
 	uwbpfMapMembers              = "members"
 	uwbpfMapOffcPorts            = "offc_ports"
+	uwbpfMapPoliteOk             = "polite_ok"
 	uwbpfMapSettings             = "settings"
 	uwbpfMapSiteCfg              = "site_cfg"
 	uwbpfMapSiteCgid             = "site_cgid"
@@ -408,6 +420,7 @@ type uwbpfMapSpecs struct {
 	LoopSenders    *ebpf.MapSpec `ebpf:"loop_senders"`
 	Members        *ebpf.MapSpec `ebpf:"members"`
 	OffcPorts      *ebpf.MapSpec `ebpf:"offc_ports"`
+	PoliteOk       *ebpf.MapSpec `ebpf:"polite_ok"`
 	Settings       *ebpf.MapSpec `ebpf:"settings"`
 	SiteCfg        *ebpf.MapSpec `ebpf:"site_cfg"`
 	SiteCgid       *ebpf.MapSpec `ebpf:"site_cgid"`
@@ -480,6 +493,7 @@ type uwbpfMaps struct {
 	LoopSenders    *ebpf.Map `ebpf:"loop_senders"`
 	Members        *ebpf.Map `ebpf:"members"`
 	OffcPorts      *ebpf.Map `ebpf:"offc_ports"`
+	PoliteOk       *ebpf.Map `ebpf:"polite_ok"`
 	Settings       *ebpf.Map `ebpf:"settings"`
 	SiteCfg        *ebpf.Map `ebpf:"site_cfg"`
 	SiteCgid       *ebpf.Map `ebpf:"site_cgid"`
@@ -517,6 +531,7 @@ func (m *uwbpfMaps) Close() error {
 		m.LoopSenders,
 		m.Members,
 		m.OffcPorts,
+		m.PoliteOk,
 		m.Settings,
 		m.SiteCfg,
 		m.SiteCgid,

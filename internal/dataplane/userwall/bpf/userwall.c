@@ -2139,6 +2139,43 @@ static __always_inline int needs_look(struct __sk_buff *skb, int l3)
 }
 
 /*
+ * Datagram flows tc ingress found allowed lately: the polite path's second
+ * decision, paid once per flow and second instead of once per datagram (in
+ * real traffic the socket lookup and decision cost ~300 ns a datagram, more
+ * than the check at the socket). Only an allowed verdict is kept, and only
+ * for a stamp whose key and window are good: a hit only skips the marking
+ * of a refusal, never a decision — uw_skb_ingress still decides every
+ * datagram at the socket. A flow refused since (a group revoked, another
+ * user's socket on the port) is dropped there without its ICMP for at most
+ * POLITE_TTL_NS.
+ */
+#define POLITE_TTL_NS 1000000000ULL
+struct uw_flow_key {
+	__u8 src[16], dst[16];
+	__u16 sport, dport;
+	__u32 uid, gid;
+	__u32 proto;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct uw_flow_key);
+	__type(value, __u64);
+} polite_ok SEC(".maps");
+
+static __always_inline void flow_key(struct uw_flow_key *k, const struct pkt *p)
+{
+	__builtin_memcpy(k->src, p->src, 16);
+	__builtin_memcpy(k->dst, p->dst, 16);
+	k->sport = p->sport;
+	k->dport = p->dport;
+	k->uid = p->uid;
+	k->gid = p->gid;
+	k->proto = p->proto;
+}
+
+/*
  * tc ingress (every managed interface, lo included): the polite path. A SYN
  * or datagram to a local unicast user port that the rules refuse for the
  * identity it claims is marked, and the nft table answers with a reset or
@@ -2160,7 +2197,27 @@ int uw_tc_ingress(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	if (p.proto == IPPROTO_TCP && !TCP_SYN_ONLY(p.flags))
 		return TC_ACT_OK;
-	if (p.dport <= c->system_port_max || group_addr(p.dst) || !lpm_has(&local_addrs, p.dst))
+	if (p.dport <= c->system_port_max || group_addr(p.dst))
+		return TC_ACT_OK;
+	int udp = p.proto != IPPROTO_TCP;
+	/* The claimed identity stands in for a verified one here when its key
+	 * and window are good (no MAC: a forged stamp can only turn this early
+	 * refusal into a drop at the socket); a stamp of an unknown key or a
+	 * stale one is refused early, as it will be at the socket. */
+	struct uw_key *k = 0;
+	__u64 w = 0;
+	__u8 st = stamp_key(c, &p, &k, &w);
+	st = (p.has_stamp && st == S_NONE) ? S_VALID : (st == S_NONE ? S_NONE : st);
+	struct uw_flow_key fk = {};
+	__u64 now = 0;
+	if (udp && st == S_VALID && !test_mode) {
+		flow_key(&fk, &p);
+		now = now_ns();
+		__u64 *seen = bpf_map_lookup_elem(&polite_ok, &fk);
+		if (seen && now - *seen <= POLITE_TTL_NS)
+			return TC_ACT_OK;
+	}
+	if (!lpm_has(&local_addrs, p.dst))
 		return TC_ACT_OK;
 
 	/* TCP: the listener itself (zero source: a SYN matching a TIME_WAIT
@@ -2169,7 +2226,6 @@ int uw_tc_ingress(struct __sk_buff *skb)
 	struct bpf_sock_tuple t = {};
 	struct bpf_sock *sk;
 	__u32 tlen;
-	int udp = p.proto != IPPROTO_TCP;
 	if (p.proto == IPPROTO_UDPLITE)
 		return TC_ACT_OK; /* no lookup helper: decided at delivery */
 	if (p.v4) {
@@ -2201,14 +2257,6 @@ int uw_tc_ingress(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	}
 	lo = *l;
-	/* The claimed identity stands in for a verified one here when its key
-	 * and window are good (no MAC: a forged stamp can only turn this early
-	 * refusal into a drop at the socket); a stamp of an unknown key or a
-	 * stale one is refused early, as it will be at the socket. */
-	struct uw_key *k = 0;
-	__u64 w = 0;
-	__u8 st = stamp_key(c, &p, &k, &w);
-	st = (p.has_stamp && st == S_NONE) ? S_VALID : (st == S_NONE ? S_NONE : st);
 	if (st == S_NONE) {
 		struct uw_lo_id *li = lo_token(skb, &p);
 		if (li) {
@@ -2219,8 +2267,11 @@ int uw_tc_ingress(struct __sk_buff *skb)
 	}
 	__u32 rule = decide(c, &p, st, &lo, sk);
 	bpf_sk_release(sk);
-	if (allows(rule))
+	if (allows(rule)) {
+		if (now)
+			bpf_map_update_elem(&polite_ok, &fk, &now, BPF_ANY);
 		return TC_ACT_OK;
+	}
 	__u32 path = path_of(skb, p.proto);
 	count(path, rule);
 	report(&p, rule, path, st, &lo, 0, 1, 0);
