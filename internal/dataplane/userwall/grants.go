@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/time/rate"
 
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
@@ -88,6 +89,9 @@ type grantStore struct {
 	listeners func(port uint16) ([]uint32, error)
 	write     func([]policy.Grant) error
 	now       func() time.Time
+	// ops bounds each user's share and unshare requests (each writes the
+	// kernel map and an event line): 2 a second, bursts of 10.
+	ops map[uint32]*rate.Limiter
 }
 
 // active returns the grants as policy.Grants.
@@ -139,6 +143,9 @@ func grantee(g GrantInfo) string {
 
 // handle serves one request of asker (the kernel's SO_PEERCRED uid).
 func (s *grantStore) handle(asker uint32, req GrantRequest) (GrantAnswer, error) {
+	if (req.Op == "share" || req.Op == "unshare") && !s.allowOp(asker) {
+		return GrantAnswer{}, errors.New("too many share/unshare requests: retry in a few seconds")
+	}
 	switch req.Op {
 	case "share":
 		return s.share(asker, req)
@@ -148,6 +155,20 @@ func (s *grantStore) handle(asker uint32, req GrantRequest) (GrantAnswer, error)
 		return GrantAnswer{Grants: s.list(asker)}, nil
 	}
 	return GrantAnswer{}, fmt.Errorf("unknown grant operation %q (want share, unshare or list)", req.Op)
+}
+
+func (s *grantStore) allowOp(asker uint32) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ops == nil || len(s.ops) > 4096 {
+		s.ops = map[uint32]*rate.Limiter{} // forget idle users' budgets
+	}
+	l := s.ops[asker]
+	if l == nil {
+		l = rate.NewLimiter(2, 10)
+		s.ops[asker] = l
+	}
+	return l.Allow()
 }
 
 // resolve turns --with into (id, group) pairs.
