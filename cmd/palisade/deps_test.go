@@ -33,7 +33,7 @@ var rules = []rule{
 	// The pure decision core.
 	{pkg: "internal/policy", allow: []string{"internal/identity"}},
 	{pkg: "internal/membership", allow: []string{"internal/identity", "internal/sys/..."}},
-	{pkg: "internal/ident", allow: []string{"internal/identity", "internal/policy", "internal/sys/..."}},
+	{pkg: "internal/sockowner", allow: []string{"internal/identity", "internal/policy", "internal/sys/..."}},
 	{pkg: "internal/portal", allow: []string{"internal/identity", "internal/policy", "internal/sys/..."}},
 	// The configuration composes the planes' sections, never their data
 	// paths. Known exceptions: [uvn]'s section still lives in the uvn
@@ -44,7 +44,7 @@ var rules = []rule{
 	// Data planes: each on its own, never another plane.
 	{pkg: "internal/dataplane/userwall/agentconfig", allow: []string{"internal/policy"}},
 	{pkg: "internal/dataplane/userwall/...", allow: []string{"internal/dataplane/userwall/...", "internal/policy", "internal/config",
-		"internal/identity", "internal/membership", "internal/ident", "internal/portal", "internal/sys/...", "internal/version"}},
+		"internal/identity", "internal/membership", "internal/sockowner", "internal/portal", "internal/sys/...", "internal/version"}},
 	{pkg: "internal/dataplane/uvn/spank"},
 	{pkg: "internal/dataplane/uvn/...", allow: []string{"internal/dataplane/uvn/...", "internal/policy", "internal/sys/...", "internal/slurmconf"}},
 	{pkg: "internal/dataplane/egress", allow: []string{"internal/policy"}},

@@ -17,9 +17,9 @@ import (
 
 	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
-	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/sockowner"
 )
 
 func explainCommand() *cobra.Command {
@@ -90,7 +90,7 @@ get if it is your own, and how to ask about someone else's.`,
 			ctx, cancel := context.WithTimeout(cmd.Context(), timeout+time.Second)
 			defer cancel()
 			var (
-				lis      ident.Owner
+				lis      sockowner.Owner
 				answered netip.Addr
 				lerr     error
 			)
@@ -123,7 +123,7 @@ get if it is your own, and how to ask about someone else's.`,
 			// (system port, off-cluster) can decide; without its group, a
 			// verdict that the group could change is no verdict.
 			identityFree := v.Rule == policy.RuleSystemPort || v.Rule == policy.RuleOffClusterPort || v.Rule == policy.RuleOffClusterDenied
-			gidUnknown := lerr == nil && lis.GID == ident.UnknownGID && !v.Allow
+			gidUnknown := lerr == nil && lis.GID == sockowner.UnknownGID && !v.Allow
 			decided := (lerr == nil && !gidUnknown) || identityFree
 
 			if quiet {
@@ -150,7 +150,7 @@ get if it is your own, and how to ask about someone else's.`,
 			case whatIf:
 				fmt.Fprintf(w, "listener\t%s, effective gid %s (what-if: not looked up)\n",
 					identity.UserName(res, lis.UID), identity.GroupName(res, lis.GID))
-			case errors.Is(lerr, ident.ErrNoSocket):
+			case errors.Is(lerr, sockowner.ErrNoSocket):
 				fmt.Fprintf(w, "listener\tnone: nothing is bound to %v/%v, so the connection fails whatever the policy\n", target, proto)
 			case lerr != nil:
 				fmt.Fprintf(w, "listener\tunknown: %v\n", lerr)
@@ -217,7 +217,7 @@ get if it is your own, and how to ask about someone else's.`,
 	f.StringVar(&lisUser, "listener-user", "", "what-if: the listener's owner (name or uid); no live listener is looked up")
 	f.StringVar(&lisGroup, "listener-group", "", "what-if: the group the listener runs with (default: the owner's primary group)")
 	f.BoolVar(&quiet, "quiet", false, "print nothing; exit 1 unless allowed")
-	f.StringVar(&sock, "socket", ident.DefaultSocketPath, "ident service Unix socket, used when not root (default: [agent] ident_socket)")
+	f.StringVar(&sock, "socket", sockowner.DefaultSocketPath, "ident service Unix socket, used when not root (default: [agent] ident_socket)")
 	f.DurationVar(&timeout, "timeout", time.Second, "how long to wait for a remote node")
 	return cmd
 }
@@ -262,7 +262,7 @@ func connectorIdentity(res identity.Resolver, name, group string) (policy.Identi
 // connector node's address (the one routing towards target picks).
 func connectorSource(cfg *config.Config, node string, target netip.AddrPort) (netip.Addr, string, error) {
 	if node == "" {
-		if ident.IsLocalAddr(target.Addr()) {
+		if sockowner.IsLocalAddr(target.Addr()) {
 			return netip.Addr{}, "this node (a local connection)", nil
 		}
 		// Connecting a UDP socket only routes; it sends nothing.
@@ -279,7 +279,7 @@ func connectorSource(cfg *config.Config, node string, target netip.AddrPort) (ne
 		return netip.Addr{}, "", err
 	}
 	// The listener's node itself (any of its addresses, when we run there).
-	if a == target.Addr() || (ident.IsLocalAddr(a) && ident.IsLocalAddr(target.Addr())) {
+	if a == target.Addr() || (sockowner.IsLocalAddr(a) && sockowner.IsLocalAddr(target.Addr())) {
 		return netip.Addr{}, fmt.Sprintf("%s (%v), the listener's node: a local connection", node, a), nil
 	}
 	return a, fmt.Sprintf("%s, source %v", node, a), nil
@@ -318,7 +318,7 @@ func callerIdentity() policy.Identity {
 // listener under a group both hold (the listener's owner starts it with
 // sg), or start a new session when the directory has a group the
 // connector's session lacks.
-func fixes(res identity.Resolver, c policy.Conn, v policy.Verdict, lis ident.Owner, grants bool) []string {
+func fixes(res identity.Resolver, c policy.Conn, v policy.Verdict, lis sockowner.Owner, grants bool) []string {
 	if r := policy.Rule(v.Rule); v.Rule != policy.RuleDenied && !slices.Contains(policy.BuiltinRules, r) {
 		return []string{fmt.Sprintf("site rule %s refuses it on purpose: ask the administrators (palisade policy test shows the site's tests)", r)}
 	}
@@ -381,7 +381,7 @@ func fixes(res identity.Resolver, c policy.Conn, v policy.Verdict, lis ident.Own
 // nodes: this host for a local address, else the [cluster] nodes entry
 // holding the address ("" if none).
 func listenerNode(cfg *config.Config, addr netip.Addr) string {
-	if ident.IsLocalAddr(addr) {
+	if sockowner.IsLocalAddr(addr) {
 		h, _ := os.Hostname()
 		return h
 	}
@@ -445,7 +445,7 @@ func explainTarget(cfg *config.Config, to, port string) (netip.AddrPort, policy.
 		}
 		to = net.JoinHostPort(strings.Trim(host, "[]"), port) // PORT[/udp] stays last
 	}
-	if t, p, err := ident.ParseTarget(to); err == nil {
+	if t, p, err := sockowner.ParseTarget(to); err == nil {
 		return t, p, "", nil
 	}
 	hostPort, proto := to, "tcp"
@@ -460,19 +460,19 @@ func explainTarget(cfg *config.Config, to, port string) (netip.AddrPort, policy.
 	if err != nil {
 		return netip.AddrPort{}, 0, "", err
 	}
-	t, p, err := ident.ParseTarget(net.JoinHostPort(a.String(), ps) + "/" + proto)
+	t, p, err := sockowner.ParseTarget(net.JoinHostPort(a.String(), ps) + "/" + proto)
 	return t, p, host, err
 }
 
 // whatIfListener is --listener-user (and --listener-group): the identity a
 // listener started by that user would have. A group the user does not hold
 // is refused, as sg would.
-func whatIfListener(res identity.Resolver, user, group string) (ident.Owner, error) {
+func whatIfListener(res identity.Resolver, user, group string) (sockowner.Owner, error) {
 	uid, err := identity.UID(res, user)
 	if err != nil {
-		return ident.Owner{}, fmt.Errorf("--listener-user %q: %w", user, err)
+		return sockowner.Owner{}, fmt.Errorf("--listener-user %q: %w", user, err)
 	}
-	o := ident.Owner{UID: uid, GID: uid}
+	o := sockowner.Owner{UID: uid, GID: uid}
 	name, nerr := res.LookupUID(uid)
 	if nerr == nil {
 		if _, gid, err := res.LookupUser(name); err == nil {
@@ -483,10 +483,10 @@ func whatIfListener(res identity.Resolver, user, group string) (ident.Owner, err
 	if group != "" {
 		g, err := identity.GID(res, group)
 		if err != nil {
-			return ident.Owner{}, fmt.Errorf("--listener-group %q: %w", group, err)
+			return sockowner.Owner{}, fmt.Errorf("--listener-group %q: %w", group, err)
 		}
 		if nerr == nil && g != o.GID && !slices.Contains(o.Groups, g) {
-			return ident.Owner{}, fmt.Errorf("--listener-group %s: %s is not a member (sg could not start the listener under it)", identity.GroupName(res, g), name)
+			return sockowner.Owner{}, fmt.Errorf("--listener-group %s: %s is not a member (sg could not start the listener under it)", identity.GroupName(res, g), name)
 		}
 		o.GID = g
 	}

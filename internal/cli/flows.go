@@ -18,8 +18,8 @@ import (
 
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/agentconfig"
-	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/identity"
+	"github.com/palisade-hpc/palisade/internal/sockowner"
 )
 
 // flowFlags are the filters `flows` and `audit report` share.
@@ -143,7 +143,7 @@ choose); root sees every flow, other users the flows they are at one end of.
 }
 
 func runFlows(ctx context.Context, out, errOut io.Writer, sock string, f flowFlags, ff userwall.FlowFilter, follow bool) error {
-	req := userwall.FlowsRequest{Kind: ident.KindFlows, Nodes: f.targets(), Filter: ff, Limit: f.limit, Cursors: map[string]uint64{}}
+	req := userwall.FlowsRequest{Kind: sockowner.KindFlows, Nodes: f.targets(), Filter: ff, Limit: f.limit, Cursors: map[string]uint64{}}
 	// Followed lines come a few at a time: columns of fixed widths keep
 	// them aligned (a tabwriter aligns only what it sees at once).
 	var tw interface {
@@ -334,7 +334,7 @@ other users the groups they are at one end of.`,
 			if len(ff.Verdicts) == 0 {
 				ff.Verdicts = []string{"audit", "deny"}
 			}
-			req := userwall.FlowsRequest{Kind: ident.KindAudit, Nodes: f.targets(), Filter: ff, Limit: f.limit}
+			req := userwall.FlowsRequest{Kind: sockowner.KindAudit, Nodes: f.targets(), Filter: ff, Limit: f.limit}
 			resp, err := userwall.AskFlows(cmd.Context(), flowsSocket(cmd), req)
 			if err != nil {
 				return err

@@ -15,8 +15,8 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/palisade-hpc/palisade/internal/config"
-	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/sockowner"
 )
 
 func identCommand() *cobra.Command {
@@ -69,7 +69,7 @@ may be overridden by flags. --port 0 turns UDP off, --socket "" the Unix API.`,
 			}
 			sc.Policy = pol
 			sc.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl}))
-			srv, err := ident.NewServer(sc)
+			srv, err := sockowner.NewServer(sc)
 			if err != nil {
 				return err
 			}
@@ -84,8 +84,8 @@ may be overridden by flags. --port 0 turns UDP off, --socket "" the Unix API.`,
 		},
 	}
 	f := serve.Flags()
-	f.Uint16Var(&port, "port", ident.DefaultPort, "UDP port, privileged (default: [agent] ident_port)")
-	f.StringVar(&sock, "socket", ident.DefaultSocketPath, "Unix API socket (default: [agent] ident_socket)")
+	f.Uint16Var(&port, "port", sockowner.DefaultPort, "UDP port, privileged (default: [agent] ident_port)")
+	f.StringVar(&sock, "socket", sockowner.DefaultSocketPath, "Unix API socket (default: [agent] ident_socket)")
 	f.StringVar(&group, "socket-group", "", "group (name or gid) allowed to use the Unix API (default: [agent] ident_socket_group; empty = root only)")
 	f.StringSliceVar(&subnets, "cluster-subnet", nil, "cluster subnet to answer, repeatable (default: [cluster] subnets)")
 	f.StringVar(&logLevel, "log-level", "info", "debug, info, warn or error")
@@ -96,9 +96,9 @@ may be overridden by flags. --port 0 turns UDP off, --socket "" the Unix API.`,
 // identServerConfig maps the [agent] ident keys of cfg onto the ident
 // service's configuration (policy included); the agent and `ident serve`
 // share it.
-func identServerConfig(cfg *config.Config) ident.ServerConfig {
+func identServerConfig(cfg *config.Config) sockowner.ServerConfig {
 	a := cfg.Agent
-	return ident.ServerConfig{
+	return sockowner.ServerConfig{
 		UDPPort:     uint16(a.IdentPort),
 		DisableUDP:  a.IdentPort == 0,
 		SocketPath:  a.IdentSocket,
@@ -156,28 +156,28 @@ func newIdentAccess(cfg *config.Config, sockFlag string, sockChanged bool, timeo
 // node, else by asking the owning node's ident service — directly from a
 // privileged port when root, through the local Unix API otherwise. It
 // returns the node that answered (zero = this node).
-func (ia identAccess) ownerOf(ctx context.Context, node netip.Addr, target netip.AddrPort, proto policy.Proto) (ident.Owner, netip.Addr, error) {
-	if !node.IsValid() && !ident.IsLocalAddr(target.Addr()) {
+func (ia identAccess) ownerOf(ctx context.Context, node netip.Addr, target netip.AddrPort, proto policy.Proto) (sockowner.Owner, netip.Addr, error) {
+	if !node.IsValid() && !sockowner.IsLocalAddr(target.Addr()) {
 		node = target.Addr()
 	}
-	if !node.IsValid() || ident.IsLocalAddr(node) {
+	if !node.IsValid() || sockowner.IsLocalAddr(node) {
 		if os.Geteuid() != 0 {
 			// Other users' /proc/PID/fd are unreadable: prefer the
 			// service, which runs as root, if it is there.
-			if o, _, err := ident.QueryLocalAPI(ctx, ia.socket, netip.Addr{}, target, proto); err == nil || errors.Is(err, ident.ErrNoSocket) {
+			if o, _, err := sockowner.QueryLocalAPI(ctx, ia.socket, netip.Addr{}, target, proto); err == nil || errors.Is(err, sockowner.ErrNoSocket) {
 				return o, netip.Addr{}, err
 			}
 		}
-		o, err := ident.LookupLocal(target, proto)
+		o, err := sockowner.LookupLocal(target, proto)
 		return o, netip.Addr{}, err
 	}
 	if os.Geteuid() != 0 {
-		o, _, err := ident.QueryLocalAPI(ctx, ia.socket, node, target, proto)
-		if err != nil && !errors.Is(err, ident.ErrNoSocket) && !errors.Is(err, ident.ErrTimeout) {
+		o, _, err := sockowner.QueryLocalAPI(ctx, ia.socket, node, target, proto)
+		if err != nil && !errors.Is(err, sockowner.ErrNoSocket) && !errors.Is(err, sockowner.ErrTimeout) {
 			err = fmt.Errorf("asking node %v needs root (a privileged source port) or this node's ident service: %w", node, err)
 		}
 		return o, node, err
 	}
-	o, err := ident.Client{Port: ia.port, Timeout: ia.timeout}.Query(ctx, node, target, netip.AddrPort{}, proto)
+	o, err := sockowner.Client{Port: ia.port, Timeout: ia.timeout}.Query(ctx, node, target, netip.AddrPort{}, proto)
 	return o, node, err
 }

@@ -272,6 +272,18 @@ func uvnStatusCmd() *cobra.Command {
 			} else {
 				fmt.Fprintf(cmd.OutOrStdout(), "node: complete=%v, %d journal records (state %s)\n", node.Complete, len(node.Undo), m.StateDir())
 			}
+			// A used-up srun budget is a finding (exit 1): the user's srun
+			// says only "all ports in range exhausted".
+			warned := false
+			for _, u := range users {
+				if msg := u.SrunExhausted(identity.UserName(identity.System(), u.UID)); msg != "" {
+					fmt.Fprintf(cmd.OutOrStdout(), "WARNING: %s\n", msg)
+					warned = true
+				}
+			}
+			if warned {
+				return &ExitError{1, ""}
+			}
 			return nil
 		},
 	}
@@ -384,7 +396,13 @@ success, nothing done. A failure prints one line for the user and exits 1.`,
 					return err
 				}
 				if typ == "open_session" {
-					_, err = m.Setup(uid, ppid, ppid)
+					if _, err = m.Setup(uid, ppid, ppid); err == nil {
+						srunWarning(m, uid, func(msg string) {
+							host, _ := os.Hostname()
+							fmt.Fprintf(cmd.OutOrStdout(), "Palisade: %s: %s\n", host, msg)
+							uvnLog(logPath, "open_session %s session %d on %s: WARNING: %s", user, ppid, host, msg)
+						})
+					}
 					return err
 				}
 				_, err = m.Release(uid, ppid)
@@ -404,6 +422,15 @@ success, nothing done. A failure prints one line for the user and exits 1.`,
 	c.Flags().StringVar(&logPath, "log", "", "append one line per session event to this file")
 	verboseFlag(c)
 	return c
+}
+
+// srunWarning passes say the message of a user whose srun claims are used
+// up on this node (uvn.UserStatus.SrunExhausted), if they are.
+func srunWarning(m *uvn.Manager, uid uint32, say func(string)) {
+	st := m.SrunStatus(uid)
+	if msg := st.SrunExhausted(identity.UserName(identity.System(), uid)); msg != "" {
+		say(msg)
+	}
 }
 
 // JobOK is the last line `uvn job` prints on success. The SPANK plugin
@@ -427,7 +454,11 @@ func uvnJobCmd() *cobra.Command {
 					if pid <= 0 {
 						return errors.New("job start needs --pid")
 					}
-					_, err = m.Setup(uid, pid, holder)
+					if _, err = m.Setup(uid, pid, holder); err == nil {
+						// Printed: the SPANK plugin logs this output in
+						// slurmd's log.
+						srunWarning(m, uid, func(msg string) { fmt.Fprintln(cmd.OutOrStdout(), "WARNING: "+msg) })
+					}
 				case "end":
 					_, err = m.Release(uid, holder)
 				default:
@@ -485,6 +516,7 @@ func uvnLoginCmd() *cobra.Command {
 				if _, err := m.Setup(u, os.Getpid(), os.Getpid()); err != nil {
 					return err
 				}
+				srunWarning(m, u, func(msg string) { fmt.Fprintln(cmd.ErrOrStderr(), "palisade: WARNING: "+msg) })
 			}
 			path, err := exec.LookPath(args[0])
 			if err != nil {

@@ -14,8 +14,8 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/palisade-hpc/palisade/internal/config"
-	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/identity"
+	"github.com/palisade-hpc/palisade/internal/sockowner"
 )
 
 func whoCommand() *cobra.Command {
@@ -36,7 +36,7 @@ Unix socket (other users).`,
 		Example: "  palisade who 198.18.0.2:5000\n  palisade who [2001:2::1]:6000/udp",
 		Args:    cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			target, proto, err := ident.ParseTarget(args[0])
+			target, proto, err := sockowner.ParseTarget(args[0])
 			if err != nil {
 				return err
 			}
@@ -56,7 +56,7 @@ Unix socket (other users).`,
 			if answered.IsValid() {
 				where = "node " + answered.String()
 			}
-			if errors.Is(err, ident.ErrNoSocket) {
+			if errors.Is(err, sockowner.ErrNoSocket) {
 				return &ExitError{1, fmt.Sprintf("no socket at %v/%v on %s", target, proto, where)}
 			}
 			if err != nil {
@@ -65,9 +65,9 @@ Unix socket (other users).`,
 			if asJSON {
 				enc := json.NewEncoder(cmd.OutOrStdout())
 				return enc.Encode(struct {
-					Socket string      `json:"socket"`
-					Node   string      `json:"node,omitempty"`
-					Owner  ident.Owner `json:"owner"`
+					Socket string          `json:"socket"`
+					Node   string          `json:"node,omitempty"`
+					Owner  sockowner.Owner `json:"owner"`
 				}{fmt.Sprintf("%v/%v", target, proto), answeredString(answered), o})
 			}
 			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 0, 2, ' ', 0)
@@ -86,7 +86,7 @@ Unix socket (other users).`,
 	f := cmd.Flags()
 	f.StringVar(&nodeFlag, "node", "", "ask this node (name or address) instead of the one owning ADDR")
 	f.BoolVar(&asJSON, "json", false, "print JSON")
-	f.StringVar(&sock, "socket", ident.DefaultSocketPath, "ident service Unix socket, used when not root (default: [agent] ident_socket)")
+	f.StringVar(&sock, "socket", sockowner.DefaultSocketPath, "ident service Unix socket, used when not root (default: [agent] ident_socket)")
 	f.DurationVar(&timeout, "timeout", time.Second, "how long to wait for a remote node")
 	return cmd
 }

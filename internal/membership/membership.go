@@ -394,6 +394,24 @@ func (t *Tracker) wait(ctx context.Context, n int) error {
 // chunk bounds the keys of one getent call.
 const chunk = 200
 
+// inChunks looks keys up chunk by chunk, each chunk on the lookup budget;
+// done gets every chunk that was answered, and a failed chunk is reported
+// and skipped (err: the context ended while waiting for the budget).
+func inChunks[K any, V any](ctx context.Context, t *Tracker, keys []K, look func(context.Context, []K) (V, error), done func([]K, V)) (errs []error, err error) {
+	for part := range slices.Chunk(keys, chunk) {
+		if err := t.wait(ctx, len(part)); err != nil {
+			return errs, err
+		}
+		got, err := look(ctx, part)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		done(part, got)
+	}
+	return errs, nil
+}
+
 // name is a member name's uid as last asked.
 type name struct {
 	uid uint32
@@ -410,19 +428,10 @@ const NameTTL = 30 * time.Minute
 // a quarter of a round's lookup budget, oldest first), so that refreshing
 // thousands of names never starves the member lists.
 func (t *Tracker) resolveGroups(ctx context.Context, gids []uint32, full bool) (map[uint32][]uint32, error) {
-	var errs []error
 	members := map[uint32][]string{}
-	for i := 0; i < len(gids); i += chunk {
-		part := gids[i:min(i+chunk, len(gids))]
-		if err := t.wait(ctx, len(part)); err != nil {
-			return nil, err
-		}
-		got, err := t.cfg.Lookup.Groups(ctx, part)
-		if err != nil {
-			errs = append(errs, err)
-			continue
-		}
-		maps.Copy(members, got)
+	errs, err := inChunks(ctx, t, gids, t.cfg.Lookup.Groups, func(_ []uint32, got map[uint32][]string) { maps.Copy(members, got) })
+	if err != nil {
+		return nil, err
 	}
 	t.mu.Lock()
 	known := maps.Clone(t.names)
@@ -447,16 +456,7 @@ func (t *Tracker) resolveGroups(ctx context.Context, gids []uint32, full bool) (
 	budget := max(1, int(float64(t.cfg.Rate)*t.cfg.Refresh.Seconds()/4))
 	names := append(need, stale[:min(len(stale), budget)]...)
 	slices.Sort(names)
-	for i := 0; i < len(names); i += chunk {
-		part := names[i:min(i+chunk, len(names))]
-		if err := t.wait(ctx, len(part)); err != nil {
-			return nil, err
-		}
-		got, err := t.cfg.Lookup.UIDs(ctx, part)
-		if err != nil {
-			errs = append(errs, err)
-			continue
-		}
+	uerrs, err := inChunks(ctx, t, names, t.cfg.Lookup.UIDs, func(part []string, got map[string]uint32) {
 		for _, n := range part {
 			if u, ok := got[n]; ok {
 				known[n] = name{u, now}
@@ -464,7 +464,11 @@ func (t *Tracker) resolveGroups(ctx context.Context, gids []uint32, full bool) (
 				delete(known, n) // gone from the directory
 			}
 		}
+	})
+	if err != nil {
+		return nil, err
 	}
+	errs = append(errs, uerrs...)
 	out := make(map[uint32][]uint32, len(members))
 	for g, ns := range members {
 		uids := []uint32{}

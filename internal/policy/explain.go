@@ -118,24 +118,18 @@ func (p *Policy) trust(src netip.Addr) string {
 	return fmt.Sprintf("the source %s is trusted", src)
 }
 
-func (p *Policy) subnets() string {
-	if len(p.ClusterSubnets) == 0 {
-		return "none configured"
-	}
-	var s []string
-	for _, n := range p.ClusterSubnets {
-		s = append(s, n.String())
-	}
-	return strings.Join(s, " ")
-}
+func (p *Policy) subnets() string { return spaced(p.ClusterSubnets, "none configured") }
 
-func (p *Policy) offPorts() string {
-	if len(p.OffClusterPorts) == 0 {
-		return "empty"
+func (p *Policy) offPorts() string { return spaced(p.OffClusterPorts, "empty") }
+
+// spaced lists xs separated by spaces, or says none.
+func spaced[T fmt.Stringer](xs []T, none string) string {
+	if len(xs) == 0 {
+		return none
 	}
-	var s []string
-	for _, r := range p.OffClusterPorts {
-		s = append(s, r.String())
+	s := make([]string, len(xs))
+	for i, x := range xs {
+		s[i] = x.String()
 	}
 	return strings.Join(s, " ")
 }

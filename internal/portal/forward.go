@@ -39,6 +39,8 @@ type Forwarder struct {
 	Log    *slog.Logger
 
 	proxy *httputil.ReverseProxy
+	// dial is Dial (tests replace it).
+	dial func(ctx context.Context, socketPath, user, address string) (net.Conn, error)
 }
 
 type ctxKey struct{}
@@ -109,13 +111,16 @@ func (f *Forwarder) init() {
 	if f.proxy != nil {
 		return
 	}
+	if f.dial == nil {
+		f.dial = Dial
+	}
 	tr := &http.Transport{
 		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 			rt, _ := ctx.Value(ctxKey{}).(route)
 			if rt.user == "" {
 				return nil, errors.New("no user for this connection")
 			}
-			return Dial(ctx, f.Agent, rt.user, net.JoinHostPort(rt.host, rt.port))
+			return f.dial(ctx, f.Agent, rt.user, net.JoinHostPort(rt.host, rt.port))
 		},
 		DisableKeepAlives: true,
 		Proxy:             nil,

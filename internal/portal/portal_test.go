@@ -4,8 +4,12 @@ import (
 	"context"
 	"io"
 	"log/slog"
+	"net"
+	"net/http"
 	"net/http/httptest"
 	"regexp"
+	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -141,5 +145,44 @@ other:x:2200:bob
 	s.SetSettings(Settings{Config: cfg})
 	if got := code(s.connect(ctx, 33, Request{Op: OpConnect, User: "alice", Address: "198.18.0.2:80"})); !regexp.MustCompile("not a .portal. proxy").MatchString(got) {
 		t.Errorf("delisted proxy: %q", got)
+	}
+}
+
+// Every request gets a connection of its own, made for its own user: a
+// connection made as alice never carries bob's request (no keep-alive
+// pool), and the user header does not reach the app.
+func TestForwarderNeverReuses(t *testing.T) {
+	var mu sync.Mutex
+	var dials []string
+	app := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, r.URL.Path+" "+r.Header.Get("X-Palisade-User"))
+	}))
+	defer app.Close()
+	_, port, _ := net.SplitHostPort(app.Listener.Addr().String())
+	f := &Forwarder{UserHeader: "X-Palisade-User", dial: func(ctx context.Context, _, user, address string) (net.Conn, error) {
+		mu.Lock()
+		dials = append(dials, user+"@"+address)
+		mu.Unlock()
+		var d net.Dialer
+		return d.DialContext(ctx, "tcp", app.Listener.Addr().String())
+	}}
+	srv := httptest.NewServer(f)
+	defer srv.Close()
+	for _, u := range []string{"alice", "bob", "alice"} {
+		req, _ := http.NewRequest("GET", srv.URL+"/rnode/127.0.0.1/"+port+"/x", nil)
+		req.Header.Set("X-Palisade-User", u)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if string(b) != "/x " {
+			t.Errorf("%s: the app saw %q, want the path /x and no user header", u, b)
+		}
+	}
+	want := []string{"alice@127.0.0.1:" + port, "bob@127.0.0.1:" + port, "alice@127.0.0.1:" + port}
+	if !slices.Equal(dials, want) {
+		t.Errorf("dials %v, want one per request %v", dials, want)
 	}
 }

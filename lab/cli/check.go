@@ -83,7 +83,7 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 			if attacks {
 				ctx, stop := signal.NotifyContext(cmd.Context(), syscall.SIGINT, syscall.SIGTERM)
 				defer stop()
-				return runAttacks(ctx, tb, only, verbose, quiet)
+				return runAttacks(ctx, tb, mode, only, verbose, quiet)
 			}
 			if cmd.Flags().Changed("fuzz") || fuzzReplay != "" {
 				ctx, stop := signal.NotifyContext(cmd.Context(), syscall.SIGINT, syscall.SIGTERM)
@@ -160,7 +160,7 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 	f.BoolVar(&quiet, "quiet", false, "no progress lines on stderr")
 	f.DurationVar(&timeout, "timeout", 0, "give up on the run after this long (default 5m; 30m inside the uvn VM)")
 	f.StringVar(&unix, "unix", "auto", "abstract Unix socket cases: on, off, or auto (mode userwall where node1's agent enforces them)")
-	f.BoolVar(&attacks, "attacks", false, "run the attack suite (userwall testbed): real attacks, each with a control; see docs/check.md")
+	f.BoolVar(&attacks, "attacks", false, "run the attack suite of the testbed's mode (userwall; uvn in its VM): real attacks, each with a control; see docs/check.md")
 	f.StringVar(&only, "only", "", "with --attacks: run only the cases whose name contains one of these comma-separated strings")
 	f.BoolVar(&verbose, "verbose", false, "with --attacks: print every case's rationale and steps, not only the failures'")
 	f.IntVar(&repeat, "repeat", 1, "run the matrix this many times; report every run's mismatches and the total (flakes show as mismatches in some runs)")

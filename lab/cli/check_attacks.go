@@ -11,13 +11,20 @@ import (
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
 
-// runAttacks is `palisade-lab check --attacks`: the attack suite on a userwall
-// testbed, a line per case and "N passed, M failed" last.
-func runAttacks(ctx context.Context, tb *testbed.Testbed, only string, verbose, quiet bool) error {
-	if tb.Mode != "userwall" {
-		return fmt.Errorf("the attack suite needs a userwall testbed (%s runs mode %q)", tb.Name, tb.Mode)
+// runAttacks is `palisade-lab check --attacks [--mode M]`: the attack suite of
+// the testbed's mode (userwall, or uvn inside its VM), a line per case and
+// "N passed, M failed" last.
+func runAttacks(ctx context.Context, tb *testbed.Testbed, mode, only string, verbose, quiet bool) error {
+	if mode == "" {
+		mode = tb.Mode
 	}
-	opts := attack.Options{}
+	if tb.Mode != mode {
+		return fmt.Errorf("the %s attack suite needs a %s testbed (%s runs mode %q)", mode, mode, tb.Name, tb.Mode)
+	}
+	if _, err := attack.CasesFor(mode); err != nil {
+		return err
+	}
+	opts := attack.Options{Mode: mode}
 	if only != "" {
 		opts.Only = strings.Split(only, ",")
 	}

@@ -200,6 +200,20 @@ func TestSideBySide(t *testing.T) {
 	if out, err := guest.Output(ctx, "node1", "", "getent", "passwd", "alice"); err != nil || !strings.HasPrefix(out, "alice:x:2001:") {
 		t.Errorf("guest: getent passwd alice: %q %v", out, err)
 	}
+	// Nor does any file the host's /etc gains after the boot (as a lock
+	// file of the host's account tools would): the guest's /etc is not a
+	// view of the host's.
+	probe := "/etc/" + ch.prefix + ".probe"
+	if err := os.WriteFile(probe, []byte("host\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	defer os.Remove(probe)
+	if out, err := guest.Output(ctx, "node1", "", "sh", "-c", "test -e "+probe+"; echo rc=$?"); out != "rc=1\n" || err != nil {
+		t.Errorf("guest: test -e %s: %q %v (want rc=1: the host's /etc is not the guest's)", probe, out, err)
+	}
+	if out, err := guest.Output(ctx, "node1", "", "sh", "-c", "test -e /etc/passwd; echo rc=$?"); out != "rc=0\n" || err != nil {
+		t.Errorf("guest: test -e /etc/passwd: %q %v (control)", out, err)
+	}
 
 	ch.halt()
 	ops, errs := ch.count()

@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/palisade-hpc/palisade/internal/config"
-	"github.com/palisade-hpc/palisade/internal/ident"
+	ident "github.com/palisade-hpc/palisade/internal/sockowner"
 )
 
 // NodeReport is a node's answer to a status query over the ident service

@@ -9,8 +9,8 @@ import (
 	"golang.org/x/time/rate"
 
 	"github.com/palisade-hpc/palisade/internal/config"
-	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/policy"
+	ident "github.com/palisade-hpc/palisade/internal/sockowner"
 )
 
 // flowConfig is what the flow recorder and the flows socket read of the

@@ -15,8 +15,8 @@ import (
 
 	"golang.org/x/time/rate"
 
-	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/policy"
+	ident "github.com/palisade-hpc/palisade/internal/sockowner"
 )
 
 // Flows: the verdicts of this node, recent and live (`palisade flows`), and

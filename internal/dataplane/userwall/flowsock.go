@@ -18,8 +18,8 @@ import (
 
 	"golang.org/x/time/rate"
 
-	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/policy"
+	ident "github.com/palisade-hpc/palisade/internal/sockowner"
 	"github.com/palisade-hpc/palisade/internal/sys/peercred"
 )
 

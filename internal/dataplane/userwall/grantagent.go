@@ -6,9 +6,9 @@ import (
 	"os"
 	"time"
 
-	"github.com/palisade-hpc/palisade/internal/ident"
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
+	ident "github.com/palisade-hpc/palisade/internal/sockowner"
 )
 
 // newGrants is the agent's grant store (grants.go), with the grants a

@@ -606,3 +606,103 @@ func TestGuardCost(t *testing.T) {
 		return nil
 	})
 }
+
+// TestGuardStrayPeers: within a node, two users' unbound sockets (stray
+// processes, in the default VRF) do not meet: bob's SYN and datagram to
+// alice's sockets over lo are dropped at his egress (EPERM to his
+// datagram, the SYN never answered); alice's own,
+// root's, and an exempt account's reach them.
+func TestGuardStrayPeers(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root")
+	}
+	const alice, bob = 4001, 4002
+	cg, home, path := scratchCgroup(t, "gstray")
+	inScratchNetns(t, nil, func(own int) error {
+		cookie, err := netns.Cookie()
+		if err != nil {
+			return err
+		}
+		coll, err := loadGuard(cookie, 1000, nil, policy.PortRange{First: 61000, Last: 62999})
+		if err != nil {
+			return err
+		}
+		defer coll.Close()
+		for _, a := range guardAttach {
+			if _, err := cg.attachProg(path, coll.Programs[a.prog], a.at); err != nil {
+				return err
+			}
+		}
+		enterCgroup(t, cg, path)
+		defer enterCgroup(t, cg, home)
+		// The socket's owner is the creator's fs uid (this thread's: the
+		// test holds it locked in the namespace).
+		as := func(uid int, f func()) {
+			unix.Setfsuid(uid)
+			defer unix.Setfsuid(0)
+			f()
+		}
+		sock := func(typ int) int {
+			fd, err := unix.Socket(unix.AF_INET, typ|unix.SOCK_CLOEXEC, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return fd
+		}
+		lo := [4]byte{127, 0, 0, 1}
+		var lis, udp int
+		as(alice, func() {
+			lis, udp = sock(unix.SOCK_STREAM), sock(unix.SOCK_DGRAM)
+			if err := unix.Bind(lis, &unix.SockaddrInet4{Port: 29100, Addr: lo}); err != nil {
+				t.Fatal(err)
+			}
+			if err := unix.Listen(lis, 16); err != nil {
+				t.Fatal(err)
+			}
+			if err := unix.Bind(udp, &unix.SockaddrInet4{Port: 29101, Addr: lo}); err != nil {
+				t.Fatal(err)
+			}
+		})
+		defer unix.Close(lis)
+		defer unix.Close(udp)
+		tv := unix.NsecToTimeval(int64(2 * time.Second))
+		try := func(name string, uid int, want error) {
+			t.Helper()
+			as(uid, func() {
+				c := sock(unix.SOCK_STREAM)
+				defer unix.Close(c)
+				unix.SetsockoptTimeval(c, unix.SOL_SOCKET, unix.SO_SNDTIMEO, &tv)
+				// A dropped SYN is retransmitted: connect times out
+				// (EINPROGRESS under SO_SNDTIMEO), it does not fail.
+				if err := unix.Connect(c, &unix.SockaddrInet4{Port: 29100, Addr: lo}); (err == nil) != (want == nil) {
+					t.Errorf("%s: tcp connect: %v, want refused %v", name, err, want != nil)
+				}
+				d := sock(unix.SOCK_DGRAM)
+				defer unix.Close(d)
+				err := unix.Sendto(d, []byte(name), 0, &unix.SockaddrInet4{Port: 29101, Addr: lo})
+				if !errors.Is(err, want) && !(err == nil && want == nil) {
+					t.Errorf("%s: udp sendto: %v, want %v", name, err, want)
+				}
+				b := make([]byte, 64)
+				if want != nil {
+					if n, _, err := unix.Recvfrom(udp, b, unix.MSG_DONTWAIT); err == nil {
+						t.Errorf("%s: alice's socket got %q", name, b[:n])
+					}
+					return
+				}
+				unix.SetsockoptTimeval(udp, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
+				if n, _, err := unix.Recvfrom(udp, b, 0); err != nil || string(b[:n]) != name {
+					t.Errorf("%s: alice's socket got %q, %v", name, b[:max(n, 0)], err)
+				}
+			})
+		}
+		try("bob", bob, unix.EPERM)
+		try("control: alice", alice, nil)
+		try("control: root", 0, nil)
+		if err := coll.Maps[guardbpfMapPalUvnExempt].Put(uint32(bob), uint8(1)); err != nil {
+			return err
+		}
+		try("control: bob exempt", bob, nil)
+		return nil
+	})
+}

@@ -16,6 +16,7 @@ import (
 type guardbpfGuardBirth struct {
 	_   structs.HostLayout
 	Vrf uint32
+	Uid uint32
 }
 
 type guardbpfGuardLimit uint32

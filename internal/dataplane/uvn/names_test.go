@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 )
 
@@ -233,5 +234,28 @@ func TestSrunPortsMap(t *testing.T) {
 	}
 	if got := spec.Maps[srunbpfMapPalSrunPorts].MaxEntries; got != 3*maxSrunPorts {
 		t.Fatalf("pal_srun_ports holds %d entries; maxSrunPorts = %d needs %d", got, maxSrunPorts, 3*maxSrunPorts)
+	}
+}
+
+// A used-up srun budget is named with the user and the budget; below it,
+// or without the Slurm-callback path, nothing is said.
+func TestSrunExhausted(t *testing.T) {
+	r := policy.PortRange{First: 61000, Last: 62999}
+	b := SrunBudget(r)
+	at := UserStatus{UserState: UserState{UID: 2001}, SrunClaims: b, SrunBudget: b, SrunRange: "61000-62999"}
+	msg := at.SrunExhausted("alice(2001)")
+	for _, want := range []string{"alice(2001)", "500", "61000-62999", "all ports in range exhausted"} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("message %q lacks %q", msg, want)
+		}
+	}
+	below := at
+	below.SrunClaims = b - 1
+	none := at
+	none.SrunBudget, none.SrunClaims = 0, 0
+	for _, u := range []UserStatus{below, none} {
+		if m := u.SrunExhausted("alice(2001)"); m != "" {
+			t.Errorf("claims %d of %d: %q, want nothing", u.SrunClaims, u.SrunBudget, m)
+		}
 	}
 }

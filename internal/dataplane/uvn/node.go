@@ -728,6 +728,56 @@ type UserStatus struct {
 	// node finds no port ("all ports in range exhausted").
 	SrunClaims uint32 `json:"srun_claims"`
 	SrunBudget uint32 `json:"srun_budget,omitempty"`
+	SrunRange  string `json:"srun_range,omitempty"`
+}
+
+// SrunExhausted says, naming the user (name: identity.UserName's
+// "alice(2001)") and the budget, that the user's VRF holds every SrunPortRange
+// claim it may on this node; "" while it does not. srun itself can only
+// say Slurm's "all ports in range exhausted" (the refused bind is EPERM to
+// it), so the node says why where it can: `palisade uvn status`, the
+// PAM and SPANK entry points' output and logs.
+func (u *UserStatus) SrunExhausted(name string) string {
+	if u.SrunBudget == 0 || u.SrunClaims < u.SrunBudget {
+		return ""
+	}
+	return fmt.Sprintf("user %s holds %d SrunPortRange claims (%s) on this node, the budget of %d per user: "+
+		"an srun from the user's VRF here fails with \"all ports in range exhausted\" until some of the user's sockets on those ports close",
+		name, u.SrunClaims, u.SrunRange, u.SrunBudget)
+}
+
+// SrunStatus is uid's claims against its budget on this node (zero
+// budget: no Slurm-callback path here, or the user has no network).
+func (m *Manager) SrunStatus(uid uint32) UserStatus {
+	us := UserStatus{UserState: UserState{UID: uid, VRF: VRFName(uid)}}
+	counts, budget, rng := m.srunCounts()
+	if counts == nil {
+		return us
+	}
+	defer counts.Close()
+	us.SrunBudget, us.SrunRange = budget, rng
+	if vl, err := netlink.LinkByName(us.VRF); err == nil {
+		counts.Lookup(uint32(vl.Attrs().Index), &us.SrunClaims) // none: 0
+	}
+	return us
+}
+
+// srunCounts opens the map of live claims per VRF, with the budget and the
+// range it counts for (nil: no Slurm-callback path on this node).
+func (m *Manager) srunCounts() (*ebpf.Map, uint32, string) {
+	ns, found, err := m.st.loadNode()
+	if err != nil || !found || ns.SrunCount == 0 {
+		return nil, 0, ""
+	}
+	r, err := policy.ParsePortRange(ns.SrunRange)
+	if err != nil {
+		return nil, 0, ""
+	}
+	counts, err := ebpf.NewMapFromID(ebpf.MapID(ns.SrunCount))
+	if err != nil {
+		return nil, 0, ""
+	}
+	return counts, SrunBudget(r), ns.SrunRange
 }
 
 // Status lists the users with a network on this node.
@@ -737,22 +787,16 @@ func (m *Manager) Status() ([]UserStatus, *NodeState, error) {
 		return nil, nil, err
 	}
 	var out []UserStatus
-	var counts *ebpf.Map
-	var budget uint32
-	if ns, found, err := m.st.loadNode(); err == nil && found && ns.SrunCount != 0 {
-		if r, err := policy.ParsePortRange(ns.SrunRange); err == nil {
-			budget = SrunBudget(r)
-		}
-		if counts, err = ebpf.NewMapFromID(ebpf.MapID(ns.SrunCount)); err == nil {
-			defer counts.Close()
-		}
+	counts, budget, rng := m.srunCounts()
+	if counts != nil {
+		defer counts.Close()
 	}
 	for _, u := range uids {
 		st, ok, err := m.st.loadUser(u)
 		if err != nil || !ok {
 			continue
 		}
-		us := UserStatus{UserState: *st, SrunBudget: budget}
+		us := UserStatus{UserState: *st, SrunBudget: budget, SrunRange: rng}
 		if vl, err := netlink.LinkByName(st.VRF); err == nil && counts != nil {
 			counts.Lookup(uint32(vl.Attrs().Index), &us.SrunClaims) // none: 0
 		}

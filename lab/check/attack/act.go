@@ -52,6 +52,10 @@ type ActSpec struct {
 	Stamp    string `json:"stamp,omitempty"` // "", "v1"
 	StampUID uint32 `json:"stamp_uid,omitempty"`
 	StampGID uint32 `json:"stamp_gid,omitempty"`
+	// PktInfo names the output device of an unconnected datagram in an
+	// IP_PKTINFO / IPV6_PKTINFO control message (ipi_ifindex): the kernel
+	// checks nothing for unprivileged senders.
+	PktInfo string `json:"pktinfo,omitempty"`
 	// Creds, for a step run as root: the ids the process takes before it
 	// opens its socket (a root daemon acting for a user: real uid 0,
 	// effective bob; or a set-uid-root program run by bob).
@@ -86,6 +90,8 @@ type ActResult struct {
 	Error string `json:"error,omitempty"`
 	Local string `json:"local,omitempty"` // the socket's own address
 	Reply bool   `json:"reply,omitempty"` // the echo of our nonce came back
+	// PreBind is what the Sock's PreBind returned ("" = bound).
+	PreBind string `json:"pre_bind,omitempty"`
 }
 
 // LoopLine is one attempt of a looping act.
@@ -147,7 +153,10 @@ func act(s ActSpec, r *ActResult) error {
 	if s.SOCKS != "" {
 		return actSOCKS(s, r)
 	}
-	fd, err := bindSock(s.Sock)
+	fd, pre, err := bindSockPre(s.Sock)
+	if pre != nil {
+		r.PreBind = pre.Error()
+	}
 	if err != nil {
 		return err
 	}
@@ -218,9 +227,12 @@ func act(s ActSpec, r *ActResult) error {
 		}
 	}
 	for i := 0; i < s.Count; i++ {
-		if s.Connect {
+		switch {
+		case s.Connect:
 			_, err = writeFD(fd, msg)
-		} else {
+		case s.PktInfo != "":
+			err = sendPktInfo(fd, s, msg, dst)
+		default:
 			err = sendtoFD(fd, msg, 0, dst)
 		}
 		if err != nil {
@@ -244,6 +256,27 @@ func act(s ActSpec, r *ActResult) error {
 		}
 	}
 	return nil
+}
+
+// sendPktInfo sends msg to dst with the output device s.PktInfo named in
+// a control message.
+func sendPktInfo(fd int, s ActSpec, msg []byte, dst unix.Sockaddr) error {
+	ifi, err := net.InterfaceByName(s.PktInfo)
+	if err != nil {
+		return at("pktinfo", err)
+	}
+	var oob []byte
+	if s.Family == 6 {
+		oob = unix.PktInfo6(&unix.Inet6Pktinfo{Ifindex: uint32(ifi.Index)})
+	} else {
+		oob = unix.PktInfo4(&unix.Inet4Pktinfo{Ifindex: int32(ifi.Index)})
+	}
+	for {
+		err := unix.Sendmsg(fd, msg, oob, dst, 0)
+		if err != unix.EINTR {
+			return err
+		}
+	}
 }
 
 func readEcho(fd int, nonce string, r *ActResult) error {

@@ -214,10 +214,29 @@ func serve(spec SinkSpec, enc *json.Encoder, mu *sync.Mutex, gate <-chan struct{
 
 // bindSock opens spec's socket and binds it (and joins its groups).
 func bindSock(s Sock) (int, error) {
+	fd, _, err := bindSockPre(s)
+	return fd, err
+}
+
+// bindSockPre is bindSock that also returns what PreBind's bind returned.
+func bindSockPre(s Sock) (int, error, error) {
 	fd, err := s.open()
 	if err != nil {
-		return -1, err
+		return -1, nil, err
 	}
+	var pre error
+	if s.PreBind != "" {
+		sa, err := sockaddr(s, s.PreBind)
+		if err == nil {
+			err = unix.Bind(fd, sa)
+		}
+		pre = at("pre-bind", err)
+	}
+	fd, err = bindRest(fd, s)
+	return fd, pre, err
+}
+
+func bindRest(fd int, s Sock) (int, error) {
 	if s.Bind != "" {
 		sa, err := sockaddr(s, s.Bind)
 		if err != nil {

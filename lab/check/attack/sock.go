@@ -13,6 +13,7 @@
 package attack
 
 import (
+	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -34,9 +35,17 @@ type Sock struct {
 	Family int    `json:"family,omitempty"` // 4 or 6 (inet protocols)
 	// Bind is addr:port ("[fe80::1%eth0]:5000" for a link-local address),
 	// or for unix sockets the abstract name (without the leading NUL).
-	Bind      string `json:"bind,omitempty"`
-	Dual      bool   `json:"dual,omitempty"` // IPv6 socket that also takes IPv4 (v4-mapped)
-	Device    string `json:"device,omitempty"`
+	Bind   string `json:"bind,omitempty"`
+	Dual   bool   `json:"dual,omitempty"` // IPv6 socket that also takes IPv4 (v4-mapped)
+	Device string `json:"device,omitempty"`
+	// DeviceOpt is the option that sets Device: SO_BINDTODEVICE (default),
+	// SO_BINDTOIFINDEX, IP_UNICAST_IF or IPV6_UNICAST_IF.
+	DeviceOpt string `json:"device_opt,omitempty"`
+	// PreBind is bound first and its failure ignored: bind() to a scoped
+	// link-local address sets the socket's device from sin6_scope_id
+	// before the address check fails (EADDRNOTAVAIL) and does not undo
+	// it, so a failed bind can still move a socket into another device.
+	PreBind   string `json:"pre_bind,omitempty"`
 	ReuseAddr bool   `json:"reuseaddr,omitempty"`
 	ReusePort bool   `json:"reuseport,omitempty"`
 	FastOpen  bool   `json:"fastopen,omitempty"`
@@ -189,8 +198,8 @@ func (s Sock) open() (int, error) {
 		}
 	}
 	if s.Device != "" {
-		if err := unix.BindToDevice(fd, s.Device); err != nil {
-			return fail("SO_BINDTODEVICE", err)
+		if err := setDevice(fd, s.DeviceOpt, s.Device); err != nil {
+			return fail(deviceOpt(s.DeviceOpt), err)
 		}
 	}
 	if s.IPOptions != "" {
@@ -232,6 +241,38 @@ func (s Sock) open() (int, error) {
 		}
 	}
 	return fd, nil
+}
+
+func deviceOpt(opt string) string {
+	if opt == "" {
+		return "SO_BINDTODEVICE"
+	}
+	return opt
+}
+
+// setDevice ties fd to the device dev with the option opt.
+func setDevice(fd int, opt, dev string) error {
+	if deviceOpt(opt) == "SO_BINDTODEVICE" {
+		return unix.BindToDevice(fd, dev)
+	}
+	ifi, err := net.InterfaceByName(dev)
+	if err != nil {
+		return err
+	}
+	switch opt {
+	case "SO_BINDTOIFINDEX":
+		return unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_BINDTOIFINDEX, ifi.Index)
+	case "IP_UNICAST_IF", "IPV6_UNICAST_IF":
+		// The index in network byte order (both options, see ip(7)).
+		var b [4]byte
+		binary.BigEndian.PutUint32(b[:], uint32(ifi.Index))
+		level, name := unix.IPPROTO_IP, unix.IP_UNICAST_IF
+		if opt == "IPV6_UNICAST_IF" {
+			level, name = unix.IPPROTO_IPV6, unix.IPV6_UNICAST_IF
+		}
+		return unix.SetsockoptInt(fd, level, name, int(binary.NativeEndian.Uint32(b[:])))
+	}
+	return fmt.Errorf("unknown device option %q", opt)
 }
 
 // sockaddr turns "addr:port" (zones allowed) or an abstract unix name into

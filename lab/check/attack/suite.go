@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
+	"os"
 	"os/exec"
 	"slices"
 	"strconv"
@@ -38,6 +39,8 @@ type Env struct {
 	Port int
 	Log  func(format string, args ...any)
 	ll   map[string]netip.Addr // link-local address of eth0 per node
+	// present: "node/user" has a process for the whole suite.
+	present map[string]bool
 }
 
 // Sink is a running victim socket.
@@ -118,7 +121,7 @@ func (e *Env) Sink(r *Run, node, user string, spec SinkSpec) (*Sink, error) {
 func (e *Env) SinkGated(r *Run, node, user string, spec SinkSpec, between func() error) (*Sink, error) {
 	spec.Gated = between != nil
 	b, _ := json.Marshal(spec)
-	cmd := e.TB.Command(e.Ctx, node, asUser(user), e.TB.LabBinary, "probe", "sink", "--spec", string(b))
+	cmd := e.command(e.Ctx, node, user, e.TB.LabBinary, "probe", "sink", "--spec", string(b))
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		return nil, err
@@ -173,8 +176,8 @@ func (e *Env) SinkGated(r *Run, node, user string, spec SinkSpec, between func()
 		case <-created:
 		case l := <-ready:
 			return s, &SinkError{Errno: l.Errno, Msg: fmt.Sprintf("sink %s@%s %s: %s", user, node, spec.Proto, l.Error)}
-		case <-time.After(15 * time.Second):
-			return s, fmt.Errorf("sink %s@%s: socket not created after 15 s", user, node)
+		case <-time.After(patient(15 * time.Second)):
+			return s, fmt.Errorf("sink %s@%s: socket not created after %v", user, node, patient(15*time.Second))
 		}
 		if err := between(); err != nil {
 			return s, err
@@ -190,8 +193,8 @@ func (e *Env) SinkGated(r *Run, node, user string, spec SinkSpec, between func()
 		}
 		s.Addr = l.Addr
 		return s, nil
-	case <-time.After(15 * time.Second):
-		return s, fmt.Errorf("sink %s@%s: not ready after 15 s", user, node)
+	case <-time.After(patient(15 * time.Second)):
+		return s, fmt.Errorf("sink %s@%s: not ready after %v", user, node, patient(15*time.Second))
 	case <-e.Ctx.Done():
 		return s, e.Ctx.Err()
 	}
@@ -243,19 +246,41 @@ func (s *Sink) From(nonce string) string {
 	return s.got[nonce]
 }
 
-// Act runs one step as user on node ("unshare:FLAGS:user" runs it inside
-// `unshare FLAGS`).
-func (e *Env) Act(node, user string, spec ActSpec) (ActResult, error) {
-	b, _ := json.Marshal(spec)
-	argv := []string{e.TB.LabBinary, "probe", "act", "--spec", string(b)}
+// command is TB.Command for a step's user, who may be written
+// "unshare:FLAGS:user" (argv runs inside `unshare FLAGS`) or "stray:UID"
+// (argv runs as that uid outside any session, as cron, at or systemd
+// --user would start it: root's setpriv, no login, so in uvn in no VRF).
+func (e *Env) command(ctx context.Context, node, user string, argv ...string) *exec.Cmd {
 	if rest, ok := strings.CutPrefix(user, "unshare:"); ok {
 		flags, u, _ := strings.Cut(rest, ":")
 		user = u
 		argv = append([]string{"unshare", flags, "--"}, argv...)
 	}
-	ctx, cancel := context.WithTimeout(e.Ctx, 20*time.Second)
+	if uid, ok := strings.CutPrefix(user, "stray:"); ok {
+		user = "root"
+		argv = append([]string{"setpriv", "--reuid=" + uid, "--regid=" + uid, "--init-groups", "--"}, argv...)
+	}
+	return e.TB.Command(ctx, node, asUser(user), argv...)
+}
+
+// inVM reports a run inside the uvn VM (its guest agent sets
+// PALISADE_VM=1): every process start there is seconds under emulation, so
+// the suite is patient, never lenient (as check's matrix, docs/check.md).
+func inVM() bool { return os.Getenv("PALISADE_VM") == "1" }
+
+func patient(d time.Duration) time.Duration {
+	if inVM() {
+		return 10 * d
+	}
+	return d
+}
+
+// Act runs one step as user on node (see command for the user's forms).
+func (e *Env) Act(node, user string, spec ActSpec) (ActResult, error) {
+	b, _ := json.Marshal(spec)
+	ctx, cancel := context.WithTimeout(e.Ctx, patient(20*time.Second))
 	defer cancel()
-	cmd := e.TB.Command(ctx, node, asUser(user), argv...)
+	cmd := e.command(ctx, node, user, e.TB.LabBinary, "probe", "act", "--spec", string(b))
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
@@ -310,7 +335,7 @@ func (r *Run) Defer(f func()) { r.cleanup = append(r.cleanup, f) }
 
 // Root runs argv as root on node and returns its combined output.
 func (e *Env) Root(node string, argv ...string) (string, error) {
-	ctx, cancel := context.WithTimeout(e.Ctx, 20*time.Second)
+	ctx, cancel := context.WithTimeout(e.Ctx, patient(20*time.Second))
 	defer cancel()
 	out, err := e.TB.Output(ctx, node, "", argv...)
 	if err != nil {
@@ -358,13 +383,31 @@ type Options struct {
 	// daemon's — holds a port a case's listener must bind: CI run ci4 lost
 	// a case to "bind: address already in use" at 42xxx).
 	BasePort int
+	// Mode picks the case set: "userwall" (default: Cases) or "uvn"
+	// (UVNCases, in the uvn VM).
+	Mode string
 }
 
-// RunSuite runs every case on tb (a userwall testbed with at least two
-// nodes), one after the other.
+// CasesFor is the case set of a mode, or an error for a mode without one.
+func CasesFor(mode string) ([]*Case, error) {
+	switch mode {
+	case "", "userwall":
+		return Cases(), nil
+	case "uvn":
+		return UVNCases(), nil
+	}
+	return nil, fmt.Errorf("no attack suite for mode %q (userwall, uvn)", mode)
+}
+
+// RunSuite runs every case of opts.Mode on tb (a testbed of that mode with
+// at least two nodes), one after the other.
 func RunSuite(ctx context.Context, tb *testbed.Testbed, opts Options) ([]*Result, error) {
 	if len(tb.Nodes) < 2 {
 		return nil, errors.New("the attack suite needs at least 2 nodes")
+	}
+	cases, err := CasesFor(opts.Mode)
+	if err != nil {
+		return nil, err
 	}
 	if opts.BasePort == 0 {
 		opts.BasePort = 20000
@@ -373,8 +416,28 @@ func RunSuite(ctx context.Context, tb *testbed.Testbed, opts Options) ([]*Result
 	if logf == nil {
 		logf = func(string, ...any) {}
 	}
+	// uvn: alice and bob keep a process on B for the whole suite, so that
+	// their networks (VRF, VXLANs, NAT address) exist there for the
+	// cross-node cases without a process start per case.
+	present := map[string]bool{}
+	if opts.Mode == "uvn" {
+		hold := &Run{}
+		defer func() {
+			for _, s := range hold.sinks {
+				s.stop()
+			}
+		}()
+		pe := &Env{TB: tb, Ctx: ctx, A: tb.Nodes[0], B: tb.Nodes[1], Outside: tb.Outside, Log: logf, ll: map[string]netip.Addr{}}
+		for i, u := range []string{Victim, Attacker} {
+			spec := SinkSpec{Sock: Sock{Proto: "udp", Family: 4, Bind: ap(wild(4), opts.BasePort-10+i)}}
+			if _, err := pe.Sink(hold, pe.B.Name, u, spec); err != nil {
+				return nil, fmt.Errorf("%s's process on %s: %w", u, pe.B.Name, err)
+			}
+			present[pe.B.Name+"/"+u] = true
+		}
+	}
 	var out []*Result
-	for i, c := range Cases() {
+	for i, c := range cases {
 		if len(opts.Only) > 0 && !slices.ContainsFunc(opts.Only, func(s string) bool { return strings.Contains(c.Name, s) }) {
 			continue
 		}
@@ -382,7 +445,7 @@ func RunSuite(ctx context.Context, tb *testbed.Testbed, opts Options) ([]*Result
 			break
 		}
 		e := &Env{TB: tb, Ctx: ctx, A: tb.Nodes[0], B: tb.Nodes[1], Outside: tb.Outside,
-			Port: opts.BasePort + 10*i, Log: logf, ll: map[string]netip.Addr{}}
+			Port: opts.BasePort + 10*i, Log: logf, ll: map[string]netip.Addr{}, present: present}
 		res := RunCase(e, c)
 		out = append(out, res)
 		logf("%s", res.Line())
@@ -399,11 +462,11 @@ func RunCase(e *Env, c *Case) *Result {
 	// get Grace.
 	for _, st := range r.Controls {
 		if st.Sink != nil {
-			st.Delivered = st.Sink.Got(st.Nonce, controlWait)
+			st.Delivered = st.Sink.Got(st.Nonce, patient(controlWait))
 		}
 	}
 	if len(r.Attacks) > 0 {
-		time.Sleep(Grace)
+		time.Sleep(patient(Grace))
 	}
 	for _, st := range r.Attacks {
 		if st.Sink != nil {

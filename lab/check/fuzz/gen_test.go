@@ -144,3 +144,35 @@ func TestProgramString(t *testing.T) {
 		t.Errorf("got\n%s\nwant\n%s", got, want)
 	}
 }
+
+// uvn's run leaves out exactly the link-local sentinels (a session cannot
+// bind them), every other mode keeps them.
+func TestSentinelsByDesign(t *testing.T) {
+	ll := netip.MustParseAddr("fe80::1").WithZone("eth0")
+	nodes := []NodeAddrs{NewNodeAddrs("node1", netip.MustParseAddr("198.18.0.1"), netip.MustParseAddr("2001:2::1"),
+		netip.MustParseAddr("198.19.0.1"), netip.MustParseAddr("2001:2:0:1::1"), ll)}
+	all := BuildSentinels(nodes, 47000)
+	lls := 0
+	for _, s := range all {
+		if s.Form == "ll" {
+			lls++
+		}
+	}
+	if lls == 0 {
+		t.Fatal("no link-local sentinels built")
+	}
+	kept, left := ForMode(all, "uvn")
+	if len(kept) != len(all)-lls || left["ll"] == "" || len(left) != 1 {
+		t.Errorf("uvn: kept %d of %d (%d link-local), left %v", len(kept), len(all), lls, left)
+	}
+	for _, s := range kept {
+		if s.Form == "ll" {
+			t.Errorf("uvn kept %s", s.Tag)
+		}
+	}
+	for _, m := range []string{"userwall", "none"} {
+		if kept, left := ForMode(all, m); len(kept) != len(all) || len(left) != 0 {
+			t.Errorf("%s: kept %d of %d, left %v", m, len(kept), len(all), left)
+		}
+	}
+}

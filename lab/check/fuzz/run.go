@@ -280,7 +280,10 @@ func (f *fuzzer) setup() error {
 		}
 		f.idents["listener:"+o.Name] = p
 	}
-	all := BuildSentinels(nodes, f.opts.BasePort)
+	all, left := ForMode(BuildSentinels(nodes, f.opts.BasePort), f.opts.Mode)
+	for form, why := range left {
+		f.logf("fuzz: no %q sentinels in mode %s: %s", form, f.opts.Mode, why)
+	}
 	if err := f.startSentinels(all); err != nil {
 		return err
 	}

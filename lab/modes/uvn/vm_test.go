@@ -85,8 +85,33 @@ func TestVM(t *testing.T) {
 	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
 		t.Skip("qemu-system-x86_64 not installed")
 	}
+	for _, series := range vmKernels() {
+		t.Run(series, func(t *testing.T) { vmSuite(t, series) })
+	}
+}
+
+// vmKernels are the guest kernels TestVM runs on: the series of
+// PALISADE_TEST_KERNELS that uvn supports (6.1 and later: `make test` sets
+// 6.1; PALISADE_TEST_KERNELS="6.1 6.12" runs both), 6.1 when it is unset.
+func vmKernels() []string {
+	var out []string
+	for _, k := range strings.Fields(os.Getenv("PALISADE_TEST_KERNELS")) {
+		if k == "6.1" || k == "6.12" {
+			out = append(out, k)
+		}
+	}
+	if len(out) == 0 {
+		out = []string{"6.1"}
+	}
+	return out
+}
+
+func vmSuite(t *testing.T, series string) {
 	ctx := context.Background()
-	name := testbed.RunName("uv")
+	if _, err := vm.PrepareKernel(ctx, series); err != nil {
+		t.Fatalf("guest kernel %s: %v", series, err)
+	}
+	name := testbed.RunName("uv") // the series run one after the other
 	// The product with failure injection (the rollback subtest's
 	// PALISADE_UVN_FAIL_AT), which the shipped binary does not honour.
 	bin := filepath.Join(t.TempDir(), "palisade")
@@ -96,11 +121,11 @@ func TestVM(t *testing.T) {
 		t.Fatalf("go build -tags palisade_fault_injection: %v\n%s", err, out)
 	}
 	t0 := time.Now()
-	tb, err := testbed.Up(ctx, testbed.Options{Name: name, Nodes: 3, Mode: ModeName, VM: true, Binary: bin})
+	tb, err := testbed.Up(ctx, testbed.Options{Name: name, Nodes: 3, Mode: ModeName, VM: true, Binary: bin, Kernel: series})
 	if err != nil {
-		t.Fatalf("testbed up --vm --mode uvn: %v", err)
+		t.Fatalf("testbed up --vm --kernel %s --mode uvn: %v", series, err)
 	}
-	t.Logf("VM testbed %s up in %v", name, time.Since(t0).Round(time.Second))
+	t.Logf("VM testbed %s (kernel %s) up in %v", name, series, time.Since(t0).Round(time.Second))
 	t.Cleanup(func() {
 		if err := testbed.Down(context.Background(), name); err != nil {
 			t.Errorf("testbed down: %v", err)
@@ -118,7 +143,6 @@ func TestVM(t *testing.T) {
 	// system service on a node where the connectors have no overlay), and a
 	// host off-subnet that echoes the source address it sees.
 	alice := e.bg(t, "node2", "alice", `exec socat TCP6-LISTEN:29101,ipv6only=0,reuseaddr,fork SYSTEM:'echo alice-node2'`)
-	aliceUDP := e.bg(t, "node2", "alice", `exec socat -u UDP-RECV:29104 -`)
 	e.bg(t, "node3", "", `exec socat TCP-LISTEN:590,reuseaddr,fork SYSTEM:'echo root-node3'`)
 	e.bg(t, "outside", "carol", `exec socat TCP-LISTEN:29102,reuseaddr,fork SYSTEM:'echo outside-saw-$SOCAT_PEERADDR'`)
 	// A Go listener (palisade-lab probe, MPTCP by default since Go 1.24): its
@@ -129,7 +153,6 @@ func TestVM(t *testing.T) {
 		t.Errorf("Go (MPTCP-default) listener not bound to alice's VRF:\n%s", out)
 	}
 	waitFor(t, e, "node2", "29101")
-	waitFor(t, e, "node2", "29104")
 	waitFor(t, e, "node3", "590")
 	waitFor(t, e, "outside", "29102")
 	_ = alice
@@ -198,52 +221,8 @@ func TestVM(t *testing.T) {
 		}
 	})
 
-	t.Run("attacks", func(t *testing.T) { attacks(t, e) })
-
-	t.Run("injection", func(t *testing.T) {
-		// bob, unprivileged, outside any VRF (a stray process) and the
-		// off-cluster host craft VXLAN frames into alice's VNI on node2.
-		inj := func(tag string) string {
-			return fmt.Sprintf("setpriv --reuid=2002 --regid=2002 --init-groups %s vm inject --to 198.18.0.2:%d --vni 2001 --src 198.18.0.1 --dst 198.18.0.2 --dport 29104 --payload INJ-%s-bob 2>&1",
-				tb.LabBinary, TestbedPortEth, tag)
-		}
-		injOut := func(tag string) string {
-			return fmt.Sprintf("%s vm inject --to 198.18.0.2:%d --vni 2001 --src 198.18.0.1 --dst 198.18.0.2 --dport 29104 --payload INJ-%s-outside 2>&1",
-				tb.LabBinary, TestbedPortEth, tag)
-		}
-		out := e.run(t, "node1", "", inj("guarded"))
-		e.run(t, "outside", "", injOut("guarded"))
-		time.Sleep(3 * time.Second)
-		if strings.Contains(aliceUDP.String(), "INJ-guarded") {
-			t.Errorf("injection through the guard reached alice: %q (sender: %s)", aliceUDP.String(), out)
-		}
-		// Control: the same attack without the guard succeeds, so the test
-		// can fail.
-		for _, n := range []string{"node1", "node2"} {
-			e.run(t, n, "", "nft delete table inet palisade_uvn")
-		}
-		e.run(t, "node1", "", inj("open"))
-		e.run(t, "outside", "", injOut("open"))
-		deadline := time.Now().Add(10 * time.Second)
-		for time.Now().Before(deadline) && !(strings.Contains(aliceUDP.String(), "INJ-open-bob") && strings.Contains(aliceUDP.String(), "INJ-open-outside")) {
-			time.Sleep(200 * time.Millisecond)
-		}
-		if !strings.Contains(aliceUDP.String(), "INJ-open-bob") || !strings.Contains(aliceUDP.String(), "INJ-open-outside") {
-			t.Errorf("control failed: without the guard the injections should reach alice; got %q", aliceUDP.String())
-		}
-		// A setup restores the guard in place.
-		for _, n := range []string{"node1", "node2"} {
-			e.run(t, n, "", tb.Binary+" uvn setup --uid alice >/dev/null")
-			if out := e.run(t, n, "", "nft list table inet palisade_uvn >/dev/null && echo guard-back"); !strings.Contains(out, "guard-back") {
-				t.Errorf("%s: guard not restored: %s", n, out)
-			}
-		}
-		e.run(t, "node1", "", inj("restored"))
-		time.Sleep(2 * time.Second)
-		if strings.Contains(aliceUDP.String(), "INJ-restored") {
-			t.Errorf("injection reached alice after the guard was restored")
-		}
-	})
+	t.Run("attacks", func(t *testing.T) { attacks(t, ctx, tb) })
+	t.Run("srun-budget", func(t *testing.T) { srunBudget(t, e) })
 
 	t.Run("ssh-pam-and-srun", func(t *testing.T) {
 		// ssh: the session (sshd with UsePAM yes and the pam_exec line) runs

@@ -55,19 +55,6 @@ const (
 	forwardAddr = "127.0.0.1:8010"
 )
 
-// delegated: the hub's proxy reaches servers through the delegation
-// (palisade portal forward), not as an exempt connector. False until the
-// delegation lands (docs/portals.md): the hub then runs exempt, the hole
-// the control subtest shows.
-const delegated = false
-
-func forwardURL() string {
-	if delegated {
-		return "http://" + forwardAddr + "\n"
-	}
-	return ""
-}
-
 var (
 	tb      *testbed.Testbed
 	hubDir  string
@@ -87,6 +74,7 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, "jupyterhub:", venv, "is missing: run .ci/deps")
 		os.Exit(1)
 	}
+	t0 := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	_ = testbed.Down(ctx, tbName)
 	var err error
@@ -97,13 +85,17 @@ func TestMain(m *testing.M) {
 		_ = testbed.Down(context.Background(), tbName)
 		os.Exit(1)
 	}
+	fmt.Printf("jupyterhub: testbed %s up in %.1fs\n", tbName, time.Since(t0).Seconds())
+	t0 = time.Now()
 	code := 1
 	stop, err := setup()
+	fmt.Printf("jupyterhub: portal up in %.1fs\n", time.Since(t0).Seconds())
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "jupyterhub setup:", err)
 	} else {
 		code = m.Run()
 	}
+	t0 = time.Now()
 	if stop != nil {
 		stop()
 	}
@@ -117,6 +109,7 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, "testbed down:", err)
 		code = 1
 	}
+	fmt.Printf("jupyterhub: portal and testbed down in %.1fs\n", time.Since(t0).Seconds())
 	os.Exit(code)
 }
 
@@ -202,7 +195,7 @@ func setup() (func(), error) {
 		// The single-user servers' jupyter-server-proxy may proxy to the
 		// cluster's nodes (its default: this host only).
 		"jupyter/jupyter_server_config.json": {`{"ServerProxy": {"host_allowlist": ["localhost", "127.0.0.1", "node1", "node2", "node3"]}}`, 0o644, 0},
-		"forward":                            {forwardURL(), 0o644, 0},
+		"forward":                            {"http://" + forwardAddr + "\n", 0o644, 0},
 	}
 	for name, f := range files {
 		p := filepath.Join(hubDir, name)
@@ -227,7 +220,7 @@ func setup() (func(), error) {
 	if err := os.WriteFile(filepath.Join(sudoers, hubAccount), []byte(rule), 0o440); err != nil {
 		return nil, err
 	}
-	if err := configurePalisade(!delegated); err != nil {
+	if err := configurePalisade(false); err != nil {
 		return nil, err
 	}
 	// Several servers share a node's two CPUs (the hub's test runs four
@@ -235,12 +228,9 @@ func setup() (func(), error) {
 	if out, err := tb.Output(context.Background(), portalNode, "", "scontrol", "update", "PartitionName=debug", "OverSubscribe=FORCE:4"); err != nil {
 		return nil, fmt.Errorf("%v: %s", err, out)
 	}
-	stopFwd := func() {}
-	if delegated {
-		var err error
-		if stopFwd, err = startForwarder(); err != nil {
-			return nil, err
-		}
+	stopFwd, err := startForwarder()
+	if err != nil {
+		return nil, err
 	}
 	stopHub, err := startHub()
 	if err != nil {
@@ -250,11 +240,33 @@ func setup() (func(), error) {
 	return func() { stopHub(); stopFwd() }, nil
 }
 
-// configurePalisade writes the portal's settings into every node's
-// policy and reloads the agents: the hub's account is an exempt listener
-// (every user reaches the hub and its proxy), a [portal] proxy on the
-// portal node, and, only with exempt (the positive control: what a site
-// does without the delegation), an exempt connector.
+// hubRules open the hub's two public ports and nothing else of its
+// account: its proxy (8000) to the cluster and to browsers outside, its API
+// (8081) to the users' jobs. The account is no exempt listener: its other
+// listeners (the proxy's API, the delegation's forwarder on a loopback
+// port) stay its own.
+const hubRules = `
+[[rule]]
+name = "jupyterhub"
+action = "allow"
+to = ["` + hubAccount + `"]
+on_nodes = ["` + portalNode + `"]
+ports = ["8000", "8081"]
+
+[[rule]]
+name = "jupyterhub-browsers"
+action = "allow"
+from_subnets = ["198.18.200.0/24", "2001:2:0:c8::/64"]
+to = ["` + hubAccount + `"]
+on_nodes = ["` + portalNode + `"]
+ports = ["8000"]
+`
+
+// configurePalisade writes the portal's settings into every node's policy
+// and reloads the agents: the hub's account is a [portal] proxy on the
+// portal node and its public ports are open (hubRules). With exempt (the
+// positive control: what a site without the delegation does) the account
+// is also an exempt connector and an exempt listener.
 func configurePalisade(exempt bool) error {
 	return testbed.Parallel(tb.Nodes, func(n testbed.Node) error {
 		p := tb.ConfigPath(n.Name)
@@ -263,19 +275,19 @@ func configurePalisade(exempt bool) error {
 			return err
 		}
 		s := string(b)
-		s = regexp.MustCompile(`(?m)^exempt_listeners = \[(.*?)(, "`+hubAccount+`")?\]$`).ReplaceAllString(s, `exempt_listeners = [$1, "`+hubAccount+`"]`)
-		ec := regexp.MustCompile(`(?m)^exempt_connectors = \[(.*?)(, "` + hubAccount + `")?\]$`)
-		if exempt {
-			s = ec.ReplaceAllString(s, `exempt_connectors = [$1, "`+hubAccount+`"]`)
-		} else {
-			s = ec.ReplaceAllString(s, `exempt_connectors = [$1]`)
+		for _, key := range []string{"exempt_connectors", "exempt_listeners"} {
+			re := regexp.MustCompile(`(?m)^` + key + ` = \[(.*?)(, "` + hubAccount + `")?\]$`)
+			if exempt {
+				s = re.ReplaceAllString(s, key+` = [$1, "`+hubAccount+`"]`)
+			} else {
+				s = re.ReplaceAllString(s, key+` = [$1]`)
+			}
 		}
 		if n.Name == portalNode {
 			s = regexp.MustCompile(`(?m)^proxies = \[(.*?)(, "`+hubAccount+`")?\]$`).ReplaceAllString(s, `proxies = [$1, "`+hubAccount+`"]`)
-			// Browsers come from outside the cluster, to the proxy's port.
-			if !strings.Contains(s, "[offcluster]") {
-				s += "\n[offcluster]\nallow_ports = [\"8000\"]\n"
-			}
+		}
+		if !strings.Contains(s, `name = "jupyterhub"`) {
+			s += hubRules
 		}
 		if s == string(b) {
 			return nil

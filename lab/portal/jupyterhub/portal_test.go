@@ -60,10 +60,6 @@ func TestJupyterHub(t *testing.T) {
 	// connects as bob: refused, so the spawn never comes up.
 	rerouted := make(chan string, 1)
 	go func() {
-		if !delegated {
-			rerouted <- ""
-			return
-		}
 		rerouted <- spawn("bob", "evil", map[string]string{
 			"node": aliceNode, "cmd": "/usr/bin/python3 " + filepath.Join(hubDir, "reroute.py") + " " + strconv.Itoa(alicePort),
 		})
@@ -137,9 +133,6 @@ func TestJupyterHub(t *testing.T) {
 	t.Run("reroute", func(t *testing.T) {
 		// 2. bob cannot reach alice's server through the proxy.
 		got := <-rerouted
-		if !delegated {
-			t.Skip("the hub's proxy is exempt until the delegation lands: see control-exempt-proxy")
-		}
 		if !strings.HasPrefix(got, "FAILED") {
 			t.Errorf("bob's server rerouted to alice's port came up: %s", got)
 		}
@@ -148,6 +141,22 @@ func TestJupyterHub(t *testing.T) {
 		}
 		// The connection the forwarder made was bob's, from the portal.
 		refusedEvent(t, aliceNode, "bob", "alice", alicePort, portalV)
+	})
+
+	t.Run("forwarder", func(t *testing.T) {
+		// bob on the portal host asks the hub's forwarder (and its proxy's
+		// API) himself, naming alice: only the hub's account reaches them.
+		const fw = "127.0.0.1:8010"
+		url := fmt.Sprintf("http://%s/as/alice/rnode/%s/%d/user/alice/api", fw, aliceNode, alicePort)
+		if got := httpFrom(t, "node1", "bob", url); !strings.HasPrefix(got, "ERR") {
+			t.Errorf("bob → the forwarder as alice: %.200s", got)
+		}
+		if got := tcpFrom(t, "node1", "bob", "127.0.0.1", 8001); got != "ERR ECONNREFUSED" {
+			t.Errorf("bob → the proxy's API: %s", got)
+		}
+		if got := httpFrom(t, "node1", hubAccount, url); !strings.Contains(got, `"version"`) {
+			t.Errorf("the hub's account → the forwarder as alice (control): %.200s", got)
+		}
 	})
 
 	t.Run("around-the-portal", func(t *testing.T) {
@@ -177,15 +186,13 @@ func TestJupyterHub(t *testing.T) {
 		// Positive control: the hub's account exempt, routes straight to
 		// the jobs (what a site needs without the delegation): bob's same
 		// reroute reaches alice's server — the hole the delegation closes.
-		if delegated {
-			if err := configurePalisade(true); err != nil {
-				t.Fatal(err)
-			}
-			if err := os.WriteFile(filepath.Join(hubDir, "forward"), nil, 0o644); err != nil {
-				t.Fatal(err)
-			}
-			browse("bob", "bob-pw", "stop", "evil")
+		if err := configurePalisade(true); err != nil {
+			t.Fatal(err)
 		}
+		if err := os.WriteFile(filepath.Join(hubDir, "forward"), nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		browse("bob", "bob-pw", "stop", "evil")
 		got := spawn("bob", "evil", map[string]string{
 			"node": aliceNode, "cmd": "/usr/bin/python3 " + filepath.Join(hubDir, "reroute.py") + " " + strconv.Itoa(alicePort),
 		})
@@ -194,6 +201,12 @@ func TestJupyterHub(t *testing.T) {
 		}
 		if page := browse("bob", "bob-pw", "get", "/user/bob/evil/lab"); !strings.Contains(page, "/user/alice/") {
 			t.Errorf("with an exempt hub bob's route should reach alice's server (its 404 names /user/alice/): %.300s", page)
+		}
+		// And an exempt listener would open the forwarder to everyone: bob
+		// names alice and gets her server.
+		url := fmt.Sprintf("http://127.0.0.1:8010/as/alice/rnode/%s/%d/user/alice/api", aliceNode, alicePort)
+		if got := httpFrom(t, "node1", "bob", url); !strings.Contains(got, `"version"`) {
+			t.Errorf("with the hub's account an exempt listener bob should reach alice through the forwarder: %.200s", got)
 		}
 	})
 }
@@ -207,6 +220,24 @@ func jobLogs(user string) string {
 		fmt.Fprintf(&b, "== %s\n%s\n", l, tail(string(out), 15))
 	}
 	return b.String()
+}
+
+// httpFrom GETs url from node as user: "<status> <body>" or "ERR <reason>".
+func httpFrom(t *testing.T, node, user, url string) string {
+	t.Helper()
+	const py = `import sys, urllib.request, urllib.error
+try:
+    r = urllib.request.urlopen(sys.argv[1], timeout=10); print(r.status, r.read().decode()[:300])
+except urllib.error.HTTPError as e:
+    print(e.code, e.read().decode()[:300])
+except Exception as e:
+    print('ERR', e)
+`
+	out, err := tb.Command(context.Background(), node, user, "/usr/bin/python3", "-c", py, url).CombinedOutput()
+	if err != nil {
+		t.Fatalf("GET %s as %s on %s: %v: %s", url, user, node, err, out)
+	}
+	return strings.TrimSpace(string(out))
 }
 
 func hubTail() string {

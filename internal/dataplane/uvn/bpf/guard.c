@@ -28,7 +28,9 @@
  *       never a process's.
  *       An unbound socket of a user (not a system account) sends nothing to
  *       SrunPortRange ports: the tc hand-over (bpf/srun.c) takes the
- *       default VRF's segments to those ports for Slurm's callbacks.
+ *       default VRF's segments to those ports for Slurm's callbacks; and,
+ *       within the node, nothing to another user's unbound socket (two
+ *       users' stray processes do not meet).
  *   cgroup/setsockopt   pal_uvn_sockopt
  *       Refuses (EPERM) SO_BINDTODEVICE, SO_BINDTOIFINDEX, IP_UNICAST_IF,
  *       IPV6_UNICAST_IF, IP_MULTICAST_IF (ip_mreqn) and IPV6_MULTICAST_IF
@@ -38,6 +40,7 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
+#include <bpf/bpf_core_read.h>
 
 char LICENSE[] SEC("license") = "GPL";
 
@@ -52,6 +55,7 @@ char LICENSE[] SEC("license") = "GPL";
 #define IPV6_MULTICAST_IF 17
 #define IPV6_UNICAST_IF 76
 #define PAGE_SIZE 4096
+#define LOOPBACK_IFINDEX 1 /* lo, in every network namespace */
 
 enum guard_verdict {
 	GUARD_REFUSE = 0,
@@ -78,6 +82,7 @@ struct guard_name {
 
 struct guard_birth {
 	__u32 vrf; /* the VRF the socket was born in (0: the default VRF) */
+	__u32 uid; /* its owner: the creator's fs uid, what the kernel records as sk_uid */
 };
 
 struct {
@@ -135,6 +140,9 @@ int pal_uvn_born(struct bpf_sock *sk)
 	if (bpf_get_netns_cookie(sk) != netns_cookie)
 		return GUARD_ALLOW;
 	b.vrf = vrf_of(sk->bound_dev_if);
+	/* The filesystem uid: what the kernel acts with and records as the
+	 * socket's owner (sk_uid), never the real uid. */
+	b.uid = BPF_CORE_READ(bpf_get_current_task_btf(), cred, fsuid.val);
 	/* A socket without its record would escape the checks: refuse it
 	 * (the kernel is out of memory anyway). */
 	if (!bpf_sk_storage_get(&pal_uvn_birth, sk, &b, BPF_SK_STORAGE_GET_F_CREATE))
@@ -188,6 +196,63 @@ static __always_inline int to_srun_port(struct __sk_buff *skb)
 	return dport >= srun_first && dport <= srun_last;
 }
 
+/* Whether a packet sent within the node (through lo) is for a socket of
+ * another user that is in the default VRF too (a stray process's; not a
+ * system account's): two users' stray processes do not meet. Judged at the
+ * sender's egress, where both owners are known; a packet from another node
+ * carries no owner (docs/uvn.md, Limits). */
+static __always_inline int to_other_stray(struct __sk_buff *skb, __u32 uid)
+{
+	struct bpf_sock_tuple t = {};
+	struct guard_birth *pb;
+	struct bpf_sock *peer;
+	__u32 size;
+	__u8 proto;
+	int other = 0;
+
+	if (skb->protocol == bpf_htons(0x0800)) {
+		__u8 v[20];
+		__u32 off;
+
+		if (bpf_skb_load_bytes(skb, 0, v, sizeof(v)))
+			return 0;
+		proto = v[9];
+		off = (v[0] & 0xf) * 4;
+		__builtin_memcpy(&t.ipv4.saddr, &v[12], 4);
+		__builtin_memcpy(&t.ipv4.daddr, &v[16], 4);
+		/* Source and destination port, adjacent in both. */
+		if (bpf_skb_load_bytes(skb, off, &t.ipv4.sport, 4))
+			return 0;
+		size = sizeof(t.ipv4);
+	} else if (skb->protocol == bpf_htons(0x86dd)) {
+		if (bpf_skb_load_bytes(skb, 6, &proto, 1))
+			return 0;
+		/* Source and destination address, adjacent in both. */
+		if (bpf_skb_load_bytes(skb, 8, t.ipv6.saddr, 32))
+			return 0;
+		if (bpf_skb_load_bytes(skb, 40, &t.ipv6.sport, 4))
+			return 0;
+		size = sizeof(t.ipv6);
+	} else {
+		return 0;
+	}
+	if (proto == IPPROTO_TCP)
+		peer = bpf_sk_lookup_tcp(skb, &t, size, BPF_F_CURRENT_NETNS, 0);
+	else if (proto == IPPROTO_UDP)
+		peer = bpf_sk_lookup_udp(skb, &t, size, BPF_F_CURRENT_NETNS, 0);
+	else
+		return 0;
+	if (!peer)
+		return 0;
+	/* No record: an accepted connection (its listener was judged on the
+	 * SYN), or a socket older than uvn. */
+	pb = bpf_sk_storage_get(&pal_uvn_birth, peer, 0, 0);
+	if (pb && pb->vrf == 0 && vrf_of(peer->bound_dev_if) == 0 && pb->uid != uid && !system_uid(pb->uid))
+		other = 1;
+	bpf_sk_release(peer);
+	return other;
+}
+
 static __always_inline int skb_verdict(struct __sk_buff *skb, int egress)
 {
 	struct bpf_sock *sk = skb->sk;
@@ -214,6 +279,12 @@ static __always_inline int skb_verdict(struct __sk_buff *skb, int egress)
 	 * Slurm's. */
 	if (egress && cur == 0 && to_srun_port(skb) && !system_uid(bpf_get_socket_uid(skb)))
 		return GUARD_REFUSE;
+	if (egress && cur == 0 && dev == LOOPBACK_IFINDEX) {
+		__u32 uid = bpf_get_socket_uid(skb);
+
+		if (!system_uid(uid) && to_other_stray(skb, uid))
+			return GUARD_REFUSE;
+	}
 	o = bpf_map_lookup_elem(&pal_uvn_devs, &dev);
 	if (!o || o->vrf == cur)
 		return GUARD_ALLOW;

@@ -1,4 +1,4 @@
-package ident
+package sockowner
 
 import (
 	"bufio"

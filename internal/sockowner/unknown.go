@@ -1,4 +1,4 @@
-package ident
+package sockowner
 
 // UnknownGID is an Owner's GID when the socket's group could not be known
 // (no process holding it is visible to the caller): never a verdict's input.

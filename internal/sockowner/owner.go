@@ -1,12 +1,13 @@
-// Package ident answers "who owns this socket?" — the listener's or the
+// Package sockowner answers "who owns this socket?" — the listener's or the
 // connector's user, effective group, supplementary groups and process — for
 // local sockets through sock_diag and /proc, and for sockets on other
 // cluster nodes through the ident service those nodes run (Server). It is
 // the successor of ident2 in the MIT user-based firewall (reference 001):
 // exact kernel socket lookups for TCP and UDP alike, a versioned JSON
 // protocol over UDP from privileged ports answered only inside the cluster,
-// and a Unix-socket API for portals and proxies.
-package ident
+// and a Unix-socket API for portals and proxies. (Named for what it
+// answers; the service itself is `palisade ident`, after the protocol.)
+package sockowner
 
 import (
 	"errors"

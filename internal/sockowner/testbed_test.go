@@ -1,4 +1,4 @@
-package ident_test
+package sockowner_test
 
 import (
 	"bufio"
