@@ -23,13 +23,13 @@ func LocalUIDs() ([]uint32, error) {
 }
 
 func localIDs(ids func(procfs.Creds) []uint32) ([]uint32, error) {
-	self, err := procfs.NetNS(0)
+	self, err := procfs.Namespace(0, "net")
 	if err != nil {
 		return nil, err
 	}
 	seen := map[uint32]bool{}
 	for _, pid := range procfs.PIDs() {
-		if ns, err := procfs.NetNS(pid); err != nil || ns != self {
+		if ns, err := procfs.Namespace(pid, "net"); err != nil || ns != self {
 			continue
 		}
 		c, err := procfs.ReadCreds(pid)

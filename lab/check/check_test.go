@@ -9,11 +9,11 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
 
@@ -268,22 +268,15 @@ func noProbesLeft(t *testing.T) {
 // whose command line satisfies match.
 func ourProcesses(match func(cmdline string) bool) []string {
 	var out []string
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil || pid == os.Getpid() {
+	for _, pid := range procfs.PIDs() {
+		if pid == os.Getpid() || !procfs.Alive(pid) {
 			continue
 		}
-		st, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-		if i := bytes.LastIndexByte(st, ')'); err != nil || i < 0 || i+2 >= len(st) || st[i+2] == 'Z' {
-			continue
-		}
-		env, _ := os.ReadFile(fmt.Sprintf("/proc/%d/environ", pid))
-		cl, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
-		mine := bytes.Contains(append([]byte{0}, env...), []byte("\x00PALISADE_TESTBED="+instance+"\x00")) ||
-			bytes.Contains(cl, []byte(filepath.Join(testbed.BaseDir, instance)+"/"))
-		if mine && match(string(cl)) {
-			out = append(out, fmt.Sprintf("%d:%s", pid, strings.ReplaceAll(string(cl), "\x00", " ")))
+		cl := strings.Join(procfs.Cmdline(pid), "\x00")
+		mine := slices.Contains(procfs.Environ(pid), "PALISADE_TESTBED="+instance) ||
+			strings.Contains(cl, filepath.Join(testbed.BaseDir, instance)+"/")
+		if mine && match("\x00"+cl+"\x00") {
+			out = append(out, fmt.Sprintf("%d:%s", pid, strings.ReplaceAll(cl, "\x00", " ")))
 		}
 	}
 	return out
@@ -349,13 +342,26 @@ func checkNothingLeft(t *testing.T, before snapshot) {
 		t.Errorf("processes left: %v", left)
 	}
 	if !bytes.Equal(before.passwd, after.passwd) {
-		// The users are shared by instances: another engineer's testbed
-		// coming up meanwhile may add them. Anything else is ours to fix.
-		diff := passwdDiff(before.passwd, after.passwd)
-		if otherInstanceUp() && onlyTestbedUsers(diff) {
-			t.Logf("/etc/passwd changed by another testbed instance meanwhile: %v", diff)
-		} else {
-			t.Errorf("/etc/passwd changed: %v", diff)
+		// The testbed touches only its own accounts, and those are shared
+		// by instances: another engineer's testbed coming up meanwhile may
+		// add them. Other accounts are the host's, which may change them at
+		// any time (lab/sidebyside does); they are not the testbed's to
+		// restore.
+		var ours, others []string
+		for _, l := range passwdDiff(before.passwd, after.passwd) {
+			if onlyTestbedUsers([]string{l}) {
+				ours = append(ours, l)
+			} else {
+				others = append(others, l)
+			}
+		}
+		if len(others) > 0 {
+			t.Logf("/etc/passwd: accounts not the testbed's changed meanwhile: %v", others)
+		}
+		if len(ours) > 0 && otherInstanceUp() {
+			t.Logf("/etc/passwd: the testbed's shared accounts changed by another instance meanwhile: %v", ours)
+		} else if len(ours) > 0 {
+			t.Errorf("/etc/passwd: the testbed's accounts changed: %v", ours)
 		}
 	}
 }

@@ -176,7 +176,7 @@ func (tb *Testbed) processes() []int {
 		if b, err := os.ReadFile(f); err == nil {
 			if pid, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && pid > 1 {
 				cl := strings.Join(procfs.Cmdline(pid), " ")
-				l, _ := os.Readlink(fmt.Sprintf("/proc/%d/ns/net", pid))
+				l, _ := procfs.Namespace(pid, "net")
 				if strings.Contains(cl, tb.Dir+"/") || nsIno[l] {
 					pids[pid] = true
 				}
@@ -184,14 +184,12 @@ func (tb *Testbed) processes() []int {
 		}
 	}
 	if len(nsIno) > 0 {
-		ents, _ := os.ReadDir("/proc")
-		for _, e := range ents {
-			pid, err := strconv.Atoi(e.Name())
-			if err != nil || pid <= 1 {
+		for _, pid := range procfs.PIDs() {
+			if pid <= 1 {
 				continue
 			}
 			for _, t := range []string{"net", "uts"} {
-				if l, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/%s", pid, t)); err == nil && nsIno[l] {
+				if l, err := procfs.Namespace(pid, t); err == nil && nsIno[l] {
 					pids[pid] = true
 				}
 			}

@@ -168,14 +168,11 @@ func mustRun(t *testing.T, name string, args ...string) string {
 // leftovers lists live processes that mention the instance.
 func leftovers(dir, name string) []string {
 	var out []string
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		var pid int
-		if _, err := fmt.Sscanf(e.Name(), "%d", &pid); err != nil || !procfs.Alive(pid) || pid == os.Getpid() {
+	for _, pid := range procfs.PIDs() {
+		if !procfs.Alive(pid) || pid == os.Getpid() {
 			continue
 		}
-		b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
-		cl := strings.ReplaceAll(string(b), "\x00", " ")
+		cl := strings.Join(procfs.Cmdline(pid), " ")
 		if strings.Contains(cl, dir) || strings.Contains(cl, name+"-") {
 			out = append(out, fmt.Sprintf("%d %s", pid, cl))
 		}
@@ -502,15 +499,9 @@ func TestTestbed(t *testing.T) {
 	if l := leftovers(tb.Dir, tbName); len(l) > 0 {
 		t.Errorf("processes left: %v", l)
 	}
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		if l, err := os.Readlink("/proc/" + e.Name() + "/ns/net"); err == nil && nsIDs[l] {
-			var pid int
-			fmt.Sscanf(e.Name(), "%d", &pid)
-			if procfs.Alive(pid) {
-				cl, _ := os.ReadFile("/proc/" + e.Name() + "/cmdline")
-				t.Errorf("process %s (%q) still in a namespace of the testbed", e.Name(), cl)
-			}
+	for _, pid := range procfs.PIDs() {
+		if l, err := procfs.Namespace(pid, "net"); err == nil && nsIDs[l] && procfs.Alive(pid) {
+			t.Errorf("process %d (%q) still in a namespace of the testbed", pid, procfs.Cmdline(pid))
 		}
 	}
 	if _, err := os.Stat(tb.Dir); err == nil {

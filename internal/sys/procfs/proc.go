@@ -282,13 +282,13 @@ func PIDs() []int {
 	return out
 }
 
-// NetNS names pid's network namespace ("net:[4026531840]"; pid 0: the
-// caller's): two processes are in the same namespace when the names are
-// equal.
-func NetNS(pid int) (string, error) {
-	p := "/proc/self/ns/net"
+// Namespace names pid's namespace of a kind ("net", "uts", ...; pid 0: the
+// caller's), as "net:[4026531840]": two processes share a namespace when
+// the names are equal.
+func Namespace(pid int, kind string) (string, error) {
+	p := "/proc/self/ns/" + kind
 	if pid != 0 {
-		p = "/proc/" + strconv.Itoa(pid) + "/ns/net"
+		p = "/proc/" + strconv.Itoa(pid) + "/ns/" + kind
 	}
 	return os.Readlink(p)
 }
@@ -315,4 +315,18 @@ func SocketInodes(pid int) []uint32 {
 		}
 	}
 	return out
+}
+
+// Environ returns the environment of pid (nil if it is gone or not
+// readable).
+func Environ(pid int) []string {
+	p, err := procfs.NewProc(pid)
+	if err != nil {
+		return nil
+	}
+	env, err := p.Environ()
+	if err != nil {
+		return nil
+	}
+	return env
 }

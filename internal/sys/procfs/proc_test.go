@@ -206,12 +206,12 @@ func TestPIDsNetNSSocketInodes(t *testing.T) {
 	if !slices.Contains(PIDs(), os.Getpid()) {
 		t.Fatal("PIDs: this process missing")
 	}
-	self, err := NetNS(0)
+	self, err := Namespace(0, "net")
 	if err != nil || !strings.HasPrefix(self, "net:[") {
-		t.Fatalf("NetNS(0) = %q, %v", self, err)
+		t.Fatalf("Namespace(0, net) = %q, %v", self, err)
 	}
-	if ns, err := NetNS(os.Getpid()); err != nil || ns != self {
-		t.Errorf("NetNS(self pid) = %q, %v; want %q", ns, err, self)
+	if ns, err := Namespace(os.Getpid(), "net"); err != nil || ns != self {
+		t.Errorf("Namespace(self pid, net) = %q, %v; want %q", ns, err, self)
 	}
 	l, err := net.ListenPacket("udp", "127.0.0.1:0")
 	if err != nil {
@@ -229,6 +229,13 @@ func TestPIDsNetNSSocketInodes(t *testing.T) {
 	}
 	if got := SocketInodes(os.Getpid()); !slices.Contains(got, uint32(st.Ino)) {
 		t.Errorf("SocketInodes: %v lacks the socket's inode %d", got, st.Ino)
+	}
+	t.Setenv("PAL_PROCFS_TEST", "x")
+	if cmd := exec.Command("sleep", "60"); cmd.Start() == nil {
+		defer func() { cmd.Process.Kill(); cmd.Wait() }()
+		if !slices.Contains(Environ(cmd.Process.Pid), "PAL_PROCFS_TEST=x") {
+			t.Errorf("Environ of a child: %v lacks PAL_PROCFS_TEST=x", Environ(cmd.Process.Pid))
+		}
 	}
 	if got := SocketInodes(-1); got != nil {
 		t.Errorf("SocketInodes of no process: %v", got)
