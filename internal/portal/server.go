@@ -53,6 +53,7 @@ type Server struct {
 	file os.FileInfo
 
 	mu       sync.Mutex
+	inflight map[uint32]int // requests being served per peer uid
 	sessions map[sessionKey]*session
 	holds    map[uint32]int // held sessions per user
 	gen      uint64
@@ -70,6 +71,7 @@ type session struct {
 // Bounds: connections served at once, held sessions per user and in all.
 const (
 	maxClients      = 64
+	maxPerUID       = 4 // one uid cannot hold every slot (the socket is 0666)
 	maxHoldsPerUser = 8
 	maxHolds        = 4096
 	requestTimeout  = 10 * time.Second
@@ -79,7 +81,7 @@ const (
 // NewServer makes a server; Serve starts it.
 func NewServer(k Kernel, res identity.Resolver, s Settings, log *slog.Logger) *Server {
 	srv := &Server{kernel: k, res: res, log: log, now: time.Now,
-		sessions: map[sessionKey]*session{}, holds: map[uint32]int{}}
+		sessions: map[sessionKey]*session{}, holds: map[uint32]int{}, inflight: map[uint32]int{}}
 	srv.settings.Store(&s)
 	return srv
 }
@@ -130,9 +132,27 @@ func (s *Server) Serve(ctx context.Context) {
 		if err != nil {
 			return
 		}
+		// Any user may connect: a user who opens connections and sends
+		// nothing holds each for requestTimeout. Slots are bounded per
+		// peer uid before the shared ones, so he cannot starve the
+		// proxies (or other users) of the delegation.
+		cr, err := peercred.Of(c)
+		if err != nil {
+			c.Close()
+			continue
+		}
+		slot := cr.Uid
+		if _, proxy := s.proxyUID(s.settings.Load(), slot); proxy {
+			slot = proxyPeer // the proxies share the whole budget
+		}
+		if !s.take(slot) {
+			c.Close()
+			continue
+		}
 		select {
 		case sem <- struct{}{}:
 		default:
+			s.give(slot)
 			c.Close()
 			continue
 		}
@@ -142,6 +162,7 @@ func (s *Server) Serve(ctx context.Context) {
 				if !released {
 					released = true
 					<-sem
+					s.give(slot)
 				}
 			}
 			defer release()
@@ -165,6 +186,30 @@ func (s *Server) Close() {
 		if fi, err := os.Lstat(s.path); err == nil && s.file != nil && os.SameFile(fi, s.file) {
 			os.Remove(s.path)
 		}
+	}
+}
+
+// proxyPeer stands for every [portal] proxy in the per-uid count: a busy
+// portal makes many delegations at once, bounded by maxClients alone.
+const proxyPeer = ^uint32(0)
+
+// take counts a request of uid in flight, unless uid has maxPerUID already.
+func (s *Server) take(uid uint32) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if uid != proxyPeer && s.inflight[uid] >= maxPerUID {
+		return false
+	}
+	s.inflight[uid]++
+	return true
+}
+
+// give ends a request of uid taken with take.
+func (s *Server) give(uid uint32) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.inflight[uid]--; s.inflight[uid] <= 0 {
+		delete(s.inflight, uid)
 	}
 }
 
