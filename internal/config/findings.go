@@ -118,6 +118,10 @@ func (c *Config) Findings(o CheckOptions) []Finding {
 			add(Warning, "portal.proxies", "%s: %v (nothing can act through it)", px, err)
 		case slices.Contains(p.ExemptConnectors, uid):
 			add(Warning, "portal.proxies", "%s is also an exempt connector: it reaches every user's listeners by itself, whatever the delegation refuses (docs/portals.md)", px)
+		case slices.Contains(p.ExemptListeners, uid):
+			// Its forwarder's port is then open to every user, who names
+			// whichever user he likes in the path (--user-in-path).
+			add(Warning, "portal.proxies", "%s is also an exempt listener: every user reaches its forwarder and can ask it to act for anyone (docs/portals.md)", px)
 		}
 	}
 	if c.Rules.ExemptConnectors != nil && len(p.ExemptConnectors) == 0 {

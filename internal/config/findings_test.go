@@ -128,6 +128,7 @@ func TestPortalProxyExempt(t *testing.T) {
 		toml, want string
 	}{
 		{"[policy]\nexempt_connectors = [\"root\", \"www-data\"]\n[portal]\nproxies = [\"www-data\"]\n", "also an exempt connector"},
+		{"[policy]\nexempt_listeners = [\"root\", \"www-data\"]\n[portal]\nproxies = [\"www-data\"]\n", "also an exempt listener"},
 		{"[portal]\nproxies = [\"nosuch\"]\n", "nothing can act through it"},
 		{"[portal]\nproxies = [\"www-data\"]\n", ""},
 	} {

@@ -63,6 +63,21 @@ func (id Identity) HasGroup(gid uint32) bool {
 	return id.GID == gid || slices.Contains(id.Groups, gid)
 }
 
+// SealedGID is the gid a node carries in the identity of its own user's
+// socket (owner gid): the gid itself when the node can vouch for it — it
+// has looked the user up (known, groups are every group he has now) and
+// gid is one of them — or when it has not looked him up yet (the gid is
+// then only a claim, which the receiving node checks as HasGroup does);
+// NoGID otherwise: a process that kept a group's gid after its user left
+// the group (sg started before the removal) carries no group, so a node
+// that has not looked him up does not take the gid on his word.
+func SealedGID(gid uint32, known bool, groups []uint32) uint32 {
+	if gid == NoGID || !known || slices.Contains(groups, gid) {
+		return gid
+	}
+	return NoGID
+}
+
 // Conn is one connection attempt as a data plane sees it.
 type Conn struct {
 	// Source is the connector's address. A zero Source means a local

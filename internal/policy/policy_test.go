@@ -246,6 +246,30 @@ func TestHasGroup(t *testing.T) {
 	}
 }
 
+func TestSealedGID(t *testing.T) {
+	groups := []uint32{10, 20}
+	for _, tc := range []struct {
+		gid   uint32
+		known bool
+		want  uint32
+	}{
+		{10, true, 10},       // a member: vouched for
+		{30, true, NoGID},    // left the group (or never in it): no group
+		{30, false, 30},      // not looked up yet: a claim
+		{NoGID, true, NoGID}, // no group to carry
+	} {
+		if got := SealedGID(tc.gid, tc.known, groups); got != tc.want {
+			t.Errorf("SealedGID(%d, known=%v) = %d, want %d", tc.gid, tc.known, got, tc.want)
+		}
+	}
+	// What a receiver that has not looked the user up then sees: the
+	// claim no longer matches the group he left.
+	sent := Identity{UID: 1, GID: SealedGID(30, true, groups)}
+	if sent.HasGroup(30) {
+		t.Error("a gid the sender did not vouch for still counts at the receiver")
+	}
+}
+
 func TestPortRange(t *testing.T) {
 	r := PortRange{9000, 9100}
 	if !r.Contains(9000) || !r.Contains(9100) || r.Contains(8999) || r.Contains(9101) {

@@ -15,7 +15,7 @@ import (
 )
 
 // TestWhoAcrossNodes runs `palisade ident serve` on every node of a
-// testbed (instance "palid", no data plane) and asks, from node1, who owns
+// testbed (its own instance, no data plane) and asks, from node1, who owns
 // a listener alice runs on node2 under `sg proj1`: as root (UDP from a
 // privileged port), as bob through node1's Unix API (group proj1 may use
 // it), and not as carol (not in the group). The outside host, off-cluster,
@@ -29,12 +29,14 @@ func TestWhoAcrossNodes(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	tb, err := testbed.Up(ctx, testbed.Options{Name: "palid", Nodes: 2})
+	name := testbed.RunName("id") // per run: other runs may test at the same time
+	testbed.DownOrphans(ctx)
+	tb, err := testbed.Up(ctx, testbed.Options{Name: name, Nodes: 2})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		if err := testbed.Down(context.Background(), "palid"); err != nil {
+		if err := testbed.Down(context.Background(), name); err != nil {
 			t.Errorf("testbed down: %v", err)
 		}
 	})

@@ -1155,6 +1155,52 @@ func TestStampMatchesKernel(t *testing.T) {
 	}
 }
 
+// TestSealedGID: the real uw_tc_egress seals the owner's gid only when
+// this node can vouch for it, as policy.SealedGID says: every (uid, gid) of
+// the sending socket, in every world (members and known users differ),
+// both families.
+func TestSealedGID(t *testing.T) {
+	h := newHarness(t)
+	src, dst := netip.MustParseAddr("198.18.0.1"), netip.MustParseAddr("198.18.0.2")
+	src6, dst6 := netip.MustParseAddr("2001:2:0:1::1"), netip.MustParseAddr("2001:2:0:1::2")
+	n := 0
+	for _, w := range worlds() {
+		if !w.enabled {
+			continue
+		}
+		w.samples = 0
+		w.apply(t, h)
+		for _, uid := range uids {
+			for _, gid := range gids {
+				v6 := n%2 == 1
+				n++
+				sock := uwbpfUwTestSock{Uid: uid, Gid: gid, NowNs: 1}
+				if err := h.testSock.Update(uint32(0), sock, ebpf.UpdateAny); err != nil {
+					t.Fatal(err)
+				}
+				s, d := src, dst
+				if v6 {
+					s, d = src6, dst6
+				}
+				_, out, err := h.egress.Test(buildFrame(v6, ipUDP, 0, s, d, 40000, 40001, stNone, nil))
+				if err != nil {
+					t.Fatal(err)
+				}
+				opt, _ := stampAt(t, out, v6)
+				if opt == nil {
+					t.Fatalf("%s: uid %d gid %d: unstamped", w.name, uid, gid)
+				}
+				got := binary.BigEndian.Uint32(opt[6:])
+				want := policy.SealedGID(gid, slices.Contains(w.known, uid), w.members[uid])
+				if binary.BigEndian.Uint32(opt[2:]) != uid || got != want {
+					t.Errorf("%s: socket of uid %d gid %d (known %v, groups %v): sealed uid %d gid %d, want gid %d",
+						w.name, uid, gid, slices.Contains(w.known, uid), w.members[uid], binary.BigEndian.Uint32(opt[2:]), got, want)
+				}
+			}
+		}
+	}
+}
+
 // TestStampBitFlips: a stamp sealed in Go is valid in the kernel; flipping any
 // one bit of a sealed field (uid, gid, tag, version, meta, ports, addresses)
 // makes it no identity there.

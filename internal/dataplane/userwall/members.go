@@ -187,3 +187,20 @@ func CountMembers(pinDir string) (int, error) {
 	}
 	return n, it.Err()
 }
+
+// KnowsUser reports whether the known-users map pinned in pinDir holds uid:
+// the agent has looked the user up, so membership alone decides for him
+// there, and a gid he carries is sealed only if he is a member of it.
+func KnowsUser(pinDir string, uid uint32) (bool, error) {
+	m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, "known_users"), &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		return false, err
+	}
+	defer m.Close()
+	var v uint8
+	err = m.Lookup(uid, &v)
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		return false, nil
+	}
+	return err == nil, err
+}

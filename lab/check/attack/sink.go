@@ -43,6 +43,9 @@ type SinkSpec struct {
 	// line and wait for a line on stdin (the starter changes the node
 	// meanwhile: e.g. starts the agent, so the socket predates it).
 	Gated bool `json:"gated,omitempty"`
+	// Creds, for a sink run as root: the ids it takes before it opens its
+	// socket (a process that kept a group's gid, as sg leaves it).
+	Creds *Creds `json:"creds,omitempty"`
 }
 
 // SinkLine is one line of sink output: "ready" once bound (with the bound
@@ -109,6 +112,12 @@ func serve(spec SinkSpec, enc *json.Encoder, mu *sync.Mutex, gate <-chan struct{
 			return []byte(echoTag + nc + "\n")
 		}
 		return Payload(nc)
+	}
+	if spec.Creds != nil {
+		if err := spec.Creds.take(); err != nil {
+			emit(SinkLine{Type: "error", Error: err.Error(), Errno: Errno(err)})
+			return err
+		}
 	}
 	fd, err := bindSock(spec.Sock)
 	if err != nil {

@@ -7,10 +7,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/palisade-hpc/palisade/internal/dataplane/egress/ipam"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
 
@@ -305,7 +307,12 @@ func TestCredentials(t *testing.T) {
 		tok := token(t, "carol", "rev", false)
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 		defer cancel()
-		script := `curl -sS -m 5 http://outside.pal.test/; sleep 3; curl -sS -m 4 http://outside.pal.test/ && echo STILL-REACHABLE || echo CUT-OFF`
+		// The job's second request goes once the gateway has dropped its
+		// lease (the test writes flag then), not after a fixed pause.
+		flag := filepath.Join(testbed.HomeDir, "carol", tb.Name+"-revoked")
+		os.Remove(flag)
+		defer os.Remove(flag)
+		script := `curl -sS -m 5 http://outside.pal.test/; while [ ! -e ` + flag + ` ]; do sleep 0.1; done; curl -sS -m 4 http://outside.pal.test/ && echo STILL-REACHABLE || echo CUT-OFF`
 		cmd := tb.Command(ctx, "node1", "carol", "palisade", "egress", "--", "sh", "-c", script)
 		cmd.Env = append(cmd.Env, "PALISADE_EGRESS_TOKEN="+tok)
 		var out strings.Builder
@@ -316,7 +323,28 @@ func TestCredentials(t *testing.T) {
 		for i := 0; i < 100 && !strings.Contains(out.String(), "palisade-outside hello"); i++ {
 			time.Sleep(100 * time.Millisecond)
 		}
+		// The gateway acknowledges a revocation by ending the lease (its
+		// counters list the leases every second): first the lease is seen.
+		leased := func() bool {
+			st, _ := env.Stats(false)
+			return slices.ContainsFunc(st.Leases, func(l ipam.Lease) bool { return l.Name() == "carol-rev-node1" })
+		}
+		for deadline := time.Now().Add(15 * time.Second); !leased(); time.Sleep(100 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("the job's lease carol-rev-node1 never listed by the gateway:\n%s", out.String())
+			}
+		}
 		if err := env.Revoke(false, "carol/rev"); err != nil {
+			t.Fatal(err)
+		}
+		gone := false
+		for deadline := time.Now().Add(15 * time.Second); !gone && time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+			gone = !leased()
+		}
+		if !gone {
+			t.Fatal("the gateway kept the revoked job's lease for 15 s")
+		}
+		if err := os.WriteFile(flag, nil, 0o644); err != nil {
 			t.Fatal(err)
 		}
 		cmd.Wait()
@@ -345,7 +373,7 @@ func TestSlurm(t *testing.T) {
 		!strings.Contains(string(out), "alice-slurm1-node2.egress.palisade") {
 		t.Fatalf("srun: %v\n%s", err, out)
 	}
-	jobOut := filepath.Join(testbed.HomeDir, "alice", "palegt-sbatch.out")
+	jobOut := filepath.Join(testbed.HomeDir, "alice", tb.Name+"-sbatch.out") // homes are shared by instances
 	os.Remove(jobOut)
 	defer os.Remove(jobOut)
 	cmd = tb.Command(ctx, "node2", "alice", "sbatch", "-N1", "-w", "node1", "-o", jobOut, "--wrap",

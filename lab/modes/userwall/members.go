@@ -108,3 +108,30 @@ func NodePinDir(tb *testbed.Testbed, node string) (string, error) {
 	}
 	return uw.PinDir(fs, cookie), nil
 }
+
+// WaitKnown waits until node's agent has (want) or has not (!want) looked
+// uid up: the known-users map it loaded holds uid.
+func WaitKnown(ctx context.Context, tb *testbed.Testbed, node string, uid uint32, want bool, timeout time.Duration) error {
+	pinDir, err := NodePinDir(tb, node)
+	if err != nil {
+		return err
+	}
+	deadline := time.Now().Add(timeout)
+	for {
+		got, err := uw.KnowsUser(pinDir, uid)
+		if err == nil && got == want {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			if err == nil {
+				err = fmt.Errorf("known = %v", got)
+			}
+			return fmt.Errorf("%s: uid %d in known_users after %v: %w", node, uid, timeout, err)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}

@@ -56,6 +56,7 @@ const (
 )
 
 var (
+	stopHub func() // stops the running hub (and its proxy)
 	tb      *testbed.Testbed
 	hubDir  string
 	hubURL  string
@@ -232,8 +233,7 @@ func setup() (func(), error) {
 	if err != nil {
 		return nil, err
 	}
-	stopHub, err := startHub()
-	if err != nil {
+	if stopHub, err = startHub("hub.log"); err != nil {
 		stopFwd()
 		return nil, err
 	}
@@ -310,7 +310,7 @@ func daemon(node, user, logPath string, env []string, ready *regexp.Regexp, argv
 	cmd := tb.Command(ctx, node, user, argv...)
 	cmd.Env = append(cmd.Env, env...)
 	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGTERM) }
-	cmd.WaitDelay = 30 * time.Second
+	cmd.WaitDelay = 10 * time.Second
 	pr, pw := io.Pipe()
 	cmd.Stdout, cmd.Stderr = pw, pw
 	logf, err := os.Create(logPath)
@@ -376,8 +376,8 @@ func startForwarder() (func(), error) {
 
 // startHub runs JupyterHub (and its proxy) as the hub's account on the
 // portal node.
-func startHub() (func(), error) {
-	hubLog = filepath.Join(hubDir, "hub.log")
+func startHub(logName string) (func(), error) {
+	hubLog = filepath.Join(hubDir, logName)
 	env := []string{
 		"PAL_HUB_DIR=" + hubDir, "PAL_HUB_PORTAL=" + portalV, "PAL_HUB_VENV=" + venv,
 		"PAL_HUB_PALISADE=" + tb.Binary, "PAL_HUB_EXCLUDE=" + portalNode,

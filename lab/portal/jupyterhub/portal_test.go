@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 )
 
 // markers of a JupyterLab page: whose server served it.
@@ -176,6 +177,28 @@ func TestJupyterHub(t *testing.T) {
 		got := jobAPI(t, "bob", "node3", `{"exec_prefix": "", "batch_cancel_cmd": "id"}`, `{"port": 1}`)
 		if got != "400 201" {
 			t.Errorf("bob's token posting spawner attributes, then a port: %q, want \"400 201\"", got)
+		}
+	})
+
+	t.Run("hub-restart", func(t *testing.T) {
+		// Sites restart the hub with the jobs running (cleanup_servers
+		// off): it finds them through squeue and writes their routes anew
+		// into a new proxy, the delegated ones from the spawner's state.
+		t0 := time.Now()
+		stopHub()
+		t1 := time.Now()
+		var err error
+		if stopHub, err = startHub("hub-restarted.log"); err != nil {
+			stopHub = func() {}
+			t.Fatal(err)
+		}
+		t.Logf("hub stopped in %.1fs, up again in %.1fs", t1.Sub(t0).Seconds(), time.Since(t1).Seconds())
+		if got := browse("alice", "alice-pw", "get", "/user/alice/lab"); !served(got, "alice", "") {
+			t.Errorf("alice → her server through the restarted hub: %.300s", got)
+		}
+		b, _ := os.ReadFile(hubLog)
+		if want := fmt.Sprintf("Route added /user/alice -> http://127.0.0.1:8010/as/alice/rnode/%s/%d", aliceNode, alicePort); !strings.Contains(string(b), want) {
+			t.Errorf("the restarted hub's log has no %q", want)
 		}
 	})
 

@@ -139,11 +139,20 @@ func TestOnDemand(t *testing.T) {
 	})
 	t.Run("OtherUserRefused", func(t *testing.T) {
 		p.expectRefused(t, "bob", aliceApp, nil)
-		// Where it was refused: at alice's node, as bob's connection.
-		out, err := tb.Output(ctx, portalNode, "", "palisade", "flows", "--node", aliceApp.host, "--port", aliceApp.port,
-			"--verdict", "deny", "--connector-user", "bob", "-o", "json")
-		if err != nil || !strings.Contains(out, `"default-deny"`) {
-			t.Errorf("no default-deny of bob's connection to %s:%s in node %s's flows: %v\n%s", aliceApp.host, aliceApp.port, aliceApp.host, err, out)
+		// Where it was refused: at alice's node, as bob's connection. The
+		// agent records a verdict a moment after the kernel took it (ring
+		// buffer, then its recorder): wait for the record.
+		for deadline := time.Now().Add(15 * time.Second); ; {
+			out, err := tb.Output(ctx, portalNode, "", "palisade", "flows", "--node", aliceApp.host, "--port", aliceApp.port,
+				"--verdict", "deny", "--connector-user", "bob", "-o", "json")
+			if err == nil && strings.Contains(out, `"default-deny"`) {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Errorf("no default-deny of bob's connection to %s:%s in node %s's flows after 15 s: %v\n%s", aliceApp.host, aliceApp.port, aliceApp.host, err, out)
+				break
+			}
+			time.Sleep(200 * time.Millisecond)
 		}
 	})
 	t.Run("ForgedUserHeader", func(t *testing.T) {

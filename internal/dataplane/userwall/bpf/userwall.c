@@ -973,6 +973,20 @@ static __always_inline __s64 wall_ns(const struct uw_config *c)
 	return (__s64)now_ns() + c->clock_offset_ns;
 }
 
+/* Differential test only: the sending socket's owner (test_sock). */
+static __always_inline struct uw_owner *test_owner(struct uw_owner *o)
+{
+	__u32 z = 0;
+	struct uw_test_sock *t = bpf_map_lookup_elem(&test_sock, &z);
+	if (!t)
+		return 0;
+	o->uid = t->uid;
+	o->gid = t->gid;
+	o->set = 1;
+	o->pad = 0;
+	return o;
+}
+
 /* stamp_key: the key a stamp names and the window it was sealed in, or why
  * not (S_NONE when they are usable). Cheap: no MAC. */
 static __always_inline __u8 stamp_key(const struct uw_config *c, struct pkt *p, struct uw_key **kp,
@@ -2266,7 +2280,7 @@ int uw_tc_egress(struct __sk_buff *skb)
 	bsk = bpf_sk_fullsock(bsk);
 	if (!bsk)
 		return TC_ACT_OK;
-	struct uw_owner *o = owner_of(bsk);
+	struct uw_owner to, *o = test_mode ? test_owner(&to) : owner_of(bsk);
 	if (o) {
 		p.uid = o->uid;
 		p.gid = o->gid;
@@ -2274,6 +2288,14 @@ int uw_tc_egress(struct __sk_buff *skb)
 		p.uid = bpf_get_socket_uid(skb);
 		p.gid = (__u32)-1;
 	}
+	/* This node seals only a gid it can vouch for: a user it knows (its
+	 * own users: known_users) carries his gid only while he is a member of
+	 * it now. A process that kept a group's gid after its user left the
+	 * group (sg before the removal) sends "no group", so a receiver that
+	 * has not looked him up yet does not take the gid on his word (policy
+	 * SealedGID). */
+	if (p.gid != (__u32)-1 && known_user(p.uid) && !member(p.uid, p.gid))
+		p.gid = (__u32)-1;
 	__u32 slot = 0;
 	struct uw_key *k = bpf_map_lookup_elem(&keys, &slot);
 	if (!k || !k->valid)
