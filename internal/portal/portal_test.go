@@ -9,6 +9,7 @@ import (
 	"net/http/httptest"
 	"regexp"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -146,6 +147,18 @@ other:x:2200:bob
 	if got := code(s.connect(ctx, 33, Request{Op: OpConnect, User: "alice", Address: "198.18.0.2:80"})); !regexp.MustCompile("not a .portal. proxy").MatchString(got) {
 		t.Errorf("delisted proxy: %q", got)
 	}
+	// … nor get them back when it is listed again (redteam, session 7).
+	cfg.Proxies = []string{"www-data"}
+	s.SetSettings(Settings{Config: cfg, Exempt: []uint32{0, 2004}})
+	if s.sessionFor(2001, 33) != nil {
+		t.Error("a session of a delisted proxy came back when it was listed again")
+	}
+	// A user is a name: a login made of digits is not read as a uid
+	// (alice is 2001; "2001" is nobody's name here).
+	s.register(2001, Request{Op: OpSession, Proxy: "www-data"})
+	if got := code(s.connect(ctx, 33, Request{Op: OpConnect, User: "2001", Address: "198.18.0.2:80"})); !regexp.MustCompile(`user "2001"`).MatchString(got) {
+		t.Errorf("numeric user: %q", got)
+	}
 }
 
 // Every request gets a connection of its own, made for its own user: a
@@ -184,5 +197,78 @@ func TestForwarderNeverReuses(t *testing.T) {
 	want := []string{"alice@127.0.0.1:" + port, "bob@127.0.0.1:" + port, "alice@127.0.0.1:" + port}
 	if !slices.Equal(dials, want) {
 		t.Errorf("dials %v, want one per request %v", dials, want)
+	}
+}
+
+// TestSlowClientsPerUID: the socket is open to every user, and a client that
+// sends nothing holds its slot for requestTimeout. One uid gets maxPerUID
+// slots at once (the next connection is closed unanswered), and a slot is
+// free again once its client goes.
+func TestSlowClientsPerUID(t *testing.T) {
+	res, err := identity.ParseTables([]byte("root:x:0:0::/:/bin/sh\n"), []byte("root:x:0:\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := NewServer(noKernel{}, res, Settings{}, slog.New(slog.DiscardHandler))
+	path := t.TempDir() + "/portal.sock"
+	if err := srv.Listen(path); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { srv.Serve(ctx); close(done) }()
+	defer func() { srv.Close(); cancel(); <-done }()
+
+	// The server counts a connection when it accepts it: wait for each
+	// of the slow ones to be counted before the next.
+	var slow []net.Conn
+	for i := 0; i < maxPerUID; i++ {
+		c, err := net.Dial("unix", path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		slow = append(slow, c)
+		for deadline := time.Now().Add(5 * time.Second); ; {
+			srv.mu.Lock()
+			n := srv.inflight[0]
+			srv.mu.Unlock()
+			if n == i+1 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("connection %d not counted (in flight %d)", i+1, n)
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	ask := func() (string, error) {
+		c, err := net.Dial("unix", path)
+		if err != nil {
+			return "", err
+		}
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		if _, err := io.WriteString(c, `{"op":"sessions"}`+"\n"); err != nil {
+			return "", err
+		}
+		b, err := io.ReadAll(c)
+		return string(b), err
+	}
+	// Closed unanswered: EOF, or a reset when the request was unread.
+	if got, _ := ask(); got != "" {
+		t.Fatalf("a request over the per-uid bound was answered: %q", got)
+	}
+	for _, c := range slow {
+		c.Close()
+	}
+	for deadline := time.Now().Add(5 * time.Second); ; {
+		got, err := ask()
+		if err == nil && strings.Contains(got, `"ok":true`) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("slots not freed after the slow clients went: %q, %v", got, err)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }

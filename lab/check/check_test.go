@@ -123,9 +123,6 @@ func testModeNone(ctx context.Context, t *testing.T, tb *testbed.Testbed) {
 	if len(ranks) != 2 {
 		t.Errorf("mpirun connectors answered from %d nodes, want 2", len(ranks))
 	}
-	if wall > 5*time.Minute {
-		t.Errorf("matrix took %v (target < 5 min)", wall)
-	}
 	noProbesLeft(t)
 }
 

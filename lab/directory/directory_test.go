@@ -9,9 +9,11 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 	userwalllab "github.com/palisade-hpc/palisade/lab/modes/userwall"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
@@ -192,6 +194,108 @@ func TestDirectoryUserwall(t *testing.T) {
 			t.Errorf("bob removed from proj1: his live process was refused after %v, bound %v", d, bound)
 		} else {
 			t.Logf("bob removed from proj1: his live sg proj1 process refused cross-node after %v (bound %v)", d.Round(time.Millisecond), bound)
+		}
+	})
+	t.Run("revocation-first-contact", func(t *testing.T) {
+		// As revocation-live-process, but the listener's node has never
+		// looked bob up: its agent restarts (knowing only node3's own
+		// users) after bob left proj1. Only node1, where bob's sg proj1
+		// shell runs, knows he is no longer a member: it must not seal
+		// proj1 into his identity, or node3 takes the gid on his word.
+		lctx, lcancel := context.WithCancel(ctx)
+		defer lcancel()
+		l := dt.Command(lctx, "node3", "alice", "sg", "proj1", "-c",
+			"exec "+dt.LabBinary+" probe listen --ports 29503 --exit-on-stdin-eof --lifetime 10m")
+		lin, _ := l.StdinPipe()
+		lout, _ := l.StdoutPipe()
+		if err := l.Start(); err != nil {
+			t.Fatal(err)
+		}
+		defer func() { lin.Close(); lcancel(); l.Wait() }()
+		if line, err := bufio.NewReader(lout).ReadString('\n'); err != nil || !strings.Contains(line, `"gid":2100`) {
+			t.Fatalf("listener: %q %v", line, err)
+		}
+		b := dt.Command(lctx, "node1", "bob", "sg", "proj1", "-c",
+			"while read x; do "+dt.LabBinary+" probe connect tcp:198.18.0.3:29503; echo PALEND; done")
+		bin, _ := b.StdinPipe()
+		bout, _ := b.StdoutPipe()
+		if err := b.Start(); err != nil {
+			t.Fatal(err)
+		}
+		defer func() { bin.Close(); lcancel(); b.Wait() }()
+		br := bufio.NewReader(bout)
+		modify := func(op string) {
+			if err := dt.LDAPModify(ctx, "dn: cn=proj1,ou=groups,"+testbed.LDAPBase+"\nchangetype: modify\n"+op+": memberUid\nmemberUid: bob\n"); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// bob's shell has run on node1 for a while: node1 has looked him
+		// up (he is one of its users) and has him in proj1.
+		if err := userwalllab.WaitKnown(ctx, dt, "node1", 2002, true, bound); err != nil {
+			t.Fatal(err)
+		}
+		if err := userwalllab.WaitMembers(ctx, dt, "node1", []uw.MemberPair{{UID: 2002, GID: 2100}}, bound); err != nil {
+			t.Fatal(err)
+		}
+		modify("delete")
+		defer modify("add")
+		// node1's agent no longer has bob in proj1 (its acknowledgement).
+		pin1, err := userwalllab.NodePinDir(dt, "node1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t0 := time.Now()
+		for {
+			missing, err := uw.MissingMembers(pin1, []uw.MemberPair{{UID: 2002, GID: 2100}})
+			if err == nil && len(missing) == 1 {
+				break
+			}
+			if time.Since(t0) > bound+10*time.Second {
+				t.Fatalf("node1 still has bob in proj1 after %v (%v)", time.Since(t0), err)
+			}
+			time.Sleep(100 * time.Millisecond) // polling the pinned map: the agent sends no signal
+		}
+		// node3 forgets whom it looked up.
+		n3, _ := dt.Node("node3")
+		pidFile := userwalllab.AgentPidFile(dt, "node3")
+		if pid := uw.ReadPid(pidFile); pid != 0 {
+			syscall.Kill(pid, syscall.SIGTERM)
+			for i := 0; uw.ReadPid(pidFile) != 0; i++ {
+				if i == 200 {
+					t.Fatal("node3's agent did not stop")
+				}
+				time.Sleep(50 * time.Millisecond) // the pid file goes when it has exited
+			}
+		}
+		if err := userwalllab.StartAgent(ctx, dt, n3); err != nil {
+			t.Fatal(err)
+		}
+		pin3, err := userwalllab.NodePinDir(dt, "node3")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if known, err := uw.KnowsUser(pin3, 2002); err != nil || known {
+			t.Fatalf("node3 knows bob after its agent restarted (%v)", err)
+		}
+		if _, err := io.WriteString(bin, "go\n"); err != nil {
+			t.Fatal(err)
+		}
+		for {
+			line, err := br.ReadString('\n')
+			if err != nil {
+				t.Fatalf("bob's sg proj1 shell: %v", err)
+			}
+			if strings.HasPrefix(line, "PALEND") {
+				break
+			}
+			if strings.Contains(line, `"allowed":true`) {
+				t.Fatalf("bob, out of proj1, reached alice's proj1 listener on node3 on his first contact: %s", line)
+			}
+		}
+		// The control: alice from node1 (same user) reaches it.
+		out, err := dt.Output(ctx, "node1", "alice", dt.LabBinary, "probe", "connect", "tcp:198.18.0.3:29503")
+		if err != nil || !strings.Contains(out, `"allowed":true`) {
+			t.Fatalf("control: alice from node1: %v %s", err, out)
 		}
 	})
 	t.Run("exempt-group", func(t *testing.T) {

@@ -138,9 +138,6 @@ func TestLoopbackBothWays(t *testing.T) {
 		if r.Allowed || r.Kind != "ECONNREFUSED" {
 			t.Errorf("%s: want ECONNREFUSED, got allowed=%v kind=%s err=%v", tg.ID, r.Allowed, r.Kind, r.Err)
 		}
-		if r.Elapsed > 300*time.Millisecond {
-			t.Errorf("%s: refusal took %v; a refused case must be fast", tg.ID, r.Elapsed)
-		}
 	}
 }
 
@@ -374,8 +371,6 @@ func TestRefusalKinds(t *testing.T) {
 			t.Logf("%-14s %s after %dµs (ICMPv6 admin-prohibited does not abort a TCP connect at once)", id, l.Kind, l.Micros)
 		case kind != "" && (l.Allowed || l.Kind != kind):
 			t.Errorf("%s: want refused %s, got allowed=%v kind=%s (%s)", id, kind, l.Allowed, l.Kind, l.Error)
-		case kind != "" && kind != KindTimeout && l.Micros > 300000:
-			t.Errorf("%s: refusal %s took %dµs; only a silent drop may cost time", id, kind, l.Micros)
 		default:
 			t.Logf("%-14s %-13s %6dµs", id, map[bool]string{true: "allowed"}[l.Allowed]+l.Kind, l.Micros)
 		}

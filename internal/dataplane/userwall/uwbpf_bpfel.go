@@ -73,6 +73,22 @@ type uwbpfUwFlowKey struct {
 	Proto uint32
 }
 
+type uwbpfUwGrantKey struct {
+	_    structs.HostLayout
+	Luid uint32
+	Port uint32
+}
+
+type uwbpfUwGrants struct {
+	_ structs.HostLayout
+	S [8]struct {
+		_         structs.HostLayout
+		ExpiresNs int64
+		Id        uint32
+		Group     uint32
+	}
+}
+
 type uwbpfUwKey struct {
 	_     structs.HostLayout
 	K0    uint64
@@ -189,7 +205,8 @@ const (
 	uwbpfUwRuleR_UNSTAMPABLE            uwbpfUwRule = 17
 	uwbpfUwRuleR_SITE_ALLOW             uwbpfUwRule = 18
 	uwbpfUwRuleR_SITE_DENY              uwbpfUwRule = 19
-	uwbpfUwRuleR_MAX                    uwbpfUwRule = 20
+	uwbpfUwRuleR_USER_GRANT             uwbpfUwRule = 20
+	uwbpfUwRuleR_MAX                    uwbpfUwRule = 21
 )
 
 type uwbpfUwSite struct {
@@ -262,6 +279,7 @@ const (
 	uwbpfMapExemptConn           = "exempt_conn"
 	uwbpfMapExemptLis            = "exempt_lis"
 	uwbpfMapFlowBudget           = "flow_budget"
+	uwbpfMapGrants               = "grants"
 	uwbpfMapIfaces               = "ifaces"
 	uwbpfMapKeys                 = "keys"
 	uwbpfMapKnownUsers           = "known_users"
@@ -392,6 +410,7 @@ type uwbpfMapSpecs struct {
 	ExemptConn     *ebpf.MapSpec `ebpf:"exempt_conn"`
 	ExemptLis      *ebpf.MapSpec `ebpf:"exempt_lis"`
 	FlowBudget     *ebpf.MapSpec `ebpf:"flow_budget"`
+	Grants         *ebpf.MapSpec `ebpf:"grants"`
 	Ifaces         *ebpf.MapSpec `ebpf:"ifaces"`
 	Keys           *ebpf.MapSpec `ebpf:"keys"`
 	KnownUsers     *ebpf.MapSpec `ebpf:"known_users"`
@@ -464,6 +483,7 @@ type uwbpfMaps struct {
 	ExemptConn     *ebpf.Map `ebpf:"exempt_conn"`
 	ExemptLis      *ebpf.Map `ebpf:"exempt_lis"`
 	FlowBudget     *ebpf.Map `ebpf:"flow_budget"`
+	Grants         *ebpf.Map `ebpf:"grants"`
 	Ifaces         *ebpf.Map `ebpf:"ifaces"`
 	Keys           *ebpf.Map `ebpf:"keys"`
 	KnownUsers     *ebpf.Map `ebpf:"known_users"`
@@ -501,6 +521,7 @@ func (m *uwbpfMaps) Close() error {
 		m.ExemptConn,
 		m.ExemptLis,
 		m.FlowBudget,
+		m.Grants,
 		m.Ifaces,
 		m.Keys,
 		m.KnownUsers,
