@@ -112,6 +112,12 @@ get if it is your own, and how to ask about someone else's.`,
 				node = toName
 			}
 			c := policy.Conn{Source: src, Connector: conn, Listener: lis.Identity(), Port: target.Port(), Proto: proto, Node: node}
+			var grantsErr error
+			if proto == policy.TCP && lerr == nil && !whatIf && !pol.Grants.Disabled {
+				// The listener's node holds the grants (palisade share).
+				c.Grants, grantsErr = nodeGrants(ctx, flowsSocket(cmd), answered)
+				c.At = time.Now()
+			}
 			v := pol.Decide(c)
 			// Without the listener's owner only the identity-free rules
 			// (system port, off-cluster) can decide; without its group, a
@@ -187,9 +193,12 @@ get if it is your own, and how to ask about someone else's.`,
 				word = "ALLOW"
 			}
 			fmt.Fprintf(w, "verdict\t%s (rule %s)\n", word, v.Rule)
+			if grantsErr != nil && !v.Allow {
+				fmt.Fprintf(w, "grants\tnot known (%v): a user grant (palisade share) could still allow it\n", grantsErr)
+			}
 			fmt.Fprintf(w, "why\t%s\n", pol.ExplainWith(c, res))
 			if !v.Allow {
-				for _, f := range fixes(res, c, v, lis) {
+				for _, f := range fixes(res, c, v, lis, !pol.Grants.Disabled) {
 					fmt.Fprintf(w, "fix\t%s\n", f)
 				}
 			}
@@ -309,7 +318,7 @@ func callerIdentity() policy.Identity {
 // listener under a group both hold (the listener's owner starts it with
 // sg), or start a new session when the directory has a group the
 // connector's session lacks.
-func fixes(res identity.Resolver, c policy.Conn, v policy.Verdict, lis sockowner.Owner) []string {
+func fixes(res identity.Resolver, c policy.Conn, v policy.Verdict, lis sockowner.Owner, grants bool) []string {
 	if r := policy.Rule(v.Rule); v.Rule != policy.RuleDenied && !slices.Contains(policy.BuiltinRules, r) {
 		return []string{fmt.Sprintf("site rule %s refuses it on purpose: ask the administrators (palisade policy test shows the site's tests)", r)}
 	}
@@ -361,6 +370,9 @@ func fixes(res identity.Resolver, c policy.Conn, v policy.Verdict, lis sockowner
 			owner, shared[0]))
 	} else if len(out) == 0 {
 		out = append(out, fmt.Sprintf("%s and %s share no group: a project group both belong to would let %s share it (sg GROUP), or ask the administrators", owner, cname, owner))
+	}
+	if c.Proto == policy.TCP && grants {
+		out = append(out, fmt.Sprintf("%s can let %s in for a while: palisade share %d --with %s (on the listener's node)", owner, cname, c.Port, cname))
 	}
 	return out
 }
@@ -479,4 +491,29 @@ func whatIfListener(res identity.Resolver, user, group string) (sockowner.Owner,
 		o.GID = g
 	}
 	return o, nil
+}
+
+// nodeGrants returns the user grants the caller may see on the listener's
+// node (node: its address, zero for this node), through this node's agent.
+func nodeGrants(ctx context.Context, sock string, node netip.Addr) ([]policy.Grant, error) {
+	req := userwall.FlowsRequest{Kind: userwall.KindGrant, Grant: &userwall.GrantRequest{Op: "list"}}
+	if node.IsValid() {
+		req.Nodes = []string{node.String()}
+	}
+	resp, err := userwall.AskFlows(ctx, sock, req)
+	if err != nil {
+		return nil, err
+	}
+	var out []policy.Grant
+	for _, n := range resp.Nodes {
+		if n.Error != "" {
+			return nil, errors.New(n.Error)
+		}
+		if n.Grant != nil {
+			for _, g := range n.Grant.Grants {
+				out = append(out, g.Grant)
+			}
+		}
+	}
+	return out, nil
 }

@@ -287,8 +287,12 @@ func flowLine(x *userwall.Flow) string {
 	if x.Sampled {
 		verdict += "*"
 	}
-	return fmt.Sprintf("%s\t%s\t%s\t%s\t%s\t%s\t->\t%s\t%s", x.Time.Local().Format("15:04:05.000"), verdict, x.Rule,
+	line := fmt.Sprintf("%s\t%s\t%s\t%s\t%s\t%s\t->\t%s\t%s", x.Time.Local().Format("15:04:05.000"), verdict, x.Rule,
 		x.Proto, conn, dash(x.Src), endText(&x.Listener), x.Dst)
+	if x.Grant != "" {
+		line += "\t(" + x.Grant + ")"
+	}
+	return line
 }
 
 func dash(s string) string {

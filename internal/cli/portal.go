@@ -174,8 +174,8 @@ func portalConnectCommand(path func(*cobra.Command) (string, error)) *cobra.Comm
 			defer c.Close()
 			go func() {
 				io.Copy(c, cmd.InOrStdin())
-				if tc, ok := c.(*net.TCPConn); ok {
-					tc.CloseWrite()
+				if cw, ok := c.(interface{ CloseWrite() error }); ok {
+					cw.CloseWrite() // the relay passes the half-close on
 				}
 			}()
 			_, err = io.Copy(cmd.OutOrStdout(), c)

@@ -31,6 +31,8 @@ func New() *cobra.Command {
 		explainCommand(),
 		whoCommand(),
 		flowsCommand(),
+		shareCommand(),
+		unshareCommand(),
 		auditCommand(),
 		configCommand(),
 		policyCommand(),

@@ -95,6 +95,13 @@ type PolicyConfig struct {
 	// Include names files (globs, relative to this file's directory) whose
 	// [[rule]] and [[test]] entries follow this file's, e.g. "policy.d/*.toml".
 	Include []string `toml:"include,omitempty"`
+	// UserGrants is the site's switch for user grants (`palisade share`),
+	// default on; GrantMax bounds a user's active grants per node;
+	// GrantDefault and GrantMaxDuration are durations ("8h", "30m").
+	UserGrants       *bool  `toml:"user_grants"`
+	GrantMax         *int64 `toml:"grant_max"`
+	GrantDefault     string `toml:"grant_default"`
+	GrantMaxDuration string `toml:"grant_max_duration"`
 }
 
 // ClusterConfig is the [cluster] table as written.
@@ -526,6 +533,33 @@ func (c *Config) buildPolicy(res identity.Resolver, bad, unresolved func(key, va
 			uids = append(uids, uid)
 		}
 		return uids, gids
+	}
+	p.Grants = policy.DefaultGrantPolicy()
+	if v := c.Rules.UserGrants; v != nil {
+		p.Grants.Disabled = !*v
+	}
+	if v := c.Rules.GrantMax; v != nil {
+		if *v < 0 || *v > 1024 {
+			bad("policy.grant_max", "", fmt.Errorf("%d out of range (0-1024)", *v))
+		} else {
+			p.Grants.MaxPerUser = int(*v)
+		}
+	}
+	dur := func(key, s string, into *time.Duration) {
+		if s == "" {
+			return
+		}
+		d, err := time.ParseDuration(s)
+		if err != nil || d < time.Minute {
+			bad(key, "", fmt.Errorf("bad duration %q: want a Go duration of at least 1m (\"30m\", \"8h\")", s))
+			return
+		}
+		*into = d
+	}
+	dur("policy.grant_default", c.Rules.GrantDefault, &p.Grants.Default)
+	dur("policy.grant_max_duration", c.Rules.GrantMaxDuration, &p.Grants.Max)
+	if p.Grants.Default > p.Grants.Max {
+		bad("policy.grant_default", "", fmt.Errorf("%v exceeds policy.grant_max_duration (%v)", p.Grants.Default, p.Grants.Max))
 	}
 	// Absent lists keep the default (root exempt); an explicit empty list
 	// means no exemptions at all.

@@ -46,6 +46,8 @@ func (c *Config) Describe(res identity.Resolver) string {
 	fmt.Fprintf(&b, "[policy]\nsystem_port_max   = %d\n", p.SystemPortMax)
 	fmt.Fprintf(&b, "exempt_connectors = %s\n", uids(p.ExemptConnectors, p.ExemptConnectorGroups))
 	fmt.Fprintf(&b, "exempt_listeners  = %s\n", uids(p.ExemptListeners, p.ExemptListenerGroups))
+	fmt.Fprintf(&b, "user_grants       = %t\ngrant_max         = %d\ngrant_default     = %q\ngrant_max_duration = %q\n",
+		!p.Grants.Disabled, p.Grants.MaxPerUser, p.Grants.Default, p.Grants.Max)
 	var subnets, nodes, ports []string
 	for _, s := range p.ClusterSubnets {
 		subnets = append(subnets, s.String())

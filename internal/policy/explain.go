@@ -78,9 +78,18 @@ func (p *Policy) ExplainWith(c Conn, res identity.Resolver) string {
 		fmt.Fprintf(&b, "the connector (%s) is listed in policy.exempt_connectors (by name, uid or @group), so it may reach any listener", user(c.Connector.UID))
 	case RuleExemptListener:
 		fmt.Fprintf(&b, "the listener (%s) is listed in policy.exempt_listeners (by name, uid or @group), so anyone in the cluster may reach it", user(c.Listener.UID))
+	case RuleUserGrant:
+		fmt.Fprintf(&b, "%s: the connector (%s) is not the listener's user, holds none of its groups and neither is exempt, but the listener's owner shared the port (palisade share)",
+			p.GrantFor(c).Describe(res), user(c.Connector.UID))
 	case RuleDenied:
 		fmt.Fprintf(&b, "the connector (%s; %s) is not the listener's user (%s), does not hold the listener's group (%s), neither is exempt, and %s is above %s",
 			user(c.Connector.UID), groups(c.Connector), user(c.Listener.UID), group(c.Listener.GID), port, system)
+		switch {
+		case p.Grants.Disabled:
+			b.WriteString("; user grants are disabled by the site (policy.user_grants)")
+		case len(c.Grants) > 0:
+			fmt.Fprintf(&b, "; none of the %d user grant(s) on this node admits it", len(c.Grants))
+		}
 	}
 	if len(p.Rules) > 0 {
 		fmt.Fprintf(&b, "; none of the %d site rules matched", len(p.Rules))

@@ -15,6 +15,7 @@ import (
 	"net/netip"
 	"slices"
 	"strconv"
+	"time"
 )
 
 // Proto is a transport protocol the policy distinguishes.
@@ -90,6 +91,11 @@ type Conn struct {
 	// Node is the listener's node (its hostname), for site rules limited
 	// to some nodes (on_nodes); "" matches none of those rules.
 	Node string
+	// Grants are the user grants held on the listener's node (`palisade
+	// share`); At is the decision's time, against which they expire (zero:
+	// every grant given counts).
+	Grants []Grant
+	At     time.Time
 }
 
 // Rule names the rule that decided a verdict.
@@ -152,12 +158,14 @@ type Policy struct {
 	// Rules are the site's [[rule]] entries, in order: consulted after the
 	// system ports and before the built-in rules (docs/policy.md).
 	Rules []SiteRule
+	// Grants is the site's switch and bounds for user grants.
+	Grants GrantPolicy
 }
 
 // Default returns the policy used when the configuration says nothing:
 // system ports below 1024, root exempt both ways, no cluster subnets.
 func Default() *Policy {
-	return &Policy{SystemPortMax: 1023, ExemptConnectors: []uint32{0}, ExemptListeners: []uint32{0}}
+	return &Policy{SystemPortMax: 1023, ExemptConnectors: []uint32{0}, ExemptListeners: []uint32{0}, Grants: DefaultGrantPolicy()}
 }
 
 // InCluster reports whether identity from addr is trusted. Loopback and the
@@ -188,9 +196,11 @@ func (p *Policy) InCluster(addr netip.Addr) bool {
 //  4. shared-group: the listener's effective gid is one of the connector's
 //     groups (effective or supplementary) — how newgrp/sg shares a listener;
 //  5. exempt-connector, 6. exempt-listener;
-//  7. default-deny.
+//  7. user-grant: a grant of the listener's owner on this TCP port admits
+//     the connector (Conn.Grants, unless the site disabled grants);
+//  8. default-deny.
 //
-// Among 3-6 the order only changes which allowing rule is reported.
+// Among 3-7 the order only changes which allowing rule is reported.
 func (p *Policy) Decide(c Conn) Verdict { return p.DecideTrusted(c, p.Trusted(c.Source)) }
 
 // Trusted reports whether the data plane trusts the identity a source
@@ -234,6 +244,8 @@ func (p *Policy) DecideTrusted(c Conn, trusted bool) Verdict {
 		return Verdict{true, RuleExemptConnector}
 	case slices.Contains(p.ExemptListeners, c.Listener.UID) || slices.ContainsFunc(p.ExemptListenerGroups, c.Listener.HasGroup):
 		return Verdict{true, RuleExemptListener}
+	case p.GrantFor(c) != nil:
+		return Verdict{true, RuleUserGrant}
 	}
 	return Verdict{false, RuleDenied}
 }

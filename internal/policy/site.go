@@ -128,7 +128,7 @@ func (r *SiteRule) Where() string {
 // BuiltinRules are the names of the built-in rules, which a site rule may
 // not take.
 var BuiltinRules = []Rule{RuleSystemPort, RuleOffClusterPort, RuleOffClusterDenied, RuleSameUser,
-	RuleSharedGroup, RuleExemptConnector, RuleExemptListener, RuleDenied}
+	RuleSharedGroup, RuleExemptConnector, RuleExemptListener, RuleUserGrant, RuleDenied}
 
 // SiteRule returns the site rule named name, or nil.
 func (p *Policy) SiteRule(name Rule) *SiteRule {

@@ -147,6 +147,18 @@ other:x:2200:bob
 	if got := code(s.connect(ctx, 33, Request{Op: OpConnect, User: "alice", Address: "198.18.0.2:80"})); !regexp.MustCompile("not a .portal. proxy").MatchString(got) {
 		t.Errorf("delisted proxy: %q", got)
 	}
+	// … nor get them back when it is listed again (redteam, session 7).
+	cfg.Proxies = []string{"www-data"}
+	s.SetSettings(Settings{Config: cfg, Exempt: []uint32{0, 2004}})
+	if s.sessionFor(2001, 33) != nil {
+		t.Error("a session of a delisted proxy came back when it was listed again")
+	}
+	// A user is a name: a login made of digits is not read as a uid
+	// (alice is 2001; "2001" is nobody's name here).
+	s.register(2001, Request{Op: OpSession, Proxy: "www-data"})
+	if got := code(s.connect(ctx, 33, Request{Op: OpConnect, User: "2001", Address: "198.18.0.2:80"})); !regexp.MustCompile(`user "2001"`).MatchString(got) {
+		t.Errorf("numeric user: %q", got)
+	}
 }
 
 // Every request gets a connection of its own, made for its own user: a

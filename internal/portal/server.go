@@ -20,6 +20,7 @@ import (
 
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/sys/peercred"
+	"golang.org/x/sys/unix"
 )
 
 // Kernel is what the delegation needs of the data plane that enforces.
@@ -42,22 +43,25 @@ type Settings struct {
 
 // Server serves the delegation socket.
 type Server struct {
-	kernel   Kernel
-	res      identity.Resolver
-	log      *slog.Logger
-	settings atomic.Pointer[Settings]
-	now      func() time.Time
+	kernel     Kernel
+	res        identity.Resolver
+	log        *slog.Logger
+	settings   atomic.Pointer[Settings]
+	proxyCache atomic.Pointer[proxies]
+	now        func() time.Time
 
 	l    *net.UnixListener
 	path string
 	file os.FileInfo
 
-	mu       sync.Mutex
-	inflight map[uint32]int // requests being served per peer uid
-	sessions map[sessionKey]*session
-	holds    map[uint32]int // held sessions per user
-	gen      uint64
-	ctx      context.Context
+	mu         sync.Mutex
+	inflight   map[uint32]int // requests being served per peer uid
+	sessions   map[sessionKey]*session
+	holds      map[uint32]int // held sessions per user
+	relays     int            // delegated connections open
+	userRelays map[uint32]int // … per user
+	gen        uint64
+	ctx        context.Context
 }
 
 type sessionKey struct{ uid, proxy uint32 }
@@ -71,7 +75,8 @@ type session struct {
 // Bounds: connections served at once, held sessions per user and in all.
 const (
 	maxClients      = 64
-	maxPerUID       = 4 // one uid cannot hold every slot (the socket is 0666)
+	maxPerUID       = 4  // one uid cannot hold every slot (the socket is 0666)
+	maxUsers        = 32 // nor can users together: the proxies keep the rest
 	maxHoldsPerUser = 8
 	maxHolds        = 4096
 	requestTimeout  = 10 * time.Second
@@ -81,14 +86,57 @@ const (
 // NewServer makes a server; Serve starts it.
 func NewServer(k Kernel, res identity.Resolver, s Settings, log *slog.Logger) *Server {
 	srv := &Server{kernel: k, res: res, log: log, now: time.Now,
-		sessions: map[sessionKey]*session{}, holds: map[uint32]int{}, inflight: map[uint32]int{}}
+		sessions: map[sessionKey]*session{}, holds: map[uint32]int{}, inflight: map[uint32]int{}, userRelays: map[uint32]int{}}
 	srv.settings.Store(&s)
 	return srv
 }
 
 // SetSettings applies a reloaded configuration (sessions stay; a proxy no
 // longer listed cannot use its sessions).
-func (s *Server) SetSettings(st Settings) { s.settings.Store(&st) }
+func (s *Server) SetSettings(st Settings) {
+	s.settings.Store(&st)
+	// Sessions with a proxy no longer listed end: putting the name back
+	// must not revive them.
+	ps := s.proxySet(&st)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for k, v := range s.sessions {
+		if _, ok := ps.byUID[k.proxy]; !ok {
+			close(v.done)
+			delete(s.sessions, k)
+		}
+	}
+}
+
+// proxies are the [portal] proxies' uids for one Settings, resolved once
+// (the accept loop asks for every connection: a lookup each time let any
+// user make it wait on the directory); names that did not resolve are
+// tried again after proxyRetry.
+type proxies struct {
+	st      *Settings
+	byUID   map[uint32]string
+	missing bool
+	at      time.Time
+}
+
+const proxyRetry = 30 * time.Second
+
+func (s *Server) proxySet(st *Settings) *proxies {
+	if ps := s.proxyCache.Load(); ps != nil && ps.st == st && (!ps.missing || s.now().Sub(ps.at) < proxyRetry) {
+		return ps
+	}
+	ps := &proxies{st: st, byUID: map[uint32]string{}, at: s.now()}
+	for _, p := range st.Config.Proxies {
+		id, err := identity.UID(s.res, p)
+		if err != nil {
+			ps.missing = true
+			continue
+		}
+		ps.byUID[id] = p
+	}
+	s.proxyCache.Store(ps)
+	return ps
+}
 
 // Listen creates the socket at path (mode 0666; a stale socket replaced).
 func (s *Server) Listen(path string) error {
@@ -197,7 +245,13 @@ const proxyPeer = ^uint32(0)
 func (s *Server) take(uid uint32) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if uid != proxyPeer && s.inflight[uid] >= maxPerUID {
+	users := 0
+	for u, n := range s.inflight {
+		if u != proxyPeer {
+			users += n
+		}
+	}
+	if uid != proxyPeer && (s.inflight[uid] >= maxPerUID || users >= maxUsers) {
 		return false
 	}
 	s.inflight[uid]++
@@ -273,13 +327,8 @@ func reply(c *net.UnixConn, resp Response, fd int) {
 
 // proxyUID reports whether uid is a [portal] proxy, and its name.
 func (s *Server) proxyUID(st *Settings, uid uint32) (string, bool) {
-	for _, p := range st.Config.Proxies {
-		id, err := identity.UID(s.res, p)
-		if err == nil && id == uid {
-			return p, true
-		}
-	}
-	return "", false
+	p, ok := s.proxySet(st).byUID[uid]
+	return p, ok
 }
 
 // actable says why no connection may be made as uid ("" = it may).
@@ -483,6 +532,85 @@ func (s *Server) sessionFor(uid, proxy uint32) *Session {
 	return &c
 }
 
+// maxRelays bounds the delegated connections open at once, maxRelaysPerUID
+// those of one user (her app decides when a connection ends: an app that
+// never closes must not use up everyone's).
+const (
+	maxRelays       = 4096
+	maxRelaysPerUID = 256
+)
+
+// relay keeps the user's connected TCP socket (fd, taken) in the agent and
+// returns the proxy's end of a Unix stream pair that carries its bytes. The
+// proxy never holds the user's socket: with it, it could disconnect it
+// (connect AF_UNSPEC) and connect it again anywhere, or bind and listen on
+// it, as the user, long after her session ended (redteam, session 7).
+func (s *Server) relay(fd int, uid uint32) (int, error) {
+	s.mu.Lock()
+	if s.relays >= maxRelays || s.userRelays[uid] >= maxRelaysPerUID {
+		s.mu.Unlock()
+		closeFD(fd)
+		return -1, fmt.Errorf("too many delegated connections open (%d of %d in all, %d of %d for uid %d)",
+			s.relays, maxRelays, s.userRelays[uid], maxRelaysPerUID, uid)
+	}
+	s.relays++
+	s.userRelays[uid]++
+	s.mu.Unlock()
+	done := func() {
+		s.mu.Lock()
+		s.relays--
+		if s.userRelays[uid]--; s.userRelays[uid] <= 0 {
+			delete(s.userRelays, uid)
+		}
+		s.mu.Unlock()
+	}
+	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		done()
+		closeFD(fd)
+		return -1, err
+	}
+	up, err := fileConn(fd, "portal-user")
+	if err != nil {
+		done()
+		closeFD(pair[0])
+		closeFD(pair[1])
+		return -1, err
+	}
+	down, err := fileConn(pair[0], "portal-proxy")
+	if err != nil {
+		done()
+		up.Close()
+		closeFD(pair[1])
+		return -1, err
+	}
+	go func() {
+		defer done()
+		var wg sync.WaitGroup
+		pipe := func(dst, src net.Conn) {
+			defer wg.Done()
+			io.Copy(dst, src)
+			if cw, ok := dst.(interface{ CloseWrite() error }); ok {
+				cw.CloseWrite() // half-close: the other direction goes on
+			}
+		}
+		wg.Add(2)
+		go pipe(up, down)
+		go pipe(down, up)
+		wg.Wait()
+		up.Close()
+		down.Close()
+	}()
+	return pair[1], nil
+}
+
+// fileConn makes a net.Conn of fd (taken).
+func fileConn(fd int, name string) (net.Conn, error) {
+	f := os.NewFile(uintptr(fd), name)
+	defer f.Close() // FileConn dups it
+	return net.FileConn(f)
+}
+
 // connect makes the connection a proxy asks for, as the user; the
 // descriptor returned (≥ 0) is the caller's to send and close.
 func (s *Server) connect(ctx context.Context, peer uint32, req Request) (Response, int) {
@@ -499,9 +627,11 @@ func (s *Server) connect(ctx context.Context, peer uint32, req Request) (Respons
 	if req.User == "" || req.Address == "" {
 		return refuse(CodeBadRequest, "connect needs user and address")
 	}
-	uid, err := identity.UID(s.res, req.User)
+	// A name, never a number: a login made of digits ("2001", a student
+	// number) would otherwise be read as another user's uid.
+	uid, _, err := s.res.LookupUser(req.User)
 	if err != nil {
-		return refuse(CodeForbidden, "user %q: %v", req.User, err)
+		return refuse(CodeForbidden, "user %q: %v (a user name is wanted)", req.User, err)
 	}
 	if why := s.actable(st, uid); why != "" {
 		return refuse(CodeForbidden, "%s", why)
@@ -513,7 +643,12 @@ func (s *Server) connect(ctx context.Context, peer uint32, req Request) (Respons
 	// The session's group is re-checked: a user removed from it since
 	// gets her primary group.
 	gid := sess.GID
-	if sess.Group != "" {
+	if sess.Group == "" {
+		// Her primary group now, not at registration.
+		if _, gid, err = s.res.LookupUser(sess.User); err != nil {
+			return refuse(CodeForbidden, "user %s: %v", sess.User, err)
+		}
+	} else {
 		if gids, err := s.res.GroupsOf(sess.User); err != nil || !slices.Contains(gids, gid) {
 			_, gid, err = s.res.LookupUser(sess.User)
 			if err != nil {
@@ -547,8 +682,22 @@ func (s *Server) connect(ctx context.Context, peer uint32, req Request) (Respons
 			continue
 		}
 		to := net.JoinHostPort(a.Unmap().String(), port)
+		// The session may have ended, or the proxy left the list, while
+		// this connection was being made.
+		if s.sessionFor(uid, peer) == nil {
+			closeFD(fd)
+			return refuse(CodeForbidden, "%s's session with proxy %s ended", req.User, pname)
+		}
+		if _, ok := s.proxyUID(s.settings.Load(), peer); !ok {
+			closeFD(fd)
+			return refuse(CodeForbidden, "uid %d is no longer a [portal] proxy", peer)
+		}
+		pfd, err := s.relay(fd, uid)
+		if err != nil {
+			return refuse(CodeInternal, "relay: %v", err)
+		}
 		s.log.Info("portal connection", "proxy", pname, "user", sess.User, "uid", uid, "gid", gid, "address", to)
-		return Response{OK: true, UID: uid, GID: gid, Address: to}, fd
+		return Response{OK: true, UID: uid, GID: gid, Address: to}, pfd
 	}
 	return refuse(CodeUnreachable, "%s: %v", req.Address, lastErr)
 }

@@ -16,6 +16,8 @@ import (
 	"slices"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/internal/sys/procfs"
@@ -149,4 +151,22 @@ func LookupLocal(addr netip.AddrPort, proto policy.Proto) (Owner, error) {
 	}
 	defer r.Close()
 	return r.Lookup(addr, proto)
+}
+
+// ListenerUIDs returns the owners the kernel recorded (the creator's fs
+// uid, sk_uid) of the TCP listeners bound to port, in either family.
+func (r *Resolver) ListenerUIDs(port uint16) ([]uint32, error) {
+	var out []uint32
+	for _, fam := range []uint8{unix.AF_INET, unix.AF_INET6} {
+		socks, err := r.diag.dumpPort(fam, port, policy.TCP)
+		if err != nil {
+			return nil, err
+		}
+		for _, s := range socks {
+			if s.listening(policy.TCP) && !slices.Contains(out, s.UID) {
+				out = append(out, s.UID)
+			}
+		}
+	}
+	return out, nil
 }

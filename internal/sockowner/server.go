@@ -344,7 +344,7 @@ func (s *Server) answerUDP(b []byte) *Answer {
 	switch q.Kind {
 	case KindStatus:
 		return s.report(q.ID)
-	case KindFlows, KindAudit:
+	case KindFlows, KindAudit, KindGrant:
 		return s.answerData(q)
 	}
 	// Peers are never relayed onwards: Node is a Unix-API feature.

@@ -75,6 +75,9 @@ const KindStatus = "status"
 const (
 	KindFlows = "flows"
 	KindAudit = "audit"
+	// KindGrant: a user grant request (palisade share --node) another
+	// node's agent forwards for the user its own socket authenticated.
+	KindGrant = "grant"
 )
 
 // Answer is the reply to one Query.
@@ -151,7 +154,7 @@ func decodeQuery(b []byte) (parsedQuery, *Answer) {
 	}
 	switch q.Kind {
 	case "":
-	case KindStatus, KindFlows, KindAudit:
+	case KindStatus, KindFlows, KindAudit, KindGrant:
 		return parsedQuery{ID: q.ID, Kind: q.Kind, Args: q.Args}, nil
 	default:
 		return bad("unknown kind %q", q.Kind)

@@ -134,8 +134,10 @@ type agent struct {
 	// sitePolicy is the applied policy, for naming site rules in events
 	// (the event sink's goroutine reads it).
 	sitePolicy atomic.Pointer[policy.Policy]
-	notes      []string
-	pinDir     string
+	// grants are the users' grants (palisade share) held on this node.
+	grants *grantStore
+	notes  []string
+	pinDir string
 	// nodeAddrs are the node's addresses (syncAddrs), checked against
 	// the cluster subnets; lastResolve is the last attempt to resolve the
 	// configuration's unresolved names.
@@ -411,6 +413,9 @@ func (a *agent) startServices(ctx context.Context, svc *services) error {
 	a.sink.site = a.siteVerdict
 	a.flows = a.newFlows()
 	a.sink.flows = a.flows
+	a.newGrants()
+	a.sink.grant = a.grantFor
+	svc.add(a.runGrants())
 	flowCtx, stopFlows := context.WithCancel(ctx)
 	svc.add(goJoined(func() { a.flows.run(flowCtx) }, stopFlows, a.flows.close))
 	svc.add(goJoined(func() { a.sink.run(rd) }, func() { rd.Close() }, a.sink.close))
@@ -764,7 +769,7 @@ func (a *agent) startIdent(ctx context.Context) (stop func()) {
 	srv, err := ident.NewServer(ident.ServerConfig{
 		UDPPort: uint16(c.IdentPort), DisableUDP: c.IdentPort == 0,
 		SocketPath: c.IdentSocket, DisableUnix: c.IdentSocket == "", SocketGroup: c.IdentSocketGroup,
-		Policy: a.cfg.Policy, Logger: a.log, Report: a.report, Data: a.flows.answerData,
+		Policy: a.cfg.Policy, Logger: a.log, Report: a.report, Data: a.answerData,
 	})
 	if err != nil {
 		a.log.Warn("ident service not started", "err", err)

@@ -270,6 +270,10 @@ type world struct {
 	samples uint32 // allowed verdicts reported per second and CPU
 	enabled bool
 	offset  int64 // wall clock minus boot clock
+	// grants are the node's user grants (palisade share); at is the
+	// current case's wall clock, against which they expire.
+	grants []policy.Grant
+	at     time.Time
 }
 
 func (w *world) apply(t *testing.T, h *harness) {
@@ -288,6 +292,9 @@ func (w *world) apply(t *testing.T, h *harness) {
 		t.Fatal(err)
 	}
 	if err := d.SetKnownUsers(w.known); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.WriteGrants(w.grants); err != nil {
 		t.Fatal(err)
 	}
 	if err := d.SetInterfaces(map[int]int{1: 14}); err != nil {
@@ -563,7 +570,8 @@ const unknownGID = ^uint32(0)
 // policy.NoGID, names no group).
 func (w *world) reach(src netip.Addr, node string, cuid, cgid, luid, lgid uint32, port uint16, proto policy.Proto) policy.Verdict {
 	return w.pol.DecideTrusted(policy.Conn{Source: src, Connector: policy.Identity{UID: cuid, GID: cgid, Groups: w.members[cuid], GroupsKnown: slices.Contains(w.known, cuid)},
-		Listener: policy.Identity{UID: luid, GID: lgid, Groups: w.members[luid]}, Port: port, Proto: proto, Node: node}, true)
+		Listener: policy.Identity{UID: luid, GID: lgid, Groups: w.members[luid]}, Port: port, Proto: proto, Node: node,
+		Grants: w.grants, At: w.at}, true)
 }
 
 // offCluster is policy.Decide for a source without a trusted identity.
@@ -630,6 +638,7 @@ func (w *world) expect(c *tcase) (deliver bool, rule uwbpfUwRule, path uwbpfUwPa
 	trusted := st == uwbpfUwStampS_VALID
 	proto := policy.Proto(c.proto)
 	cuid, cgid := c.carried()
+	w.at = time.Unix(0, c.sock.NowNs+w.offset)
 	var v policy.Verdict
 	switch {
 	case c.dport <= w.pol.SystemPortMax:
@@ -680,7 +689,7 @@ func (w *world) expect(c *tcase) (deliver bool, rule uwbpfUwRule, path uwbpfUwPa
 	// the agent then looks up the connector's groups.
 	claim := rule == uwbpfUwRuleR_SHARED_GROUP && cgid == lgid && !slices.Contains(w.known, cuid) &&
 		!slices.Contains(w.members[cuid], lgid)
-	event = !v.Allow || rule == uwbpfUwRuleR_UNVERIFIED || claim || (w.samples > 0 && c.dport > w.pol.SystemPortMax)
+	event = !v.Allow || rule == uwbpfUwRuleR_UNVERIFIED || rule == uwbpfUwRuleR_USER_GRANT || claim || (w.samples > 0 && c.dport > w.pol.SystemPortMax)
 	return v.Allow || w.audit, rule, pathFor(c.proto), st, event
 }
 
@@ -812,7 +821,24 @@ func worlds() []*world {
 				ClusterSubnets:  pfx("198.18.0.0/24", "2001:2:0:1::/64"),
 				OffClusterPorts: []policy.PortRange{{First: 8443, Last: 8443}},
 				UnenforcedNodes: pfx("198.18.7.0/24"),
-				Rules:           siteRules()}},
+				Rules:           siteRules()},
+			grants: diffGrants(1_700_000_000_000_000_000)},
+	}
+}
+
+// diffGrants are user grants on the worlds' users and ports (the case
+// generator's 8080, 8888, 12345, 7777, 30000), expiring within the cases'
+// 100 days of clock: about half of them are expired at a case's time.
+func diffGrants(offset int64) []policy.Grant {
+	at := func(days int64) time.Time { return time.Unix(0, offset+days*24*3600*1e9) }
+	return []policy.Grant{
+		{Owner: uAlice, Port: 8080, Grantee: uBob, Expires: at(50)},
+		{Owner: uAlice, Port: 8080, Grantee: uCarol, Expires: at(20)},
+		{Owner: uAlice, Port: 8888, Grantee: gProj, Group: true, Expires: at(80)},
+		{Owner: uBob, Port: 12345, Grantee: uCarol, Expires: at(60)},
+		{Owner: uCarol, Port: 30000, Grantee: uAlice, Group: true, Expires: at(40)},
+		{Owner: uCarol, Port: 7777, Grantee: uDaemon, Expires: at(90)},
+		{Owner: uDaemon, Port: 8888, Grantee: uBob, Expires: at(30)},
 	}
 }
 
@@ -947,7 +973,7 @@ func randomCase(r *rand.Rand, w *world, remoteIf int) *tcase {
 			return uint16(max(0, spm-2+r.IntN(5)))
 		case 1:
 			return pick(r, []uint16{53, 123, 8443, 9000, 9100, 9101, 5001, 5003, 5004, 1024,
-				9150, 6050, 7005, 8080, 12345, 7777, 30000}) // the last ones: the site world's rules
+				9150, 6050, 7005, 8080, 12345, 7777, 30000, 8888}) // the last ones: the site world's rules and grants
 		case 2:
 			return uint16(1 + r.IntN(1024))
 		default:
@@ -999,6 +1025,25 @@ func randomCase(r *rand.Rand, w *world, remoteIf int) *tcase {
 	if remoteIf > 0 && r.IntN(3) == 0 {
 		c.ifindex = remoteIf
 	}
+	// Aim at a grant now and then: its port and owner, its grantee (or,
+	// half the time, anyone), a TCP SYN mostly with a valid stamp.
+	if len(w.grants) > 0 && r.IntN(4) == 0 {
+		g := pick(r, w.grants)
+		c.dport, c.sock.Uid = g.Port, g.Owner
+		if r.IntN(4) > 0 {
+			c.proto, c.tcpFlags, c.sock.TcpListener = ipTCP, 0x02, 1
+		}
+		if r.IntN(4) > 0 {
+			c.stamp = stValid
+		}
+		if r.IntN(2) == 0 {
+			if g.Group {
+				c.cuid, c.cgid = pick(r, uids), g.Grantee
+			} else {
+				c.cuid = g.Grantee
+			}
+		}
+	}
 	return c
 }
 
@@ -1020,6 +1065,7 @@ func TestDifferential(t *testing.T) {
 	rw.name, rw.pol = "site-random", &policy.Policy{}
 	*rw.pol = *ws[0].pol
 	rw.pol.Rules = randomSiteRules(r, 300)
+	rw.grants = diffGrants(rw.offset)
 	ws = append(ws, &rw)
 	share := []int{25, 15, 15, 5, 20, 20} // percent of the cases per world
 	stats := map[string]int{}
@@ -1045,7 +1091,7 @@ func TestDifferential(t *testing.T) {
 	}
 	t.Logf("verdicts: %v", stats)
 	// The generator must reach every rule the ingress program can take.
-	for _, want := range []string{"site-allow/deliver", "site-deny/drop", "same-user/deliver", "shared-group/deliver", "system-port/deliver",
+	for _, want := range []string{"site-allow/deliver", "site-deny/drop", "user-grant/deliver", "same-user/deliver", "shared-group/deliver", "system-port/deliver",
 		"exempt-connector/deliver", "exempt-listener/deliver", "off-cluster-port/deliver",
 		"off-cluster-denied/drop", "unstamped-from-cluster/drop", "default-deny/drop", "udp-reply/deliver", "unverified/deliver",
 		"unclassified/drop", "none/deliver", "default-deny/deliver"} {

@@ -60,6 +60,9 @@ type Event struct {
 	// not looked the connector's groups up yet (docs/policy.md, "The
 	// carried gid is a claim"); logged, not only sampled.
 	Claim bool `json:"claim,omitempty"`
+	// Grant describes the user grant (palisade share) that admitted a
+	// "user-grant" verdict: "alice's grant on 8888/tcp to bob, expires ...".
+	Grant string `json:"grant,omitempty"`
 }
 
 // eventSink turns ring-buffer records into rate-limited JSON lines and
@@ -79,6 +82,8 @@ type eventSink struct {
 	seen func(uid uint32)
 	// site names the site rule of a site-deny event (nil: not named).
 	site func(c policy.Conn, trusted bool) policy.Verdict
+	// grant describes the grant that admitted a user-grant event.
+	grant func(c policy.Conn) string
 	// flows receives every verdict (nil: none recorded).
 	flows *flowRecorder
 
@@ -253,6 +258,10 @@ func (s *eventSink) decodeRecord(r *uwbpfUwEvent) Event {
 			e.SiteRule = string(v.Rule)
 		}
 	}
+	if uwbpfUwRule(r.Rule) == uwbpfUwRuleR_USER_GRANT && s.grant != nil {
+		e.Grant = s.grant(policy.Conn{Connector: policy.Identity{UID: r.Cuid, GID: r.Cgid},
+			Listener: policy.Identity{UID: r.Luid, GID: r.Lgid}, Port: r.Dport, Proto: policy.Proto(r.Proto)})
+	}
 	e.Claim = r.Claim != 0
 	if r.HasConnector != 0 {
 		e.Connector = &Party{UID: r.Cuid, User: s.names.User(r.Cuid), GID: r.Cgid, Group: s.names.Group(r.Cgid)}
@@ -279,7 +288,9 @@ func (s *eventSink) decodeRecord(r *uwbpfUwEvent) Event {
 
 // sampled reports whether e is an allowed verdict recorded within the
 // sampling budget: for the flows only, never logged.
-func (e *Event) sampled() bool { return e.Verdict == "allow" && e.Rule != "unverified" && !e.Claim }
+func (e *Event) sampled() bool {
+	return e.Verdict == "allow" && e.Rule != "unverified" && e.Rule != string(policy.RuleUserGrant) && !e.Claim
+}
 
 func (s *eventSink) handle(raw []byte) {
 	var r uwbpfUwEvent

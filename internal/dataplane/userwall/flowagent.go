@@ -82,7 +82,7 @@ func (a *agent) serveFlows(ctx context.Context) (stop func(), err error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &flowServer{rec: a.flows, path: path, l: l, file: fi, cfg: a.flowCfg.Load, remoteAsks: rate.NewLimiter(20, 20)}
+	s := &flowServer{rec: a.flows, grants: a.grants, path: path, l: l, file: fi, cfg: a.flowCfg.Load, remoteAsks: rate.NewLimiter(20, 20)}
 	ctx, cancel := context.WithCancel(ctx)
 	return goJoined(func() { s.serve(ctx) }, func() { cancel(); s.close() }, nil), nil
 }

@@ -70,6 +70,8 @@ type Flow struct {
 	Connector *FlowEnd `json:"connector,omitempty"`
 	SrcNode   string   `json:"src_node,omitempty"`
 	Listener  FlowEnd  `json:"listener"`
+	// Grant names the user grant that allowed a "user-grant" flow.
+	Grant string `json:"grant,omitempty"`
 }
 
 // FlowFilter selects flows and audit groups. Zero fields select all.
@@ -376,7 +378,7 @@ func (r *flowRecorder) nodeName(a netip.Addr) string {
 func (r *flowRecorder) record(p *pending) {
 	e := &p.e
 	f := Flow{Time: e.Time, Verdict: e.Verdict, Sampled: e.sampled(), Rule: e.Rule, Proto: e.Proto, Path: e.Path,
-		Stage: e.Stage, Stamp: e.Stamp, Src: e.Src, Dst: e.Dst,
+		Stage: e.Stage, Stamp: e.Stamp, Src: e.Src, Dst: e.Dst, Grant: e.Grant,
 		Listener: FlowEnd{UID: e.Listener.UID, User: e.Listener.User, GID: e.Listener.GID, Group: e.Listener.Group, Node: r.node}}
 	if c := e.Connector; c != nil {
 		f.Connector = &FlowEnd{UID: c.UID, User: c.User, GID: c.GID, Group: c.Group}

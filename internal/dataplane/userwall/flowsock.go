@@ -18,6 +18,7 @@ import (
 
 	"golang.org/x/time/rate"
 
+	"github.com/palisade-hpc/palisade/internal/policy"
 	ident "github.com/palisade-hpc/palisade/internal/sockowner"
 	"github.com/palisade-hpc/palisade/internal/sys/peercred"
 )
@@ -45,7 +46,14 @@ type FlowsRequest struct {
 	Limit  int        `json:"limit,omitempty"`
 	// Cursors are each node's cursor (FlowAnswer.Next), by node name.
 	Cursors map[string]uint64 `json:"cursors,omitempty"`
+	// Grant is a user grant request (Kind KindGrant).
+	Grant *GrantRequest `json:"grant,omitempty"`
 }
+
+// KindGrant is the flows socket's request kind for user grants (palisade
+// share, unshare, share --list): decided by this node's agent for the
+// asker the kernel names.
+const KindGrant = ident.KindGrant
 
 // NodeFlows is one node's part of a FlowsResponse.
 type NodeFlows struct {
@@ -54,6 +62,7 @@ type NodeFlows struct {
 	Error string       `json:"error,omitempty"`
 	Flows *FlowAnswer  `json:"flows,omitempty"`
 	Audit *AuditAnswer `json:"audit,omitempty"`
+	Grant *GrantAnswer `json:"grant,omitempty"`
 }
 
 // FlowsResponse answers a FlowsRequest.
@@ -71,11 +80,12 @@ type flowTarget struct {
 
 // flowServer serves the flows socket.
 type flowServer struct {
-	rec  *flowRecorder
-	path string
-	l    *net.UnixListener
-	file os.FileInfo
-	cfg  func() *flowConfig // the main loop's: [cluster] nodes, ident port, subnets
+	rec    *flowRecorder
+	grants *grantStore
+	path   string
+	l      *net.UnixListener
+	file   os.FileInfo
+	cfg    func() *flowConfig // the main loop's: [cluster] nodes, ident port, subnets
 	// remoteAsks bounds the requests that go to other nodes (each asks
 	// every node named): a user's loop cannot make this agent flood the
 	// cluster with ident queries.
@@ -173,7 +183,11 @@ func (s *flowServer) serveConn(ctx context.Context, c *net.UnixConn) {
 		if uid != 0 {
 			req.Filter.AsUID = &uid
 		}
-		resp = s.answer(ctx, req)
+		if req.Kind == KindGrant {
+			resp = s.answerGrant(ctx, uid, req)
+		} else {
+			resp = s.answer(ctx, req)
+		}
 	}
 	b, _ := json.Marshal(resp)
 	c.Write(append(b, '\n'))
@@ -223,6 +237,68 @@ func (s *flowServer) targets(want []string) ([]flowTarget, error) {
 		}
 	}
 	return out, nil
+}
+
+// answerGrant serves a grant request of asker (SO_PEERCRED): on this node,
+// or on the nodes req.Nodes names (hostlist syntax), whose agents each
+// decide it for asker (forwarded over the ident service, as root's flow
+// queries are: privileged port, cluster source).
+func (s *flowServer) answerGrant(ctx context.Context, asker uint32, req FlowsRequest) FlowsResponse {
+	if s.grants == nil || req.Grant == nil {
+		return FlowsResponse{Error: "user grants: no grant store (or no request)"}
+	}
+	if len(req.Nodes) == 0 {
+		a, err := s.grants.handle(asker, *req.Grant)
+		if err != nil {
+			return FlowsResponse{Error: err.Error()}
+		}
+		return FlowsResponse{Nodes: []NodeFlows{{Name: s.grants.node, Grant: &a}}}
+	}
+	var names []string
+	for _, n := range req.Nodes {
+		hs, err := policy.ExpandHostlist(n)
+		if err != nil {
+			return FlowsResponse{Error: fmt.Sprintf("--node %q: %v", n, err)}
+		}
+		names = append(names, hs...)
+	}
+	ts, err := s.targets(names)
+	if err != nil {
+		return FlowsResponse{Error: err.Error()}
+	}
+	if slices.ContainsFunc(ts, func(t flowTarget) bool { return !t.local }) && !s.remoteAsks.Allow() {
+		return FlowsResponse{Error: "too many requests to other nodes: retry in a second"}
+	}
+	port := s.cfg().identPort
+	out := make([]NodeFlows, len(ts))
+	sem := make(chan struct{}, maxParallelAsks)
+	var wg sync.WaitGroup
+	for i, t := range ts {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			nf := NodeFlows{Name: t.name}
+			var a GrantAnswer
+			var err error
+			if t.local {
+				a, err = s.grants.handle(asker, *req.Grant)
+			} else {
+				raw, _ := json.Marshal(ForwardedGrant{Asker: asker, Request: *req.Grant})
+				var data json.RawMessage
+				if data, err = (ident.Client{Port: port, Timeout: 2 * time.Second}).Data(ctx, t.addr, ident.KindGrant, raw); err == nil {
+					err = json.Unmarshal(data, &a)
+				}
+			}
+			if err != nil {
+				nf.Error = err.Error()
+			} else {
+				nf.Grant = &a
+			}
+			out[i] = nf
+		})
+	}
+	wg.Wait()
+	return FlowsResponse{Nodes: out}
 }
 
 // answer asks every target node, in parallel (1 s each).

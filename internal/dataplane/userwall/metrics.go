@@ -52,6 +52,8 @@ var (
 		"Lookups of a flow end's process: named, or not (socket gone, lookup budget spent, node not answering).", []string{"outcome"}, nil)
 	descTop = prometheus.NewDesc("palisade_userwall_refusals_top",
 		"Refusals (verdict deny) and would-be refusals (audit) of the last hour, for the 10 largest (listener, port, connector, rule) groups only: a bounded label set.", []string{"listener", "port", "connector", "rule", "verdict"}, nil)
+	descGrants = prometheus.NewDesc("palisade_user_grants_active",
+		"User grants (palisade share) in force on this node: one per grantee of each shared port.", nil, nil)
 	descWriteErrors = prometheus.NewDesc("palisade_agent_state_write_errors_total",
 		"Agent state files not written (status, reload acknowledgements and monitoring read it).", nil, nil)
 )
@@ -62,7 +64,7 @@ const topN = 10
 type collector struct{ a *agent }
 
 func (c collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descConfigInfo, descConfigShared, descConfigGen, descConfigReload, descConfigReloadOK, descAudit, descFindings, descKeyLoaded, descUnresolved, descBuildInfo, descDecisions, descLinks, descLSM, descEntries, descEvents, descSamples, descFlows, descFlowProcs, descTop, descWriteErrors} {
+	for _, d := range []*prometheus.Desc{descConfigInfo, descConfigShared, descConfigGen, descConfigReload, descConfigReloadOK, descAudit, descFindings, descKeyLoaded, descUnresolved, descBuildInfo, descDecisions, descLinks, descLSM, descEntries, descEvents, descSamples, descFlows, descFlowProcs, descTop, descGrants, descWriteErrors} {
 		ch <- d
 	}
 }
@@ -159,6 +161,9 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(descTop, prometheus.GaugeValue, float64(g.Count),
 				nameOr(g.Listener.User, g.Listener.UID), g.Proto+"/"+strconv.Itoa(int(g.Port)), conn, g.Rule, g.Verdict)
 		}
+	}
+	if g := c.a.grants; g != nil {
+		ch <- prometheus.MustNewConstMetric(descGrants, prometheus.GaugeValue, float64(g.count()))
 	}
 	ch <- prometheus.MustNewConstMetric(descWriteErrors, prometheus.CounterValue, float64(c.a.stateWriteErrors.Load()))
 }

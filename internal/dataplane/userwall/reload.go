@@ -263,6 +263,9 @@ func (a *agent) applyReload() error {
 	a.exempt.setGroups(cfg.Policy)
 	a.members.Refresh()
 	a.syncNode()
+	if a.grants != nil {
+		a.grants.sweep() // grants disabled by the site go now
+	}
 	return nil
 }
 

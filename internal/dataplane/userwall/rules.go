@@ -26,6 +26,9 @@ var ruleNames = map[uwbpfUwRule]string{
 	// event names it: events.go).
 	uwbpfUwRuleR_SITE_ALLOW: "site-allow",
 	uwbpfUwRuleR_SITE_DENY:  "site-deny",
+	// A user grant (palisade share) admitted the connector: grants.go
+	// names which.
+	uwbpfUwRuleR_USER_GRANT: string(policy.RuleUserGrant),
 }
 
 // RuleUnstamped: no valid identity came from a source that should have sent

@@ -14,6 +14,9 @@ package userwall
 // number of site rules: random rules none of the canonical packets match,
 // so site_decide scans every mask word (its worst case).
 // PALISADE_TESTRUN_SAMPLES=N sets flow_samples (default 0 here: none).
+// PALISADE_TESTRUN_GRANTS=N puts N user grants (at most 8) on the
+// listener's port, to groups the connector is not in (the worst case of
+// grant_decide: every slot checked, a membership lookup each).
 //
 // `palisade-lab bench` reports the same programs' cost under real traffic
 // (run-time statistics); docs/benchmarks puts both side by side.
@@ -60,8 +63,12 @@ func costFrames(w *world) []costFrame {
 			l, p, fam = local6, peer6, "v6"
 		}
 		in := func(name string, proto, flags uint8, kind stampKind, sock uwbpfUwTestSock) {
+			cuid := uint32(uAlice)
+			if strings.Contains(name, "another user") {
+				cuid = uDaemon // shares no group with alice, not exempt: every rule consulted, refused
+			}
 			c := tcase{v6: v6, proto: proto, tcpFlags: flags, src: p, dst: l, sport: 40000, dport: 29203,
-				stamp: kind, cuid: uAlice, cgid: uAlice, sock: sock}
+				stamp: kind, cuid: cuid, cgid: cuid, sock: sock}
 			out = append(out, costFrame{name: name + " " + fam + ", received", frame: c.frame(w, Key{}), sock: sock})
 		}
 		outp := func(name string, proto, flags uint8) {
@@ -72,6 +79,7 @@ func costFrames(w *world) []costFrame {
 		in("established TCP data", ipTCP, 0x18, stNone, alice)
 		outp("established TCP data", ipTCP, 0x18)
 		in("SYN with stamp", ipTCP, 0x02, stValid, lis)
+		in("SYN with stamp, another user's (refused)", ipTCP, 0x02, stValid, lis)
 		in("SYN without stamp", ipTCP, 0x02, stNone, lis)
 		outp("SYN (to stamp)", ipTCP, 0x02)
 		in("UDP with stamp", ipUDP, 0, stValid, alice)
@@ -159,8 +167,18 @@ func TestRunCosts(t *testing.T) {
 			rules[i].From, rules[i].FromGroups = []uint32{uCarol}, nil // alice sends every packet: none matches
 		}
 		w.pol.Rules = rules
+		w.grants = nil
+		if g, err := strconv.Atoi(os.Getenv("PALISADE_TESTRUN_GRANTS")); err == nil {
+			exp := time.Unix(0, time.Now().UnixNano()+w.offset).Add(time.Hour)
+			for i := range min(g, policy.GrantsPerPort) {
+				w.grants = append(w.grants, policy.Grant{Owner: uAlice, Port: 29203, Grantee: 3000 + uint32(i), Group: true, Expires: exp})
+				if i == g-1 && os.Getenv("PALISADE_TESTRUN_GRANT_HIT") != "" {
+					w.grants[i] = policy.Grant{Owner: uAlice, Port: 29203, Grantee: uDaemon, Expires: exp} // the last slot admits the connector
+				}
+			}
+		}
 		w.apply(t, h)
-		t.Logf("%d site rules:", n)
+		t.Logf("%d site rules, %d user grants:", n, len(w.grants))
 		runCosts(t, h, coll, w)
 	}
 }
@@ -190,7 +208,7 @@ func runCosts(t *testing.T, h *harness, coll *ebpf.Collection, w *world) {
 	sort.Strings(names)
 	const repeat, batches = 2000, 80
 	var b strings.Builder
-	fmt.Fprintf(&b, "| program | type | packet | ns per run | empty program (floor) | above the floor |\n|---|---|---|---|---|---|\n")
+	fmt.Fprintf(&b, "| program | type | packet | ns per run | empty program (floor) | above the floor | returns |\n|---|---|---|---|---|---|---|\n")
 	for _, f := range costFrames(w) {
 		if err := h.testSock.Update(uint32(0), f.sock, ebpf.UpdateAny); err != nil {
 			t.Fatal(err)
@@ -215,7 +233,7 @@ func runCosts(t *testing.T, h *harness, coll *ebpf.Collection, w *world) {
 			if n == "uw_tc_egress" && f.stamps {
 				rep, bat = 1, repeat
 			}
-			d, _, err := perRun(p, opts, rep, bat)
+			d, ret, err := perRun(p, opts, rep, bat)
 			if err != nil {
 				t.Fatalf("%s on %s: %v", n, f.name, err)
 			}
@@ -223,8 +241,8 @@ func runCosts(t *testing.T, h *harness, coll *ebpf.Collection, w *world) {
 			if err != nil {
 				t.Fatalf("floor on %s: %v", f.name, err)
 			}
-			fmt.Fprintf(&b, "| %s | %s | %s | %.0f | %.0f | %.0f |\n", n, info.Type, f.name, float64(d.Nanoseconds()), float64(fl.Nanoseconds()),
-				float64(d.Nanoseconds()-fl.Nanoseconds()))
+			fmt.Fprintf(&b, "| %s | %s | %s | %.0f | %.0f | %.0f | %d |\n", n, info.Type, f.name, float64(d.Nanoseconds()), float64(fl.Nanoseconds()),
+				float64(d.Nanoseconds()-fl.Nanoseconds()), ret)
 		}
 	}
 	t.Logf("BPF_PROG_TEST_RUN, %d runs per call, least of %d calls (tc egress stamping: one run per call, least of %d), ifindex %d:\n%s",

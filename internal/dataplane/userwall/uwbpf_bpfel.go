@@ -73,6 +73,22 @@ type uwbpfUwFlowKey struct {
 	Proto uint32
 }
 
+type uwbpfUwGrantKey struct {
+	_    structs.HostLayout
+	Luid uint32
+	Port uint32
+}
+
+type uwbpfUwGrants struct {
+	_ structs.HostLayout
+	S [8]struct {
+		_         structs.HostLayout
+		ExpiresNs int64
+		Id        uint32
+		Group     uint32
+	}
+}
+
 type uwbpfUwKey struct {
 	_     structs.HostLayout
 	K0    uint64
@@ -189,7 +205,8 @@ const (
 	uwbpfUwRuleR_UNSTAMPABLE            uwbpfUwRule = 17
 	uwbpfUwRuleR_SITE_ALLOW             uwbpfUwRule = 18
 	uwbpfUwRuleR_SITE_DENY              uwbpfUwRule = 19
-	uwbpfUwRuleR_MAX                    uwbpfUwRule = 20
+	uwbpfUwRuleR_USER_GRANT             uwbpfUwRule = 20
+	uwbpfUwRuleR_MAX                    uwbpfUwRule = 21
 )
 
 type uwbpfUwSite struct {
@@ -263,6 +280,7 @@ const (
 	uwbpfMapExemptConn           = "exempt_conn"
 	uwbpfMapExemptLis            = "exempt_lis"
 	uwbpfMapFlowBudget           = "flow_budget"
+	uwbpfMapGrants               = "grants"
 	uwbpfMapIfMtu                = "if_mtu"
 	uwbpfMapIfaces               = "ifaces"
 	uwbpfMapKeys                 = "keys"
@@ -396,6 +414,7 @@ type uwbpfMapSpecs struct {
 	ExemptConn     *ebpf.MapSpec `ebpf:"exempt_conn"`
 	ExemptLis      *ebpf.MapSpec `ebpf:"exempt_lis"`
 	FlowBudget     *ebpf.MapSpec `ebpf:"flow_budget"`
+	Grants         *ebpf.MapSpec `ebpf:"grants"`
 	IfMtu          *ebpf.MapSpec `ebpf:"if_mtu"`
 	Ifaces         *ebpf.MapSpec `ebpf:"ifaces"`
 	Keys           *ebpf.MapSpec `ebpf:"keys"`
@@ -471,6 +490,7 @@ type uwbpfMaps struct {
 	ExemptConn     *ebpf.Map `ebpf:"exempt_conn"`
 	ExemptLis      *ebpf.Map `ebpf:"exempt_lis"`
 	FlowBudget     *ebpf.Map `ebpf:"flow_budget"`
+	Grants         *ebpf.Map `ebpf:"grants"`
 	IfMtu          *ebpf.Map `ebpf:"if_mtu"`
 	Ifaces         *ebpf.Map `ebpf:"ifaces"`
 	Keys           *ebpf.Map `ebpf:"keys"`
@@ -511,6 +531,7 @@ func (m *uwbpfMaps) Close() error {
 		m.ExemptConn,
 		m.ExemptLis,
 		m.FlowBudget,
+		m.Grants,
 		m.IfMtu,
 		m.Ifaces,
 		m.Keys,

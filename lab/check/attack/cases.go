@@ -54,6 +54,7 @@ func Cases() []*Case {
 	add(casesV3()...)
 	add(casesRedteam()...)
 	add(casesUDP()...)
+	add(casesGrants()...)
 	add(casesPortal()...)
 	return cs
 }

@@ -21,7 +21,7 @@ func casesPortal() []*Case {
 		portalCrossUser(false), portalCrossUser(true),
 		portalNonProxy(), portalForbiddenUser("root"), portalForbiddenUser("svc"),
 		portalNoSession(), portalOtherSession(), portalSessionGone("expired"), portalSessionGone("ended"),
-		portalSessionGone("holder-gone"),
+		portalSessionGone("holder-gone"), portalFdReuse(),
 	}
 }
 
@@ -263,4 +263,79 @@ func (e *Env) waitNoSession(node string) error {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
+}
+
+// reuseScript, as the proxy: asks the agent (argv: socket, user, first
+// target) for a connection as the user, sends the first line on it, then
+// tries to make the descriptor it received carry a second connection —
+// disconnect (connect AF_UNSPEC) and connect again to the second target, or
+// bind and listen on it — and sends the second line there. It prints what
+// each step did.
+const reuseScript = `
+import json, socket, sys, ctypes, struct
+path, user, to1, to2, line1, line2 = sys.argv[1:7]
+c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+c.connect(path)
+c.sendall((json.dumps({"op": "connect", "user": user, "address": to1}) + "\n").encode())
+msg, anc, _, _ = c.recvmsg(4096, socket.CMSG_SPACE(4))
+fds = [struct.unpack("i", d[:4])[0] for (l, t, d) in anc if l == socket.SOL_SOCKET and t == socket.SCM_RIGHTS]
+print("answer", msg.decode().strip(), "fds", len(fds), flush=True)
+if not fds:
+    sys.exit(0)
+fd = fds[0]
+s = socket.socket(fileno=fd)
+print("family", s.family.name, flush=True)
+s.sendall(line1.encode())
+libc = ctypes.CDLL(None, use_errno=True)
+unspec = struct.pack("H14x", 0)
+print("disconnect", libc.connect(fd, unspec, len(unspec)), ctypes.get_errno(), flush=True)
+h, p = to2.rsplit(":", 1)
+sa = struct.pack("!HH4s8x", socket.AF_INET, int(p), socket.inet_aton(h))
+sa = struct.pack("H", socket.AF_INET) + sa[2:]
+rc = libc.connect(fd, sa, len(sa))
+print("reconnect", rc, ctypes.get_errno(), flush=True)
+if rc == 0:
+    s.sendall(line2.encode())
+    print("sent again", flush=True)
+`
+
+// portalFdReuse: the proxy must get one connection's worth, not alice's
+// socket (redteam, session 7: with her TCP socket in hand it disconnected
+// it and connected it again to her other listener after her session ended).
+func portalFdReuse() *Case {
+	return &Case{Name: "portal-delegated-socket-reuse", Class: "portal",
+		Why: "the proxy, given a connection as alice, disconnects the descriptor (connect AF_UNSPEC) and connects it again to alice's second listener: the descriptor must be a relay of that one connection, not alice's socket; its first line reaches alice's first listener",
+		Run: func(e *Env, r *Run) error {
+			s1, node, to1, err := e.portalVictim(r, false)
+			if err != nil {
+				return err
+			}
+			s2, err := e.Sink(r, e.A.Name, Victim, SinkSpec{Sock: Sock{Proto: "tcp", Family: 4, Bind: ap(wild(4), e.Port+1)}})
+			if err != nil {
+				return err
+			}
+			to2 := ap(eth(e.A, 4), e.Port+1)
+			if err := e.session(r, node, Victim); err != nil {
+				return err
+			}
+			ctl := &Step{Sink: s1, Node: node, User: portalProxy, Desc: "proxy as alice → " + to1 + " (the delegated connection itself)", Nonce: newNonce()}
+			att := &Step{Sink: s2, Node: node, User: portalProxy, Desc: "the same descriptor reconnected → " + to2, Nonce: newNonce()}
+			r.Controls = append(r.Controls, ctl)
+			r.Attacks = append(r.Attacks, att)
+			ctx, cancel := context.WithTimeout(e.Ctx, 20*time.Second)
+			defer cancel()
+			sock := e.TB.RunDir() + "/" + node + "/portal.sock"
+			out, err := e.TB.Command(ctx, node, asUser(portalProxy), "python3", "-c", reuseScript,
+				sock, Victim, to1, to2, string(Payload(ctl.Nonce)), string(Payload(att.Nonce))).CombinedOutput()
+			r.Notes = append(r.Notes, "proxy: "+strings.ReplaceAll(strings.TrimSpace(string(out)), "\n", "; "))
+			ctl.Res = ActResult{OK: err == nil && strings.Contains(string(out), "fds 1")}
+			att.Res = ActResult{OK: err == nil && strings.Contains(string(out), "sent again")}
+			if !ctl.Res.OK {
+				ctl.Res.Error = lastLine(string(out))
+			}
+			if !att.Res.OK {
+				att.Res.Error = "no second connection: " + lastLine(string(out))
+			}
+			return nil
+		}}
 }

@@ -121,7 +121,8 @@ enum uw_rule {
 	R_UNSTAMPABLE = 17,
 	R_SITE_ALLOW = 18, /* a site rule ([[rule]]) decided */
 	R_SITE_DENY = 19,
-	R_MAX = 20,
+	R_USER_GRANT = 20, /* a user's grant (palisade share) on the listener's port */
+	R_MAX = 21,
 };
 
 /* Where a decision was taken; counters are indexed path*R_MAX+rule. */
@@ -468,6 +469,34 @@ struct {
 } events SEC(".maps");
 
 #define PACKET_LOOPBACK 5
+
+/* User grants (`palisade share`, grants.go): per listener owner and TCP
+ * port, the users and groups it opened the port to, each until a wall-clock
+ * time. Keyed on the owner: a grant never applies to another user's socket
+ * on the same port. An empty slot has expires_ns 0 (long past). */
+#define GRANT_SLOTS 8
+struct uw_grant_key {
+	__u32 luid;
+	__u32 port;
+};
+
+struct uw_grant_slot {
+	__s64 expires_ns; /* wall clock (CLOCK_REALTIME) */
+	__u32 id;         /* uid, or gid when group */
+	__u32 group;
+};
+
+struct uw_grants {
+	struct uw_grant_slot s[GRANT_SLOTS];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct uw_grant_key);
+	__type(value, struct uw_grants);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} grants SEC(".maps");
 
 /* Differential test only (test_mode): the receiving socket's facts. */
 struct uw_test_sock {
@@ -1015,6 +1044,35 @@ static __always_inline struct uw_owner *test_owner(struct uw_owner *o)
 	o->set = 1;
 	o->pad = 0;
 	return o;
+}
+
+/*
+ * grant_decide: does a grant of the listener's owner on this TCP port admit
+ * the connector (policy.Decide's user-grant)? A group grant admits a member
+ * as the shared-group rule does (membership, or the carried gid while this
+ * node does not know the connector). Expired slots are skipped here, not
+ * only removed by the agent: a stalled agent never extends a grant. One
+ * lookup and at most GRANT_SLOTS slots (each at most two lookups), only for
+ * a connection every other rule refused. A global function: verified once.
+ */
+__noinline __u32 grant_decide(__u32 cuid, __u32 cgid, __u32 luid, __u32 port)
+{
+	__u32 z = 0;
+	struct uw_config *c = bpf_map_lookup_elem(&settings, &z);
+	struct uw_grant_key k = {.luid = luid, .port = port & 0xffff};
+	struct uw_grants *g = bpf_map_lookup_elem(&grants, &k);
+	if (!c || !g)
+		return 0;
+	__s64 now = wall_ns(c);
+	int known = known_user(cuid);
+	for (int i = 0; i < GRANT_SLOTS; i++) {
+		struct uw_grant_slot *s = &g->s[i];
+		if (s->expires_ns <= now)
+			continue;
+		if (!s->group ? s->id == cuid : (member(cuid, s->id) || (cgid == s->id && !known)))
+			return 1;
+	}
+	return 0;
 }
 
 /* stamp_key: the key a stamp names and the window it was sealed in, or why
@@ -1663,6 +1721,8 @@ static __always_inline __u32 decide(struct uw_config *c, struct pkt *p, __u8 st,
 		rule = site_query(p->uid, p->gid, l->uid, l->gid, p->src, p->dport, p->proto, 1, 1);
 		if (rule == R_NONE)
 			rule = decide_ids(p->uid, p->gid, l->uid, l->gid);
+		if (rule == R_DENIED && p->proto == IPPROTO_TCP && grant_decide(p->uid, p->gid, l->uid, p->dport))
+			rule = R_USER_GRANT;
 	} else if (!lpm_has(&local_addrs, p->src) && lpm_has(&unenforced_nets, p->src)) {
 		rule = R_UNVERIFIED;
 	} else {
@@ -1965,7 +2025,8 @@ int uw_skb_ingress(struct __sk_buff *skb)
 	/* Shared on the carried gid alone: reported every time until the
 	 * agent knows the connector's groups (then membership decides). */
 	__u8 claim = rule == R_SHARED_GROUP && p.gid == l->gid && !known_user(p.uid) && !member(p.uid, l->gid);
-	if (!ok || rule == R_UNVERIFIED || claim || sample_allowed(c))
+	/* A grant's admissions are reported every time (flows name the grant). */
+	if (!ok || rule == R_UNVERIFIED || rule == R_USER_GRANT || claim || sample_allowed(c))
 		report(&p, rule, path, st, l, ok ? 0 : c->audit, 0, claim);
 	return ok || c->audit;
 }
@@ -2262,6 +2323,23 @@ static __always_inline void flow_key(struct uw_flow_key *k, const struct pkt *p)
 	k->proto = p->proto;
 }
 
+/* The key lives only in these two (its stack slot is shared with others:
+ * uw_tc_ingress and site_decide are near the verifier's 512 bytes). */
+static __always_inline int polite_seen(const struct pkt *p, __u64 now)
+{
+	struct uw_flow_key k = {};
+	flow_key(&k, p);
+	__u64 *seen = bpf_map_lookup_elem(&polite_ok, &k);
+	return seen && now - *seen <= POLITE_TTL_NS;
+}
+
+static __always_inline void polite_note(const struct pkt *p, __u64 now)
+{
+	struct uw_flow_key k = {};
+	flow_key(&k, p);
+	bpf_map_update_elem(&polite_ok, &k, &now, BPF_ANY);
+}
+
 /*
  * tc ingress (every managed interface, lo included): the polite path. A SYN
  * or datagram to a local unicast user port that the rules refuse for the
@@ -2295,13 +2373,10 @@ int uw_tc_ingress(struct __sk_buff *skb)
 	__u64 w = 0;
 	__u8 st = stamp_key(c, &p, &k, &w);
 	st = (p.has_stamp && st == S_NONE) ? S_VALID : (st == S_NONE ? S_NONE : st);
-	struct uw_flow_key fk = {};
 	__u64 now = 0;
 	if (udp && st == S_VALID && !test_mode) {
-		flow_key(&fk, &p);
 		now = now_ns();
-		__u64 *seen = bpf_map_lookup_elem(&polite_ok, &fk);
-		if (seen && now - *seen <= POLITE_TTL_NS)
+		if (polite_seen(&p, now))
 			return TC_ACT_OK;
 	}
 	if (!lpm_has(&local_addrs, p.dst))
@@ -2356,7 +2431,7 @@ int uw_tc_ingress(struct __sk_buff *skb)
 	bpf_sk_release(sk);
 	if (allows(rule)) {
 		if (now)
-			bpf_map_update_elem(&polite_ok, &fk, &now, BPF_ANY);
+			polite_note(&p, now);
 		return TC_ACT_OK;
 	}
 	__u32 path = path_of(skb, p.proto);
