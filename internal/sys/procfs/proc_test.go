@@ -1,6 +1,7 @@
 package procfs
 
 import (
+	"fmt"
 	"net"
 	"os"
 	"os/exec"
@@ -233,6 +234,20 @@ func TestPIDsNetNSSocketInodes(t *testing.T) {
 	t.Setenv("PAL_PROCFS_TEST", "x")
 	if cmd := exec.Command("sleep", "60"); cmd.Start() == nil {
 		defer func() { cmd.Process.Kill(); cmd.Wait() }()
+		// Until the child has called execve its environ is this process's
+		// initial one (os.Setenv does not write it): wait for the exec —
+		// its command line becomes sleep's — before reading (ci2 read it
+		// between fork and exec).
+		cmdline := fmt.Sprintf("/proc/%d/cmdline", cmd.Process.Pid)
+		for deadline := time.Now().Add(10 * time.Second); ; {
+			if b, _ := os.ReadFile(cmdline); strings.HasPrefix(string(b), "sleep\x00") {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("the child did not exec sleep within 10 s")
+			}
+			time.Sleep(time.Millisecond)
+		}
 		if !slices.Contains(Environ(cmd.Process.Pid), "PAL_PROCFS_TEST=x") {
 			t.Errorf("Environ of a child: %v lacks PAL_PROCFS_TEST=x", Environ(cmd.Process.Pid))
 		}
