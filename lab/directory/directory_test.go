@@ -216,7 +216,7 @@ func TestDirectoryUserwall(t *testing.T) {
 			t.Fatalf("listener: %q %v", line, err)
 		}
 		b := dt.Command(lctx, "node1", "bob", "sg", "proj1", "-c",
-			"while read x; do "+dt.LabBinary+" probe connect tcp:198.18.0.3:29503; echo PALEND; done")
+			"echo PALREADY $(id -g); while read x; do "+dt.LabBinary+" probe connect tcp:198.18.0.3:29503; echo PALEND; done")
 		bin, _ := b.StdinPipe()
 		bout, _ := b.StdoutPipe()
 		if err := b.Start(); err != nil {
@@ -224,6 +224,12 @@ func TestDirectoryUserwall(t *testing.T) {
 		}
 		defer func() { bin.Close(); lcancel(); b.Wait() }()
 		br := bufio.NewReader(bout)
+		// sg has switched to proj1 before bob leaves it (ci3: under load
+		// sg looked the group up after the LDAP change, refused, and the
+		// shell was gone: "EOF").
+		if line, err := br.ReadString('\n'); err != nil || strings.TrimSpace(line) != "PALREADY 2100" {
+			t.Fatalf("bob's sg proj1 shell did not start in proj1: %q %v", line, err)
+		}
 		modify := func(op string) {
 			if err := dt.LDAPModify(ctx, "dn: cn=proj1,ou=groups,"+testbed.LDAPBase+"\nchangetype: modify\n"+op+": memberUid\nmemberUid: bob\n"); err != nil {
 				t.Fatal(err)
