@@ -32,6 +32,7 @@ func siteNftPolicy() *policy.Policy {
 		Rules: []policy.SiteRule{
 			{Name: "deny-port", Ports: pr(5001, 5001)},
 			{Name: "deny-udp-range", Ports: pr(5010, 5012), Proto: policy.UDP},
+			{Name: "deny-tcp-overlapping", Ports: pr(5011, 5013), Proto: policy.TCP}, // adjacent port classes
 			{Name: "allow-ib", Allow: true, Sources: pf("198.19.0.0/24"), Ports: pr(5020, 5020)},
 			{Name: "deny-5020", Ports: pr(5020, 5020)},
 			{Name: "deny-from-node1", Sources: pf("198.18.0.1/32", "2001:2::1/128"), Ports: pr(5030, 5030)},
@@ -66,7 +67,7 @@ func TestSiteNft(t *testing.T) {
 	p := siteNftPolicy()
 	u := SiteUser{UID: 2001, Groups: []uint32{2001, 3001}}
 	srun := policy.PortRange{First: 61000, Last: 61099}
-	ports := []uint16{5000, 5001, 5010, 5011, 5013, 5020, 5030, 5040, 5041, 5050, 5051, 5052, 5060, 5061, 5070,
+	ports := []uint16{5000, 5001, 5010, 5011, 5012, 5013, 5014, 5020, 5030, 5040, 5041, 5050, 5051, 5052, 5060, 5061, 5070,
 		5080, 5081, 7500, 61000, 61005, 61010, 61050}
 	srcs := []string{"198.18.0.1", "198.18.0.7", "198.19.0.1", "203.0.113.5", "127.0.0.1", "2001:2::1", "2001:2::7", "2001:db8::5", "::1"}
 	inScratchNetns(t, []string{"198.18.0.1/24", "198.18.0.7/24", "198.19.0.1/24", "203.0.113.5/24", "2001:2::1/64", "2001:2::7/64", "2001:db8::5/64"}, func(int) error {
@@ -355,3 +356,92 @@ func (l *siteListeners) collect(probes []*siteProbe, wait time.Duration) []bool 
 	return out
 }
 
+
+// TestSiteCost measures what the site table costs a new connection: UDP
+// datagrams on lo in a scratch namespace, each from a new socket (so each is
+// a new conntrack entry, ct state new, and passes the user's chain), with a
+// chain of N rules none of which matches (the worst case: every rule
+// tested), against the same without the table. The sender's thread CPU time
+// per datagram (the loopback path runs in its context), least of
+// interleaved rounds. PALISADE_UVN_SITE_COST=1 runs it;
+// PALISADE_UVN_SITE_RULES lists N (default 0,1,100,1000).
+func TestSiteCost(t *testing.T) {
+	if os.Getenv("PALISADE_UVN_SITE_COST") == "" {
+		t.Skip("PALISADE_UVN_SITE_COST=1 measures")
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("needs root")
+	}
+	ns := []int{0, 1, 100, 1000}
+	if v := os.Getenv("PALISADE_UVN_SITE_RULES"); v != "" {
+		ns = nil
+		for _, f := range strings.Split(v, ",") {
+			var n int
+			fmt.Sscan(f, &n)
+			ns = append(ns, n)
+		}
+	}
+	const perRound, rounds = 4000, 7
+	inScratchNetns(t, []string{"198.18.0.1/24"}, func(int) error {
+		lst, err := newSiteListeners([]uint16{5999})
+		if err != nil {
+			return err
+		}
+		defer lst.close()
+		cpu := func() time.Duration {
+			var ru unix.Rusage
+			unix.Getrusage(unix.RUSAGE_THREAD, &ru)
+			return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+		}
+		best := map[int]time.Duration{}
+		// cover: every rule's ports hold the datagrams' port (the rules
+		// differ by source): the worst case, every rule tested; else each
+		// rule has a port of its own, not the datagrams'.
+		cover := os.Getenv("PALISADE_UVN_SITE_COVER") != ""
+		table := func(n int) error {
+			p := &policy.Policy{SystemPortMax: 1023, ClusterSubnets: []netip.Prefix{netip.MustParsePrefix("198.18.0.0/24")}}
+			for i := range n {
+				// alice's rules, on ports the datagrams never use, with a
+				// source node (the longest rule: family, port, source, trust).
+				port := uint16(10000 + i)
+				if cover {
+					port = 5999
+				}
+				p.Rules = append(p.Rules, policy.SiteRule{Name: fmt.Sprintf("r%d", i), From: []uint32{2001},
+					Sources: []netip.Prefix{netip.PrefixFrom(netip.AddrFrom4([4]byte{198, 18, 1 + byte(i>>8), byte(i)}), 32)}, Ports: []policy.PortRange{{First: port, Last: port}}})
+			}
+			spec := buildSite(p, "node1", policy.PortRange{}, []SiteUser{{UID: 2001}})
+			if c, ok := spec.own[VRFName(2001)]; ok {
+				delete(spec.own, VRFName(2001))
+				spec.own["lo"] = c
+			}
+			return installSite(spec)
+		}
+		dst := &unix.SockaddrInet4{Addr: [4]byte{198, 18, 0, 1}, Port: 5999}
+		for range rounds {
+			for _, n := range ns {
+				if err := table(n); err != nil {
+					return err
+				}
+				t0 := cpu()
+				for range perRound {
+					fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+					if err != nil {
+						return err
+					}
+					unix.Sendto(fd, []byte("x"), 0, dst)
+					unix.Close(fd)
+				}
+				d := (cpu() - t0) / perRound
+				if b, ok := best[n]; !ok || d < b {
+					best[n] = d
+				}
+			}
+		}
+		for _, n := range ns {
+			t.Logf("cover=%v %4d rules: %v per new datagram (sender's CPU, least of %d rounds of %d); +%v over no table",
+				cover, n, best[n], rounds, perRound, best[n]-best[0])
+		}
+		return removeSite()
+	})
+}
