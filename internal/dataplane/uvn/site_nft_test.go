@@ -356,7 +356,6 @@ func (l *siteListeners) collect(probes []*siteProbe, wait time.Duration) []bool 
 	return out
 }
 
-
 // TestSiteCost measures what the site table costs a new connection: UDP
 // datagrams on lo in a scratch namespace, each from a new socket (so each is
 // a new conntrack entry, ct state new, and passes the user's chain), with a
