@@ -19,6 +19,7 @@ import (
 	"time"
 
 	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
 
@@ -780,10 +781,10 @@ func TestNoIdentityFromCluster(t *testing.T) {
 		{"node2", "", "tcp", a, 22, "OK*", nil}, // system ports stay open
 	})
 	if !waitEvent(t, "node1", func(e uw.Event) bool {
-		return e.Dst == a+":5171" && e.Rule == uw.RuleUnstamped && e.Connector == nil
+		return e.Dst == a+":5171" && e.Rule == kernel.RuleUnstamped && e.Connector == nil
 	}) {
 		// From a cluster node, a SYN without identity is not "off-cluster".
-		t.Error("no " + uw.RuleUnstamped + " event for the option-less SYN")
+		t.Error("no " + kernel.RuleUnstamped + " event for the option-less SYN")
 	}
 }
 
@@ -836,14 +837,14 @@ func TestCollectStale(t *testing.T) {
 	cmd.Process.Signal(syscall.SIGTERM)
 	cmd.Wait()
 	pins := filepath.Join("/sys/fs/bpf/palisade", cookie)
-	if uw.NamespaceGone(pins) {
+	if kernel.NamespaceGone(pins) {
 		t.Fatal("namespace reported gone while it exists")
 	}
 	exec.Command("ip", "netns", "del", ns).Run()
-	for i := 0; i < 100 && !uw.NamespaceGone(pins); i++ {
+	for i := 0; i < 100 && !kernel.NamespaceGone(pins); i++ {
 		time.Sleep(50 * time.Millisecond)
 	}
-	removed := uw.CollectStale("/sys/fs/bpf")
+	removed := kernel.CollectStale("/sys/fs/bpf")
 	if _, err := os.Stat(pins); !os.IsNotExist(err) {
 		t.Fatalf("stale pins of deleted namespace %s left (removed %v)", cookie, removed)
 	}
@@ -873,11 +874,11 @@ func TestUninstall(t *testing.T) {
 		if s.Mode != "none" || s.Nft || s.AgentPID != 0 {
 			t.Errorf("%s after uninstall: %+v", n.Name, s)
 		}
-		if _, err := os.Stat(uw.PinDir("/sys/fs/bpf", cookies[i])); !os.IsNotExist(err) {
+		if _, err := os.Stat(kernel.PinDir("/sys/fs/bpf", cookies[i])); !os.IsNotExist(err) {
 			t.Errorf("%s: pin dir left: %v", n.Name, err)
 		}
 		out, _ := exec.Command("ip", "netns", "exec", n.NetNS, "nft", "list", "tables").CombinedOutput()
-		if strings.Contains(string(out), uw.NftTable) {
+		if strings.Contains(string(out), kernel.NftTable) {
 			t.Errorf("%s: nft table left: %s", n.Name, out)
 		}
 	}
