@@ -314,6 +314,8 @@ func xLabel(bench string) string {
 		return "users"
 	case SuiteEgress:
 		return "transfers"
+	case SuiteApps:
+		return "clients / bytes"
 	}
 	return "x"
 }
@@ -327,6 +329,7 @@ var benchTitles = map[string]string{
 	SuiteScale:      "Verdict cost vs concurrent users and live connections",
 	SuiteSetup:      "Per-user setup time vs users on a node",
 	SuiteEgress:     "Egress: through the gateway vs direct",
+	SuiteApps:       "Real applications across nodes (iperf3, redis-benchmark, pgbench, MPI allreduce, HTTP/3)",
 }
 
 // Markdown renders the results as tables.
