@@ -272,8 +272,9 @@ func (s *siteSpec) empty() bool { return s.p == nil || len(s.p.Rules) == 0 }
 //	dispatch: th dport <= system_port_max -> accept
 //	          meta mark srunMark -> iifname vmap @srun ; accept
 //	          iifname vmap @own
-//	c<N>: one rule per compiled rule (and family): [l4proto] th dport @p<i>
-//	      [saddr @s<i>_4|6] [saddr @trusted4|6] -> accept | drop
+//	c<N>: th dport vmap @m<N>           (port class -> goto r<K>)
+//	r<K>: one rule per compiled rule (and family) covering the class, in
+//	      order: [l4proto] [saddr @s<i>_4|6] [saddr @trusted4|6] -> accept | drop
 func installSite(s *siteSpec) error {
 	// A large policy is thousands of messages in one batch (one sendmsg),
 	// each acked: room for both (ENOBUFS would leave the outcome unknown).
@@ -315,7 +316,7 @@ func installSite(s *siteSpec) error {
 
 func (s *siteSpec) add(c *nftables.Conn, t *nftables.Table) error {
 	p := s.p
-	// Sets: each used rule's ports and sources, the trusted sources.
+	// Sets: each used rule's sources, the trusted sources.
 	srcSet := map[[2]int]*nftables.Set{}
 	addSet := func(name string, typ nftables.SetDatatype, els []nftables.SetElement) (*nftables.Set, error) {
 		set := &nftables.Set{Table: t, Name: name, KeyType: typ, Interval: true}
