@@ -645,6 +645,11 @@ func (a *agent) syncAddrs() error {
 	if err := a.dp.SetLocalAddrs(addrs); err != nil {
 		return err
 	}
+	if err := a.dp.SetNodeAddrs(addrs); err != nil {
+		// Fails closed for users only (their wildcard binds that share
+		// a port): never a reason to stop the agent.
+		a.log.Warn("node address list for the bind check incomplete", "err", err)
+	}
 	if err := a.dp.SetBroadcasts(bcast); err != nil {
 		return err
 	}

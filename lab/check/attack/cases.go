@@ -53,6 +53,7 @@ func Cases() []*Case {
 	add(casesV2()...)
 	add(casesV3()...)
 	add(casesRedteam()...)
+	add(casesIdent()...)
 	add(casesUDP()...)
 	add(casesGrants()...)
 	add(casesPortal()...)
