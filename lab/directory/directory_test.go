@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -27,6 +28,27 @@ func init() { testbed.RegisterMode(userwalllab.ModeName, userwalllab.TestbedMode
 // lookup round (well under a second at this size).
 var bound = testbed.GroupRefresh + testbed.SSSDCacheTimeout + 2*time.Second
 
+// waitProj1 waits until node's NSS (SSSD, as sg asks it) lists bob in proj1
+// as want. SSSD serves its cache for up to SSSDCacheTimeout after a directory
+// change, so a subtest that starts right after an earlier one re-added bob
+// would see sg prompt bob for proj1's password (ci4: it waited on the pipe
+// until the test's deadline). Polled: SSSD sends no signal.
+func waitProj1(ctx context.Context, t *testing.T, dt *testbed.Testbed, node string, want bool) {
+	t.Helper()
+	t0 := time.Now()
+	for {
+		out, err := dt.Output(ctx, node, "", "getent", "group", "proj1")
+		f := strings.Split(strings.TrimSpace(out), ":")
+		if err == nil && len(f) == 4 && slices.Contains(strings.Split(f[3], ","), "bob") == want {
+			return
+		}
+		if time.Since(t0) > bound+10*time.Second {
+			t.Fatalf("%s: getent group proj1 = %q (%v) after %v, want bob a member: %v", node, out, err, time.Since(t0), want)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
 // TestDirectoryUserwall runs the userwall agent on a testbed whose accounts
 // come from LDAP through SSSD without enumeration: the whole check matrix
 // (shared-group cases included, cross-node), then a membership change in
@@ -37,7 +59,7 @@ func TestDirectoryUserwall(t *testing.T) {
 		t.Skip("needs root (brings up a testbed)")
 	}
 	name := testbed.RunName("dm")
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
 	testbed.DownOrphans(ctx)
 	dt, err := testbed.Up(ctx, testbed.Options{Name: name, Nodes: 3, Mode: "userwall", Directory: testbed.DirectoryLDAP})
@@ -144,6 +166,7 @@ func TestDirectoryUserwall(t *testing.T) {
 		if line, err := bufio.NewReader(lout).ReadString('\n'); err != nil || !strings.Contains(line, `"gid":2100`) {
 			t.Fatalf("listener: %q %v", line, err)
 		}
+		waitProj1(ctx, t, dt, "node1", true)
 		b := dt.Command(lctx, "node1", "bob", "sg", "proj1", "-c",
 			"while read x; do "+dt.LabBinary+" probe connect tcp:198.18.0.2:29502; echo PALEND; done")
 		bin, _ := b.StdinPipe()
@@ -215,6 +238,7 @@ func TestDirectoryUserwall(t *testing.T) {
 		if line, err := bufio.NewReader(lout).ReadString('\n'); err != nil || !strings.Contains(line, `"gid":2100`) {
 			t.Fatalf("listener: %q %v", line, err)
 		}
+		waitProj1(ctx, t, dt, "node1", true)
 		b := dt.Command(lctx, "node1", "bob", "sg", "proj1", "-c",
 			"echo PALREADY $(id -g); while read x; do "+dt.LabBinary+" probe connect tcp:198.18.0.3:29503; echo PALEND; done")
 		bin, _ := b.StdinPipe()

@@ -40,11 +40,23 @@ type churn struct {
 	errs   []string
 }
 
+// The churn's accounts take ids the account tools choose, from a range of
+// their own: left to login.defs (1000-60000) groupadd and useradd take the
+// next id above the highest in use, which is a testbed's bob (2002) whenever
+// only alice exists, and a testbed that comes up next refuses (ci4: "UID
+// 2002 is not unique", and every lab/testbed test running beside it
+// failed). The testbed's fixed ids are its own, as a site's ids are.
+var (
+	churnUIDs = [2]string{"UID_MIN=47000", "UID_MAX=47999"}
+	churnGIDs = [2]string{"GID_MIN=47000", "GID_MAX=47999"}
+)
+
 func startChurn(t *testing.T) *churn {
 	c := &churn{prefix: "palch" + strconv.FormatInt(int64(os.Getpid()), 36), stop: make(chan struct{}), done: make(chan struct{})}
 	steps := func(i int) [][]string {
 		g, u := fmt.Sprintf("%sg%d", c.prefix, i%3), fmt.Sprintf("%su%d", c.prefix, i%3)
-		return [][]string{{"groupadd", g}, {"useradd", "-M", "-N", "-g", g, "-s", "/usr/sbin/nologin", u},
+		return [][]string{{"groupadd", "-K", churnGIDs[0], "-K", churnGIDs[1], g},
+			{"useradd", "-K", churnUIDs[0], "-K", churnUIDs[1], "-M", "-N", "-g", g, "-s", "/usr/sbin/nologin", u},
 			{"gpasswd", "-a", u, g}, {"userdel", u}, {"groupdel", g}}
 	}
 	go func() {
@@ -186,7 +198,7 @@ func TestSideBySide(t *testing.T) {
 	// The guest's accounts are its own: one added on the host now is not in
 	// the guest (control: the host sees it).
 	late := ch.prefix + "late"
-	if out, err := exec.Command("useradd", "-M", "-N", "-s", "/usr/sbin/nologin", late).CombinedOutput(); err != nil {
+	if out, err := exec.Command("useradd", "-K", churnUIDs[0], "-K", churnUIDs[1], "-M", "-N", "-s", "/usr/sbin/nologin", late).CombinedOutput(); err != nil {
 		t.Fatalf("useradd %s: %v %s", late, err, out)
 	}
 	defer exec.Command("userdel", late).Run()
