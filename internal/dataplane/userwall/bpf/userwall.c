@@ -1728,23 +1728,24 @@ static __always_inline int connect_check(struct bpf_sock_addr *ctx, int v4)
 	struct uw_config *c = uw_cfg();
 	if (!c)
 		return 1;
+	struct bpf_sock *sk = ctx->sk;
+	__u16 lport = sk->src_port;
+	int reuse = 0;
+	if (lport == 0 && bpf_getsockopt(ctx, 1 /* SOL_SOCKET */, 2 /* SO_REUSEADDR */, &reuse, sizeof(reuse)) == 0 &&
+	    !reuse)
+		return 1; /* the common client: nothing to share, nothing to check */
+	if (lport != 0 && (lport <= c->system_port_max || ctx->protocol == IPPROTO_UDPLITE))
+		return 1;
 	struct uw_owner me;
 	task_owner(&me);
 	__u32 uid = me.uid;
 	if (bpf_map_lookup_elem(&exempt_conn, &uid))
 		return 1;
-	struct bpf_sock *sk = ctx->sk;
-	__u16 lport = sk->src_port;
 	if (lport == 0) {
-		int reuse = 0;
-		if (bpf_getsockopt(ctx, 1 /* SOL_SOCKET */, 2 /* SO_REUSEADDR */, &reuse, sizeof(reuse)) || reuse) {
-			reuse = 0;
-			bpf_setsockopt(ctx, 1 /* SOL_SOCKET */, 2 /* SO_REUSEADDR */, &reuse, sizeof(reuse));
-		}
+		reuse = 0;
+		bpf_setsockopt(ctx, 1 /* SOL_SOCKET */, 2 /* SO_REUSEADDR */, &reuse, sizeof(reuse));
 		return 1;
 	}
-	if (lport <= c->system_port_max || ctx->protocol == IPPROTO_UDPLITE)
-		return 1;
 	__u32 x6[4] = {}, l6[4] = {};
 	__be32 x4 = 0, l4 = 0;
 	int fam4 = v4;
