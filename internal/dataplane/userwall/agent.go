@@ -217,6 +217,11 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	if err := os.WriteFile(pidFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
 		return err
 	}
+	// 0644 whatever the umask (the unit's is 0077): users' `palisade
+	// status` reads it too.
+	if err := os.Chmod(pidFile, 0o644); err != nil {
+		return err
+	}
 	defer func() {
 		if ReadPid(pidFile) == os.Getpid() {
 			os.Remove(pidFile)
