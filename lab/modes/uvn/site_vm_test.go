@@ -353,11 +353,13 @@ func siteRulesVM(t *testing.T, e *vmEnv) {
 		return b.String()
 	}
 	e.bg(t, "node2", "alice", lsn(9301, 9302, 9303, 9304, 9305, 9306, 9307, 9308, 9309, 9310, 9311, 9312, 9313)+
-		"socat UDP-RECVFROM:9308,fork SYSTEM:'echo ok-u9308' &\nsocat UDP-RECVFROM:9314,fork SYSTEM:'echo ok-u9314' &\nwait")
+		"socat UDP-RECVFROM:9308,fork SYSTEM:'echo ok-u9308' &\nsocat UDP-RECVFROM:9314,fork SYSTEM:'echo ok-u9314' &\n"+
+		// An SrunPortRange port (claimed for alice's VRF): Slurm's callback path.
+		"socat TCP-LISTEN:62995,reuseaddr,fork SYSTEM:'echo ok-62995' &\nwait")
 	e.bg(t, "node3", "alice", lsn(9305, 9306)+"wait")
 	e.bg(t, "node2", "bob", lsn(9401, 9403, 9413)+"wait")
 	e.bg(t, "node2", "carol", lsn(9402, 9404)+"wait")
-	for _, p := range []string{"9313", "9314", "9413", "9404"} {
+	for _, p := range []string{"9313", "9314", "9413", "9404", "62995"} {
 		waitFor(t, e, "node2", p)
 	}
 	waitFor(t, e, "node3", "9306")
@@ -411,6 +413,10 @@ func siteRulesVM(t *testing.T, e *vmEnv) {
 				[3]string{"b2-9401", tcp("127.0.0.1:9401"), "allow"},
 				[3]string{"b2-9403", tcp("127.0.0.1:9403"), "allow"},
 				[3]string{"b2-9413", tcp("127.0.0.1:9413"), "deny"})),
+			// Slurm's callback path (root, from another node's default
+			// VRF, handed over into alice's VRF): by source node.
+			e.run(t, "node1", "", script([3]string{"root1-62995", tcp("198.18.0.2:62995"), "deny"})),
+			e.run(t, "node3", "", script([3]string{"root3-62995", tcp("198.18.0.2:62995"), "allow"})),
 			e.run(t, "node2", "carol", script(
 				[3]string{"c2-9402", tcp("127.0.0.1:9402"), "allow"},
 				[3]string{"c2-9404", tcp("127.0.0.1:9404"), "allow"})),
