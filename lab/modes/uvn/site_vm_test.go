@@ -2,6 +2,7 @@ package uvn
 
 import (
 	"fmt"
+	"os"
 	"strings"
 	"testing"
 
@@ -308,7 +309,13 @@ nodes = ["node1=198.18.0.1,198.19.0.1,2001:2::1,2001:2:0:1::1", "node2=198.18.0.
 // between the VM testbed's nodes, positive and negative; explain says what
 // uvn does; a policy whose test fails is refused by `uvn reload` and the
 // running rules stay; without the rules every probe passes (control).
+//
+// Not in CI's run yet (about 15 minutes under TCG on a loaded machine):
+// PALISADE_UVN_SITE_VM=1 go test -run 'TestVM/6.1/site-rules' ./lab/modes/uvn.
 func siteRulesVM(t *testing.T, e *vmEnv) {
+	if os.Getenv("PALISADE_UVN_SITE_VM") == "" {
+		t.Skip("PALISADE_UVN_SITE_VM=1 runs it")
+	}
 	tb := e.tb
 	conf := "/etc/palisade/palisade.toml"
 	nodes := []string{"node1", "node2", "node3"}
@@ -491,6 +498,3 @@ func siteRulesVM(t *testing.T, e *vmEnv) {
 		t.Errorf("without site rules the site table must be gone, the guard there:\n%s", l)
 	}
 }
-
-// siteRulesVMPending: siteRulesVM joins vmSuite once it has passed in the VM.
-var _ = siteRulesVM
