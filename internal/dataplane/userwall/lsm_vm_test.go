@@ -84,7 +84,7 @@ func TestLSMVM(t *testing.T) {
 	if b, err := os.ReadFile(self); err != nil || os.WriteFile(filepath.Join(dir, "userwall.test"), b, 0o755) != nil {
 		t.Fatalf("copy the test binary: %v", err)
 	}
-	for _, f := range []string{"lsm_guest.py", "lsm_guest.sh"} {
+	for _, f := range []string{"lsm_guest.py", "lsm_guest.sh", "reuse_guest.py"} {
 		b, err := os.ReadFile(filepath.Join("testdata", f))
 		if err != nil {
 			t.Fatal(err)
@@ -144,6 +144,7 @@ func TestLSMVM(t *testing.T) {
 		}
 	}
 	checkLSMUpgrade(t, upgrade)
+	checkReuse(t, out.String())
 	if !strings.Contains(","+lsm+",", ",bpf,") {
 		t.Fatalf("bpf not in the guest's LSM list %q", lsm)
 	}
@@ -202,6 +203,26 @@ func TestLSMVM(t *testing.T) {
 		if !strings.Contains(out.String(), name) {
 			t.Errorf("no denial event naming %s", name)
 		}
+	}
+}
+
+// checkReuse: with the agent enforcing in the guest, a user's SO_REUSEADDR
+// is SO_REUSEPORT (testdata/reuse_guest.py): two of one user's sockets
+// share a port, another user's socket may not join them.
+func checkReuse(t *testing.T, out string) {
+	t.Helper()
+	m := regexp.MustCompile(`(?m)^REUSE (.*)$`).FindStringSubmatch(out)
+	if m == nil {
+		t.Error("no REUSE line from the guest")
+		return
+	}
+	f := map[string]string{}
+	for _, kv := range strings.Fields(m[1]) {
+		k, v, _ := strings.Cut(kv, "=")
+		f[k] = v
+	}
+	if f["own"] != "OK" || f["reuseaddr"] != "0" || f["reuseport"] != "1" || (f["other"] != "EADDRINUSE" && f["other"] != "EPERM") {
+		t.Errorf("port sharing in the guest: %q; want own=OK reuseaddr=0 reuseport=1 other=EADDRINUSE (or EPERM)", m[1])
 	}
 }
 

@@ -12,7 +12,8 @@ import (
 func casesIdent() []*Case {
 	return []*Case{wildOverSpecific("v4"), wildOverSpecific("v6"), wildOverSpecific("dual"),
 		wildOverSpecific("mapped"), wildOverSpecific("lo"), overConnected(4), overConnected(6),
-		ephemeralCoBind("bind0"), ephemeralCoBind("connect")}
+		ephemeralCoBind("bind0"), ephemeralCoBind("connect"), ephemeralCoBind("sendto"), ephemeralCoBind("failedsend"),
+		deviceBoundHolder(4), deviceBoundHolder(6), deviceBoundFirst()}
 }
 
 // wildOverSpecific: the co-bind check looked up only the address a bind
@@ -164,12 +165,21 @@ func ephemeralCoBind(how string) *Case {
 			}
 			att := SinkSpec{Sock: Sock{Proto: "udp", Family: 4, ReuseAddr: true, LocalPort: p}}
 			what := "bob's socket, ephemeral range " + strconv.Itoa(p) + ", "
-			if how == "bind0" {
+			switch how {
+			case "bind0":
 				att.Bind = ap(wild(4), 0)
 				what += "binds " + att.Bind
-			} else {
+			case "connect":
 				att.Connect = x
 				what += "connects to " + x + " unbound"
+			case "sendto":
+				// The autobind of sendto() runs before any hook (inet_sendmsg).
+				att.SendFirst = []string{ap(e.B.Eth0V4, 9)}
+				what += "sends to " + att.SendFirst[0] + " unbound"
+			case "failedsend":
+				// ... and of a send the kernel then refuses (no destination).
+				att.FailedSend = "noaddr"
+				what += "sends without a destination unbound"
 			}
 			b, err := e.Sink(r, e.A.Name, Attacker, att)
 			var se *SinkError
@@ -177,10 +187,117 @@ func ephemeralCoBind(how string) *Case {
 				r.NA = "no IP_LOCAL_PORT_RANGE (Linux < 6.3): the attacker would retry until the kernel picks P"
 				return nil
 			}
+			if err == nil && how == "failedsend" && strings.HasSuffix(b.Addr, ":0") {
+				// The failed send's autobind found no port: P was not
+				// given to bob.
+				r.Note("%s: the kernel gave it no port (%s)", what, b.Addr)
+				r.Judged(true, e.A.Name, Attacker, what, false, "no port: "+b.Addr)
+				r.Control(e, s, e.B.Name, "svc", "svc's datagram from "+x+" to alice's "+ap(e.A.Eth0V4, p),
+					ActSpec{Sock: Sock{Proto: "udp", Family: 4, Bind: x, ReuseAddr: true}, Dst: ap(e.A.Eth0V4, p), Count: 3})
+				return nil
+			}
 			if err == nil && !strings.HasSuffix(b.Addr, ":"+strconv.Itoa(p)) {
 				return fmt.Errorf("bob's socket got %s, not port %d: IP_LOCAL_PORT_RANGE ignored", b.Addr, p)
 			}
 			return bobTakes(e, r, s, b, err, e.B.Name, what,
 				ActSpec{Sock: Sock{Proto: "udp", Family: 4, Bind: x, ReuseAddr: true}, Dst: ap(e.A.Eth0V4, p), Count: 3})
+		}}
+}
+
+// deviceBoundHolder: the socket lookups of bind and connect programs pass
+// no device, so a device-bound socket (SO_BINDTODEVICE, unprivileged) was
+// invisible to the co-bind and connect checks: bob bound the wildcard of a
+// port alice's eth0-bound socket holds (both SO_REUSEADDR) and connected
+// it to X, where it outscores hers for X's datagrams. Now a user's
+// SO_REUSEADDR is SO_REUSEPORT, which the kernel shares only between
+// sockets of one owner: bob's bind is refused (EADDRINUSE). Controls: svc's
+// datagram reaches alice's socket; alice's own wildcard co-bound over her
+// device-bound socket on P+2, connected to X, gets X's datagram.
+func deviceBoundHolder(fam int) *Case {
+	return &Case{Name: fmt.Sprintf("reuseaddr-device-bound-holder-cross-v%d", fam), Class: "port-reuse",
+		Why: "alice's UDP socket holds the wildcard of P bound to eth0 (SO_BINDTODEVICE, SO_REUSEADDR), which no lookup of the bind and connect checks sees; bob binds the wildcard of P and connects it to the exempt service svc at X:Q: svc's datagrams to alice go to bob",
+		Run: func(e *Env, r *Run) error {
+			p, q := e.Port, e.Port+1
+			x := ap(eth(e.B, fam), q)
+			victim := func(port int) (*Sink, error) {
+				return e.Sink(r, e.A.Name, Victim, SinkSpec{Sock: Sock{Proto: "udp", Family: fam, Bind: ap(wild(fam), port), Device: "eth0", ReuseAddr: true}})
+			}
+			thief := func(user string, port int) (*Sink, error) {
+				return e.Sink(r, e.A.Name, user, SinkSpec{Sock: Sock{Proto: "udp", Family: fam, Bind: ap(wild(fam), port), ReuseAddr: true}, Connect: x})
+			}
+			answer := func(port int) ActSpec {
+				return ActSpec{Sock: Sock{Proto: "udp", Family: fam, Bind: x, ReuseAddr: true}, Dst: ap(eth(e.A, fam), port), Count: 3}
+			}
+			s, err := victim(p)
+			if err != nil {
+				return err
+			}
+			b, err := thief(Attacker, p)
+			if err := bobTakes(e, r, s, b, err, e.B.Name, "bob binds "+ap(wild(fam), p)+" and connects it to "+x, answer(p)); err != nil {
+				return err
+			}
+			if _, err := victim(p + 2); err != nil {
+				return err
+			}
+			own, err := thief(Victim, p+2)
+			if err != nil {
+				return err
+			}
+			r.Control(e, own, e.B.Name, "svc", "svc's datagram from "+x+" to alice's "+ap(eth(e.A, fam), p+2)+", her connected wildcard over her eth0-bound socket", answer(p+2))
+			return nil
+		}}
+}
+
+// deviceBoundFirst: the other direction. bob's eth0-bound socket holds the
+// wildcard of P (SO_REUSEADDR) first; alice's service binds the wildcard of
+// P (SO_REUSEADDR) later: her bind check did not see his socket, and for
+// datagrams arriving on eth0 his device-bound socket outscores hers: svc's
+// datagrams to alice went to bob. Now her bind is refused (the port is
+// his). Control: alice's own wildcard and her eth0-bound socket co-bound on
+// P+2: svc's datagram reaches her eth0-bound socket.
+func deviceBoundFirst() *Case {
+	return &Case{Name: "reuseaddr-device-bound-first-cross-v4", Class: "port-reuse",
+		Why: "bob's UDP socket holds the wildcard of P bound to eth0 (SO_BINDTODEVICE, SO_REUSEADDR), invisible to alice's bind check; alice binds the wildcard of P (SO_REUSEADDR): svc's datagrams to her arriving on eth0 go to bob's socket",
+		Run: func(e *Env, r *Run) error {
+			p, q := e.Port, e.Port+1
+			x := ap(e.B.Eth0V4, q)
+			dev := func(user string, port int) (*Sink, error) {
+				return e.Sink(r, e.A.Name, user, SinkSpec{Sock: Sock{Proto: "udp", Family: 4, Bind: ap(wild(4), port), Device: "eth0", ReuseAddr: true}})
+			}
+			plain := func(port int) (*Sink, error) {
+				return e.Sink(r, e.A.Name, Victim, SinkSpec{Sock: Sock{Proto: "udp", Family: 4, Bind: ap(wild(4), port), ReuseAddr: true}})
+			}
+			answer := func(port int) ActSpec {
+				return ActSpec{Sock: Sock{Proto: "udp", Family: 4, Bind: x, ReuseAddr: true}, Dst: ap(e.A.Eth0V4, port), Count: 3}
+			}
+			b, err := dev(Attacker, p)
+			if err != nil {
+				return err
+			}
+			desc := "svc's datagram from " + x + " to alice's " + ap(e.A.Eth0V4, p)
+			if s, err := plain(p); err != nil {
+				var se *SinkError
+				if !errors.As(err, &se) || (se.Errno != "EPERM" && se.Errno != "EADDRINUSE") {
+					return err
+				}
+				r.Note("alice's bind of %s refused: %v", ap(wild(4), p), err)
+				r.Judged(true, e.A.Name, Attacker, "bob's eth0-bound socket on "+ap(wild(4), p)+" beside alice's", false, "her bind refused: "+se.Errno)
+			} else {
+				r.Note("alice bound %s beside bob's eth0-bound socket", ap(wild(4), p))
+				r.Attack(e, b, e.B.Name, "svc", desc+", taken by bob's eth0-bound socket", answer(p))
+				r.Control(e, s, e.B.Name, "svc", desc, answer(p))
+			}
+			// Her wildcard first: among sockets of one owner on one address
+			// (SO_REUSEPORT), the kernel's lookup takes the first it finds
+			// (the latest bound), not the best-scoring (docs/userwall.md).
+			if _, err := plain(p + 2); err != nil {
+				return err
+			}
+			own, err := dev(Victim, p+2)
+			if err != nil {
+				return err
+			}
+			r.Control(e, own, e.B.Name, "svc", "svc's datagram from "+x+" to alice's "+ap(e.A.Eth0V4, p+2)+", her eth0-bound socket beside her wildcard", answer(p+2))
+			return nil
 		}}
 }

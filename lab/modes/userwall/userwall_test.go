@@ -477,7 +477,7 @@ func TestStatus(t *testing.T) {
 		t.Errorf("status attach = %q", tc)
 	}
 	want := map[string]bool{"connect4": true, "connect6": true, "sendmsg4": true, "sendmsg6": true,
-		"sock_create": true, "post_bind4": true, "post_bind6": true, "bind4": true, "bind6": true, "skb_ingress": true,
+		"sock_create": true, "post_bind4": true, "post_bind6": true, "bind4": true, "bind6": true, "setsockopt": true, "skb_ingress": true,
 		tc + "_in_eth0": true, tc + "_eg_eth0": true, tc + "_in_ib0": true, tc + "_eg_ib0": true, tc + "_in_lo": true, tc + "_eg_lo": true}
 	for _, l := range s.Links {
 		delete(want, l.Name)

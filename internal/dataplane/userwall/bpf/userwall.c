@@ -1524,6 +1524,32 @@ static __always_inline int cobind_refused(struct bpf_sock_addr *ctx, struct uw_c
 	return c->audit ? 1 : 0;
 }
 
+/*
+ * A user's datagram socket never binds a port with SO_REUSEADDR: the kernel
+ * lets two sockets share a port when both have it, whoever owns them, and no
+ * lookup a bind or connect program can make finds every holder (a
+ * device-bound socket is found by none: their helpers pass no device; nor is
+ * a port the kernel picks at the autobind of sendto(), before any hook). It
+ * gets SO_REUSEPORT instead, with which the kernel itself lets only sockets
+ * of the same owner (sk_uid) share a port: in both directions, device-bound
+ * or not, connected or not, bound or autobound. uw_setsockopt swaps the
+ * option when it is set; this catches one set where that hook does not run
+ * (a compat system call, a socket older than the agent). A SO_REUSEADDR
+ * that cannot be cleared refuses the bind (fail closed).
+ */
+static __always_inline int reuse_to_port(struct bpf_sock_addr *ctx)
+{
+	int v = 0;
+	if (bpf_getsockopt(ctx, 1 /* SOL_SOCKET */, 2 /* SO_REUSEADDR */, &v, sizeof(v)) == 0 && !v)
+		return 1;
+	v = 0;
+	if (bpf_setsockopt(ctx, 1 /* SOL_SOCKET */, 2 /* SO_REUSEADDR */, &v, sizeof(v)))
+		return 0;
+	v = 1;
+	bpf_setsockopt(ctx, 1 /* SOL_SOCKET */, 15 /* SO_REUSEPORT */, &v, sizeof(v));
+	return 1;
+}
+
 static __always_inline int bind_check(struct bpf_sock_addr *ctx, int v4)
 {
 	if (ctx->type != SOCK_DGRAM)
@@ -1616,14 +1642,14 @@ static __always_inline int bind_check(struct bpf_sock_addr *ctx, int v4)
 		want4 = us && !BPF_CORE_READ_BITFIELD_PROBED(&us->udp.inet.sk.__sk_common, skc_ipv6only);
 	}
 	if (!want4 && !want6)
-		return 1;
+		return reuse_to_port(ctx);
 	int reuse = 0;
 	if (bpf_getsockopt(ctx, 1 /* SOL_SOCKET */, 2 /* SO_REUSEADDR */, &reuse, sizeof(reuse)) == 0 && !reuse)
 		return 1;
 	__u32 zero6[4] = {};
 	other = node_holder(ctx, uid, want4, want6, 0, zero6, 0, ctx->user_port);
 	if (other == uid)
-		return 1;
+		return reuse_to_port(ctx);
 refuse:
 	return cobind_refused(ctx, c, uid, other, port, v4);
 }
@@ -1638,6 +1664,40 @@ SEC("cgroup/bind6")
 int uw_bind6(struct bpf_sock_addr *ctx)
 {
 	return bind_check(ctx, 0);
+}
+
+/* setsockopt(SO_REUSEADDR) on a user's datagram socket sets SO_REUSEPORT
+ * instead (reuse_to_port says why): so no such socket waits unbound with
+ * SO_REUSEADDR for the autobind of a sendto(), which no hook precedes, to
+ * give it a port another account's socket holds with SO_REUSEADDR. Exempt
+ * accounts (root, services) keep the option. A compat (32-bit) system call
+ * runs no setsockopt program: such a socket keeps SO_REUSEADDR until it
+ * binds (reuse_to_port), and may share only with sockets that have it too,
+ * which no user's bound socket has (docs/userwall.md, Limits). Only the
+ * option's name changes, never its value or length. */
+SEC("cgroup/setsockopt")
+int uw_setsockopt(struct bpf_sockopt *ctx)
+{
+	/* An option longer than a page reaches the program cut short: 0 lets
+	 * the kernel use the caller's buffer (6.1 refuses it otherwise). */
+	if (ctx->optlen > 4096)
+		ctx->optlen = 0;
+	if (ctx->level != 1 /* SOL_SOCKET */ || ctx->optname != 2 /* SO_REUSEADDR */)
+		return 1;
+	struct bpf_sock *sk = ctx->sk;
+	if (!sk || sk->type != SOCK_DGRAM || !dgram_proto(sk->protocol))
+		return 1;
+	__u8 *v = ctx->optval;
+	if ((void *)(v + 4) > ctx->optval_end || !(v[0] | v[1] | v[2] | v[3]))
+		return 1;
+	if (bpf_get_netns_cookie(ctx) != netns_cookie || !uw_cfg())
+		return 1;
+	struct uw_owner me;
+	task_owner(&me);
+	if (bpf_map_lookup_elem(&exempt_conn, &me.uid))
+		return 1;
+	ctx->optname = 15; /* SO_REUSEPORT */
+	return 1;
 }
 
 /* ---------------------------------------------------------------------------

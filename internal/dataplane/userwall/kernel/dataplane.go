@@ -41,6 +41,7 @@ var cgroupHooks = []struct {
 	{"sock_create", "uw_sock_create", ebpf.AttachCGroupInetSockCreate},
 	{"post_bind4", "uw_post_bind4", ebpf.AttachCGroupInet4PostBind},
 	{"post_bind6", "uw_post_bind6", ebpf.AttachCGroupInet6PostBind},
+	{"setsockopt", "uw_setsockopt", ebpf.AttachCGroupSetsockopt},
 	{"bind4", "uw_bind4", ebpf.AttachCGroupInet4Bind},
 	{"bind6", "uw_bind6", ebpf.AttachCGroupInet6Bind},
 	{"connect4", "uw_connect4", ebpf.AttachCGroupInet4Connect},

@@ -128,7 +128,7 @@ var mapSince = map[ebpf.MapType]string{
 
 var progTypeSince = map[ebpf.ProgramType]string{
 	ebpf.SchedCLS: "4.1", ebpf.CGroupSKB: "4.10", ebpf.CGroupSock: "4.10", ebpf.SockOps: "4.13",
-	ebpf.CGroupSockAddr: "4.17", ebpf.LSM: "5.7", ebpf.Tracing: "5.5",
+	ebpf.CGroupSockAddr: "4.17", ebpf.CGroupSockopt: "5.3", ebpf.LSM: "5.7", ebpf.Tracing: "5.5",
 }
 
 // optionalProgs are programs the agent can run without (their feature then

@@ -326,6 +326,7 @@ const (
 	uwbpfProgUwPostBind6         = "uw_post_bind6"
 	uwbpfProgUwSendmsg4          = "uw_sendmsg4"
 	uwbpfProgUwSendmsg6          = "uw_sendmsg6"
+	uwbpfProgUwSetsockopt        = "uw_setsockopt"
 	uwbpfProgUwSkbEgress         = "uw_skb_egress"
 	uwbpfProgUwSkbIngress        = "uw_skb_ingress"
 	uwbpfProgUwSockCreate        = "uw_sock_create"
@@ -399,6 +400,7 @@ type uwbpfProgramSpecs struct {
 	UwPostBind6         *ebpf.ProgramSpec `ebpf:"uw_post_bind6"`
 	UwSendmsg4          *ebpf.ProgramSpec `ebpf:"uw_sendmsg4"`
 	UwSendmsg6          *ebpf.ProgramSpec `ebpf:"uw_sendmsg6"`
+	UwSetsockopt        *ebpf.ProgramSpec `ebpf:"uw_setsockopt"`
 	UwSkbEgress         *ebpf.ProgramSpec `ebpf:"uw_skb_egress"`
 	UwSkbIngress        *ebpf.ProgramSpec `ebpf:"uw_skb_ingress"`
 	UwSockCreate        *ebpf.ProgramSpec `ebpf:"uw_sock_create"`
@@ -604,6 +606,7 @@ type uwbpfPrograms struct {
 	UwPostBind6         *ebpf.Program `ebpf:"uw_post_bind6"`
 	UwSendmsg4          *ebpf.Program `ebpf:"uw_sendmsg4"`
 	UwSendmsg6          *ebpf.Program `ebpf:"uw_sendmsg6"`
+	UwSetsockopt        *ebpf.Program `ebpf:"uw_setsockopt"`
 	UwSkbEgress         *ebpf.Program `ebpf:"uw_skb_egress"`
 	UwSkbIngress        *ebpf.Program `ebpf:"uw_skb_ingress"`
 	UwSockCreate        *ebpf.Program `ebpf:"uw_sock_create"`
@@ -626,6 +629,7 @@ func (p *uwbpfPrograms) Close() error {
 		p.UwPostBind6,
 		p.UwSendmsg4,
 		p.UwSendmsg6,
+		p.UwSetsockopt,
 		p.UwSkbEgress,
 		p.UwSkbIngress,
 		p.UwSockCreate,

@@ -30,6 +30,7 @@ lsm_links() {
 }
 if [ -n "$next" ] && start_agent $bin n; then
 	echo "UPGRADE-BEFORE $(lsm_links)"
+	nsenter --net=/run/netns/palulA -- python3 $dir/reuse_guest.py
 	stop_agent
 	if start_agent $next next; then
 		echo "UPGRADE-AFTER $(lsm_links)"
