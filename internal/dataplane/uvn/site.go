@@ -128,8 +128,18 @@ func compileSite(p *policy.Policy, node string, srun policy.PortRange, u SiteUse
 				continue
 			}
 		}
+		// The trusted-source test is Decide's: identity is believed only
+		// from a trusted source. On the own path the VRF proves it (the
+		// connector is u whatever address u sends from: its NAT address
+		// 100.64.x.y is not in the cluster's subnets), so a deny applies
+		// from every source there; an allow keeps the test, which makes it
+		// decide no more than Decide lets it (docs/policy.md, OwnVerdict).
+		trusted := len(r.Sources) == 0 || !r.IdentityFree()
+		if path == pathOwn && !r.Allow {
+			trusted = false
+		}
 		out = append(out, siteMatch{Rule: i, Name: r.Name, Allow: r.Allow, Proto: r.Proto, Ports: ports,
-			Sources: r.Sources, Trusted: len(r.Sources) == 0 || !r.IdentityFree()})
+			Sources: r.Sources, Trusted: trusted})
 	}
 	return out
 }

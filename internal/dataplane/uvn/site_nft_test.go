@@ -110,7 +110,7 @@ func TestSiteNft(t *testing.T) {
 					id := policy.Identity{UID: 2001, GID: 2001, Groups: u.Groups, GroupsKnown: true}
 					c := policy.Conn{Source: src, Connector: id, Listener: id, Port: port, Proto: proto, Node: "node1"}
 					k := kase{proto: proto, src: src, port: port}
-					if v := p.Decide(c); !v.Allow && p.SiteRule(v.Rule) != nil {
+					if v := decideOwn(p, c); !v.Allow && p.SiteRule(v.Rule) != nil {
 						k.want = string(v.Rule)
 					}
 					cases = append(cases, k)
