@@ -12,6 +12,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/google/nftables"
@@ -653,42 +654,6 @@ func (s store) accept(p *policy.Policy) error {
 	return writeJSON(s.sitePath(), acceptedSite{Policy: p, At: time.Now().UTC()})
 }
 
-// sitePolicy is the policy setup and teardown enforce (node lock held): the
-// accepted one; on a node that has accepted none yet, the file's, accepted
-// now if its tests pass. A file whose tests fail on such a node is enforced
-// unaccepted (as the agent does when it starts with one: no running policy
-// to keep, and none at all would leave the node without the site's denies)
-// and logged; the next setup vets it again.
-func (m *Manager) sitePolicy() (*policy.Policy, error) {
-	if m.Site == nil {
-		return nil, nil
-	}
-	p, err := m.st.readAccepted()
-	if err != nil {
-		// Fail closed: a setup without the accepted policy stops (and
-		// rolls back) rather than enforce an unvetted one.
-		return nil, fmt.Errorf("accepted site policy: %w", err)
-	}
-	if p != nil {
-		if !samePolicy(p, m.Site.Policy) {
-			m.logf("uvn: site rules: the configuration differs from the policy this node accepted: `palisade uvn reload` applies it once its tests pass")
-		}
-		return p, nil
-	}
-	if m.Site.Vet != nil {
-		if err := m.Site.Vet(); err != nil {
-			m.logf("uvn: site rules: no accepted policy on this node and the configuration's tests fail (%v): enforcing it unaccepted until `palisade uvn reload` accepts a passing one", err)
-			return m.Site.Policy, nil
-		}
-	}
-	if m.Site.Policy != nil {
-		if err := m.st.accept(m.Site.Policy); err != nil {
-			return nil, fmt.Errorf("accept site policy: %w", err)
-		}
-	}
-	return m.Site.Policy, nil
-}
-
 func samePolicy(a, b *policy.Policy) bool {
 	ja, err1 := json.Marshal(a)
 	jb, err2 := json.Marshal(b)
@@ -716,31 +681,148 @@ func SiteUserOf(p *policy.Policy, uid uint32, groups func(uint32) ([]uint32, err
 	return u
 }
 
-// applySite compiles the site rules for every user with a network on this
-// node and replaces the table (node lock held).
-func (m *Manager) applySite() error {
+// SiteGroupsTTL is how long a user's looked-up groups serve the rebuilds
+// of the table that other users' setups and teardowns cause. The user
+// being set up is looked up afresh, and `uvn reload` looks everyone up.
+const SiteGroupsTTL = 5 * time.Minute
+
+// siteLookups is how many users' groups are looked up at once.
+const siteLookups = 8
+
+// groupsEntry is a user's groups as last looked up.
+type groupsEntry struct {
+	Groups []uint32  `json:"groups"`
+	At     time.Time `json:"at"`
+}
+
+func (s store) groupsPath() string { return filepath.Join(s.dir, "site-groups.json") }
+
+// sitePrep is what a rebuild needs that may take time, gathered before the
+// node lock is taken: the policy and the users' groups (NSS lookups, up to
+// 10 s each when the directory hangs). Under the lock only the table is
+// compiled and replaced, so a slow directory never holds every other
+// user's setup on the node.
+type sitePrep struct {
+	p *policy.Policy
+	// fromFile: no policy was accepted yet, p is the file's; passed: its
+	// tests pass (it is accepted under the lock).
+	fromFile, passed bool
+	known            map[uint32]groupsEntry
+}
+
+// prepareSite (no lock held) reads the policy to enforce and looks up the
+// groups of the node's users (and of uid, fresh > 0: being set up) that
+// the policy needs: afresh for fresh (all: everyone, reload), from the
+// cache when younger than SiteGroupsTTL for the others. A failed lookup is
+// not cached: the user is unknown, which fails closed (SiteUser), and is
+// looked up again at the next rebuild.
+func (m *Manager) prepareSite(fresh uint32, all bool) (*sitePrep, error) {
+	pr := &sitePrep{known: map[uint32]groupsEntry{}}
+	var err error
+	if all {
+		pr.p = m.Site.Policy
+	} else if pr.p, err = m.st.readAccepted(); err != nil {
+		// Fail closed: a setup without the accepted policy stops (and
+		// rolls back) rather than enforce an unvetted one.
+		return nil, fmt.Errorf("accepted site policy: %w", err)
+	} else if pr.p == nil {
+		pr.p, pr.fromFile, pr.passed = m.Site.Policy, true, true
+		if m.Site.Vet != nil {
+			if err := m.Site.Vet(); err != nil {
+				m.logf("uvn: site rules: no accepted policy on this node and the configuration's tests fail (%v): enforcing it unaccepted until `palisade uvn reload` accepts a passing one", err)
+				pr.passed = false
+			}
+		}
+	} else if !samePolicy(pr.p, m.Site.Policy) {
+		m.logf("uvn: site rules: the configuration differs from the policy this node accepted: `palisade uvn reload` applies it once its tests pass")
+	}
+	if pr.p == nil || !siteNeedsGroups(pr.p) || m.Site.Groups == nil {
+		return pr, nil
+	}
+	uids, err := m.st.users()
+	if err != nil {
+		return nil, err
+	}
+	if fresh > 0 && !slices.Contains(uids, fresh) {
+		uids = append(uids, fresh)
+	}
+	cache := map[uint32]groupsEntry{}
+	if _, err := readJSON(m.st.groupsPath(), &cache); err != nil {
+		m.logf("uvn: site rules: %v (looking every user up)", err)
+		cache = map[uint32]groupsEntry{}
+	}
+	now := time.Now()
+	var ask []uint32
+	for _, uid := range uids {
+		if e, ok := cache[uid]; ok && !all && uid != fresh && now.Sub(e.At) >= 0 && now.Sub(e.At) < SiteGroupsTTL {
+			pr.known[uid] = e
+			continue
+		}
+		ask = append(ask, uid)
+	}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, siteLookups)
+	for _, uid := range ask {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			gs, err := m.Site.Groups(uid)
+			if err != nil {
+				m.logf("uvn: site rules: groups of uid %d: %v: its group conditions fail closed until a lookup succeeds", uid, err)
+				return
+			}
+			mu.Lock()
+			pr.known[uid] = groupsEntry{Groups: gs, At: now}
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	return pr, nil
+}
+
+// applySite compiles the prepared policy for every user with a network on
+// this node and replaces the table (node lock held). A policy another
+// process accepted since pr was read wins (a reload in between).
+func (m *Manager) applySite(pr *sitePrep) error {
 	if m.Site == nil {
 		return nil
 	}
-	p, err := m.sitePolicy()
+	p := pr.p
+	acc, err := m.st.readAccepted()
 	if err != nil {
-		return err
+		return fmt.Errorf("accepted site policy: %w", err)
 	}
-	return m.installFor(p)
+	if acc != nil {
+		p = acc // the same, or one a reload accepted meanwhile
+	} else if pr.fromFile && pr.passed && p != nil {
+		if err := m.st.accept(p); err != nil {
+			return fmt.Errorf("accept site policy: %w", err)
+		}
+	}
+	return m.installFor(p, pr.known)
 }
 
-// installFor compiles p for every user with a network on this node and
-// replaces the table (node lock held).
-func (m *Manager) installFor(p *policy.Policy) error {
+// installFor compiles p for every user with a network on this node, their
+// groups from known (absent: unknown, failing closed), replaces the table
+// and keeps known as the cache (node lock held).
+func (m *Manager) installFor(p *policy.Policy, known map[uint32]groupsEntry) error {
 	uids, err := m.st.users()
 	if err != nil {
 		return err
 	}
+	needs := p != nil && siteNeedsGroups(p)
 	users := make([]SiteUser, 0, len(uids))
+	cache := map[uint32]groupsEntry{}
 	for _, uid := range uids {
-		u := SiteUserOf(p, uid, m.Site.Groups)
-		if u.GroupsUnknown {
-			m.logf("uvn: site rules: groups of uid %d unknown: its group conditions fail closed", uid)
+		u := SiteUser{UID: uid}
+		if needs {
+			e, ok := known[uid]
+			u.Groups, u.GroupsUnknown = e.Groups, !ok
+			if ok {
+				cache[uid] = e
+			}
 		}
 		users = append(users, u)
 	}
@@ -751,16 +833,34 @@ func (m *Manager) installFor(p *policy.Policy) error {
 		}
 		return out
 	}
-	return installSite(buildSite(p, m.Site.Node, m.Srun, users, vxlans))
+	if err := installSite(buildSite(p, m.Site.Node, m.Srun, users, vxlans)); err != nil {
+		return err
+	}
+	// The cache holds only the node's users (its bound).
+	if needs {
+		if err := writeJSON(m.st.groupsPath(), cache); err != nil {
+			m.logf("uvn: site rules: %v", err)
+		}
+	}
+	return nil
 }
 
-func (m *Manager) applySiteLocked() error {
+// applySiteLocked rebuilds the table: lookups first, then the node lock.
+// fresh is the user being set up (0: none), looked up afresh.
+func (m *Manager) applySiteLocked(fresh uint32) error {
+	if m.Site == nil {
+		return nil
+	}
+	pr, err := m.prepareSite(fresh, false)
+	if err != nil {
+		return err
+	}
 	unlock, err := m.st.lockNode()
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	return m.applySite()
+	return m.applySite(pr)
 }
 
 // siteIntact reports whether the table is where the policy wants it: there
@@ -789,14 +889,18 @@ func (m *Manager) siteIntact() bool {
 // back (nft flush ruleset). A node without users only records the policy
 // for its next setup.
 func (m *Manager) ReloadSite() (int, error) {
+	if m.Site == nil || m.Site.Policy == nil {
+		return 0, errors.New("no site policy to apply")
+	}
+	pr, err := m.prepareSite(0, true)
+	if err != nil {
+		return 0, err
+	}
 	unlock, err := m.st.lockNode()
 	if err != nil {
 		return 0, err
 	}
 	defer unlock()
-	if m.Site == nil || m.Site.Policy == nil {
-		return 0, errors.New("no site policy to apply")
-	}
 	prev, err := os.ReadFile(m.st.sitePath())
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return 0, err
@@ -806,7 +910,7 @@ func (m *Manager) ReloadSite() (int, error) {
 	}
 	uids, err := m.st.users()
 	if err == nil && len(uids) > 0 {
-		err = m.installFor(m.Site.Policy)
+		err = m.installFor(m.Site.Policy, pr.known)
 	}
 	if err != nil {
 		// Keep the policy accepted before: later setups enforce it.

@@ -5,9 +5,11 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -493,7 +495,7 @@ func TestSiteAccepted(t *testing.T) {
 			return out
 		}
 		// First setup on the node: the file's tests pass, it is accepted.
-		if err := m.applySiteLocked(); err != nil {
+		if err := m.applySiteLocked(0); err != nil {
 			return err
 		}
 		if got := ports(); !slices.Equal(got, []uint16{5001}) || vetted != 1 {
@@ -504,7 +506,7 @@ func TestSiteAccepted(t *testing.T) {
 		// the new file is not even vetted.
 		m.Site = &SiteConfig{Policy: deny(5002), Node: "node1", Vet: func() error { vetted++; return failing }}
 		for range 2 {
-			if err := m.applySiteLocked(); err != nil {
+			if err := m.applySiteLocked(0); err != nil {
 				return err
 			}
 		}
@@ -519,7 +521,7 @@ func TestSiteAccepted(t *testing.T) {
 			t.Errorf("after reload: ports %v, want [5002]", got)
 		}
 		m.Site.Policy = deny(5003)
-		if err := m.applySiteLocked(); err != nil {
+		if err := m.applySiteLocked(0); err != nil {
 			return err
 		}
 		if got := ports(); !slices.Equal(got, []uint16{5002}) {
@@ -541,4 +543,86 @@ func TestSiteAccepted(t *testing.T) {
 		}
 		return removeSite()
 	})
+}
+
+// TestSiteGroupsLookups: a rebuild looks the users' groups up before it
+// takes the node lock (a hanging directory never holds the node's other
+// setups), reuses a lookup younger than SiteGroupsTTL for the users not
+// being set up (one rebuild per setup and teardown used to cost every
+// user's lookups), looks the user being set up and, on reload, everyone up
+// afresh, and never caches a failure (the user stays unknown, which fails
+// closed, and is asked again next time).
+func TestSiteGroupsLookups(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root")
+	}
+	p := &policy.Policy{SystemPortMax: 1023, Rules: []policy.SiteRule{
+		{Name: "allow-g", Allow: true, FromGroups: []uint32{3001}, Ports: []policy.PortRange{{First: 5000, Last: 5000}}},
+		{Name: "deny-g", FromGroups: []uint32{3001}, Ports: []policy.PortRange{{First: 5000, Last: 5001}}}}}
+	dir := t.TempDir()
+	inScratchNetns(t, nil, func(int) error {
+		m := New(&Config{StateDir: dir}, nil)
+		for _, uid := range []uint32{2001, 2002, 2003} {
+			if err := m.st.saveUser(&UserState{UID: uid, Complete: true}); err != nil {
+				return err
+			}
+		}
+		var mu sync.Mutex
+		asked := map[uint32]int{}
+		lockedDuringLookup := false
+		m.Site = &SiteConfig{Policy: p, Node: "node1", Groups: func(uid uint32) ([]uint32, error) {
+			f, err := os.OpenFile(filepath.Join(dir, "node.lock"), os.O_RDWR|os.O_CREATE, 0o600)
+			if err != nil {
+				return nil, err
+			}
+			defer f.Close()
+			if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+				mu.Lock()
+				lockedDuringLookup = true
+				mu.Unlock()
+			}
+			mu.Lock()
+			asked[uid]++
+			mu.Unlock()
+			if uid == 2003 {
+				return nil, errors.New("directory unreachable")
+			}
+			return []uint32{uid, 3001}, nil
+		}}
+		step := func(name string, do func() error, want map[uint32]int) {
+			t.Helper()
+			clear(asked)
+			if err := do(); err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			if !maps.Equal(asked, want) {
+				t.Errorf("%s: looked up %v, want %v", name, asked, want)
+			}
+		}
+		step("first rebuild", func() error { return m.applySiteLocked(0) }, map[uint32]int{2001: 1, 2002: 1, 2003: 1})
+		step("rebuild within the TTL", func() error { return m.applySiteLocked(0) }, map[uint32]int{2003: 1})
+		step("setup of 2001", func() error { return m.applySiteLocked(2001) }, map[uint32]int{2001: 1, 2003: 1})
+		step("reload", func() error { _, err := m.ReloadSite(); return err }, map[uint32]int{2001: 1, 2002: 1, 2003: 1})
+		if lockedDuringLookup {
+			t.Error("groups looked up while the node lock was held")
+		}
+		// 2003's failed lookup fails closed: its chain has the deny on
+		// @3001 and not the allow; 2001's has both.
+		var cache map[uint32]groupsEntry
+		if _, err := readJSON(m.st.groupsPath(), &cache); err != nil || len(cache) != 2 || cache[2003].At != (time.Time{}) {
+			t.Errorf("cache %v (%v): want 2001 and 2002 only", cache, err)
+		}
+		return removeSite()
+	})
+	known := map[uint32]groupsEntry{2001: {Groups: []uint32{2001, 3001}}}
+	for uid, want := range map[uint32][]string{2001: {"allow-g", "deny-g"}, 2003: {"deny-g"}} {
+		e, ok := known[uid]
+		var names []string
+		for _, m := range compileSite(p, "node1", policy.PortRange{}, SiteUser{UID: uid, Groups: e.Groups, GroupsUnknown: !ok}, pathOwn) {
+			names = append(names, m.Name)
+		}
+		if !slices.Equal(names, want) {
+			t.Errorf("uid %d: compiled %v, want %v", uid, names, want)
+		}
+	}
 }
