@@ -288,7 +288,9 @@ func (s *siteSpec) empty() bool { return s.p == nil || len(s.p.Rules) == 0 }
 //	dispatch: th dport <= system_port_max -> accept
 //	          meta mark srunMark -> iifname vmap @srun ; accept
 //	          iifname vmap @own
-//	c<N>: th dport vmap @m<N>           (port class -> goto r<K>)
+//	c<N>: its segments in order (siteSegments):
+//	      wide rules: [l4proto] [th dport @p<J>] [saddr ...] -> accept | drop
+//	      a run of narrow rules: th dport vmap @m<N>_<S> (port class -> jump r<K>)
 //	r<K>: one rule per compiled rule (and family) covering the class, in
 //	      order: [l4proto] [saddr @s<i>_4|6] [saddr @trusted4|6] -> accept | drop
 func installSite(s *siteSpec) error {
@@ -333,7 +335,7 @@ func installSite(s *siteSpec) error {
 func (s *siteSpec) add(c *nftables.Conn, t *nftables.Table) error {
 	p := s.p
 	// Sets: each used rule's sources, the trusted sources.
-	srcSet := map[[2]int]*nftables.Set{}
+	srcSet := map[string]*nftables.Set{}
 	addSet := func(name string, typ nftables.SetDatatype, els []nftables.SetElement) (*nftables.Set, error) {
 		set := &nftables.Set{Table: t, Name: name, KeyType: typ, Interval: true}
 		return set, c.AddSet(set, els)
@@ -354,24 +356,38 @@ func (s *siteSpec) add(c *nftables.Conn, t *nftables.Table) error {
 	// A new connection then costs two map lookups plus the rules that
 	// cover its port, whatever the number of rules. Sub-chains do not test
 	// ports, so chains share them.
-	subs := map[string]string{}
+	// emit appends the nft rules of ms to ch, in order; port: the rule's
+	// own destination-port test (a wide rule outside a port dispatch).
 	var subErr error
-	sub := func(ms []siteMatch) string {
-		var k strings.Builder
-		for _, m := range ms {
-			k.WriteString(strconv.Itoa(m.Rule) + ",")
-		}
-		if name, ok := subs[k.String()]; ok {
-			return name
-		}
-		name := fmt.Sprintf("r%d", len(subs))
-		subs[k.String()] = name
-		ch := c.AddChain(&nftables.Chain{Name: name, Table: t})
+	portSets := map[string]*nftables.Set{}
+	emit := func(ch *nftables.Chain, ms []siteMatch, port bool) {
 		for _, m := range ms {
 			head := []expr.Any{}
 			if m.Proto != 0 {
 				head = append(head, &expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
 					&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{byte(m.Proto)}})
+			}
+			if port && !m.allPorts(p) {
+				// One set per rule and ports (the callback path's
+				// ports are the rule's within SrunPortRange).
+				key := fmt.Sprint(m.Rule, m.Ports)
+				set, ok := portSets[key]
+				if !ok {
+					var els []nftables.SetElement
+					for _, r := range mergePorts(m.Ports) {
+						els = append(els, nftables.SetElement{Key: be16(r.First)})
+						if r.Last < 65535 {
+							els = append(els, nftables.SetElement{Key: be16(r.Last + 1), IntervalEnd: true})
+						}
+					}
+					set = &nftables.Set{Table: t, Name: fmt.Sprintf("p%d", len(portSets)), KeyType: nftables.TypeInetService, Interval: true}
+					if err := c.AddSet(set, els); err != nil {
+						subErr = err
+					}
+					portSets[key] = set
+				}
+				head = append(head, &expr.Payload{DestRegister: 1, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2},
+					&expr.Lookup{SourceRegister: 1, SetName: set.Name, SetID: set.ID})
 			}
 			verdict := []expr.Any{&expr.Counter{}, &expr.Verdict{Kind: expr.VerdictDrop}}
 			if m.Allow {
@@ -396,11 +412,11 @@ func (s *siteSpec) add(c *nftables.Conn, t *nftables.Table) error {
 					if len(els) == 0 {
 						continue // no source of this family
 					}
-					key := [2]int{m.Rule, fam}
+					key := fmt.Sprint(fam, m.Sources)
 					set, ok := srcSet[key]
 					if !ok {
 						var err error
-						if set, err = addSet(fmt.Sprintf("s%d_%d", m.Rule, fam), typ, els); err != nil {
+						if set, err = addSet(fmt.Sprintf("s%d_%d", len(srcSet), fam), typ, els); err != nil {
 							subErr = err
 						}
 						srcSet[key] = set
@@ -417,30 +433,55 @@ func (s *siteSpec) add(c *nftables.Conn, t *nftables.Table) error {
 				c.AddRule(&nftables.Rule{Table: t, Chain: ch, Exprs: cat(e, verdict)})
 			}
 		}
+	}
+	// Sub-chains hold the narrow rules of one port class and test no
+	// port, so chains share them.
+	subs := map[string]string{}
+	sub := func(ms []siteMatch) string {
+		var k strings.Builder
+		for _, m := range ms {
+			k.WriteString(strconv.Itoa(m.Rule) + ",")
+		}
+		if name, ok := subs[k.String()]; ok {
+			return name
+		}
+		name := fmt.Sprintf("r%d", len(subs))
+		subs[k.String()] = name
+		emit(c.AddChain(&nftables.Chain{Name: name, Table: t}), ms, false)
 		return name
 	}
 	chainName := func(i int) string { return fmt.Sprintf("c%d", i) }
 	for i, ms := range s.chains {
 		ch := c.AddChain(&nftables.Chain{Name: chainName(i), Table: t})
-		var els []nftables.SetElement
-		for _, cl := range portClasses(ms) {
-			els = append(els, nftables.SetElement{Key: be16(cl.ports.First), VerdictData: &expr.Verdict{Kind: expr.VerdictGoto, Chain: sub(cl.rules)}})
-			if cl.end {
-				els = append(els, nftables.SetElement{Key: be16(cl.ports.Last + 1), IntervalEnd: true})
+		for j, seg := range siteSegments(ms, p) {
+			if seg.wide != nil {
+				emit(ch, seg.wide, true)
+				continue
 			}
+			// A run of narrow rules: an interval map from its port
+			// classes to the sub-chain of the rules covering each
+			// (jump: a class none of whose rules matches returns here,
+			// to the next segment).
+			var els []nftables.SetElement
+			for _, cl := range seg.classes {
+				els = append(els, nftables.SetElement{Key: be16(cl.ports.First), VerdictData: &expr.Verdict{Kind: expr.VerdictJump, Chain: sub(cl.rules)}})
+				if cl.end {
+					els = append(els, nftables.SetElement{Key: be16(cl.ports.Last + 1), IntervalEnd: true})
+				}
+			}
+			m := &nftables.Set{Table: t, Name: fmt.Sprintf("m%d_%d", i, j), IsMap: true, Interval: true,
+				KeyType: nftables.TypeInetService, DataType: nftables.TypeVerdict}
+			if err := c.AddSet(m, els); err != nil {
+				return err
+			}
+			c.AddRule(&nftables.Rule{Table: t, Chain: ch, Exprs: []expr.Any{
+				&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2},
+				&expr.Lookup{SourceRegister: 1, SetName: m.Name, SetID: m.ID, DestRegister: 0, IsDestRegSet: true},
+			}})
 		}
 		if subErr != nil {
 			return subErr
 		}
-		m := &nftables.Set{Table: t, Name: fmt.Sprintf("m%d", i), IsMap: true, Interval: true,
-			KeyType: nftables.TypeInetService, DataType: nftables.TypeVerdict}
-		if err := c.AddSet(m, els); err != nil {
-			return err
-		}
-		c.AddRule(&nftables.Rule{Table: t, Chain: ch, Exprs: []expr.Any{
-			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2},
-			&expr.Lookup{SourceRegister: 1, SetName: m.Name, SetID: m.ID, DestRegister: 0, IsDestRegSet: true},
-		}})
 	}
 	// Verdict maps: VRF device -> goto its chain (a chain that matches
 	// nothing returns to the base chain's policy, accept).
@@ -518,6 +559,168 @@ func sitePresent() bool {
 	}
 	_, err = c.ListTableOfFamily(siteTable, nftables.TableFamilyINet)
 	return err == nil
+}
+
+// wideClasses is how many port classes of its block a rule may cover and
+// still sit in the port dispatch (narrow). A rule without ports covers
+// them all; with it in every class's sub-chain a chain of n such rules and
+// k classes held n×k nft rules (200 + 800 rules: ~320,000). A wide rule is
+// tested once, with its own port test, instead (siteSegments).
+const wideClasses = 8
+
+// siteSegment is a part of a chain: wide rules tested one by one with
+// their own port test (wide), or narrow rules dispatched on the port
+// (classes).
+type siteSegment struct {
+	wide    []siteMatch
+	classes []portClass
+}
+
+// allPorts reports whether m covers every port above the system ports.
+func (m *siteMatch) allPorts(p *policy.Policy) bool {
+	rs := mergePorts(m.Ports)
+	return len(rs) == 1 && rs[0].First <= p.SystemPortMax+1 && rs[0].Last == 65535
+}
+
+// siteSegments lays a chain's compiled rules out for the kernel. Only the
+// verdict of the first rule that matches counts there (the rule's name is
+// explain's and the events', from the compiled list), and consecutive
+// rules with the same verdict give the same verdict in any order: so each
+// block of consecutive rules with one verdict becomes (1) a port dispatch
+// of its narrow rules and (2) its wide rules — those without ports or
+// covering more than wideClasses of the block's port classes — merged
+// where they differ only by source (one address set). Blocks keep their
+// order.
+//
+// Size: a narrow rule sits in at most wideClasses sub-chains (the block's
+// classes cut its ranges into at most that many), a wide one in its chain
+// once: at most (wideClasses+1)·n compiled rules for a chain of n, two nft
+// rules each at most (address families). Cost: per block one map lookup
+// and the rules covering the port, plus its wide rules after merging.
+func siteSegments(ms []siteMatch, p *policy.Policy) []siteSegment {
+	var out []siteSegment
+	for len(ms) > 0 {
+		n := 1
+		for n < len(ms) && ms[n].Allow == ms[0].Allow {
+			n++
+		}
+		block := ms[:n]
+		ms = ms[n:]
+		var ported []siteMatch
+		for _, m := range block {
+			if !m.allPorts(p) {
+				ported = append(ported, m)
+			}
+		}
+		cover := map[int]int{}
+		for _, cl := range portClasses(ported) {
+			for _, m := range cl.rules {
+				cover[m.Rule]++
+			}
+		}
+		var narrow, wide []siteMatch
+		for _, m := range block {
+			if m.allPorts(p) || cover[m.Rule] > wideClasses {
+				wide = append(wide, m)
+			} else {
+				narrow = append(narrow, m)
+			}
+		}
+		if len(narrow) > 0 {
+			out = append(out, siteSegment{classes: portClasses(narrow)})
+		}
+		if len(wide) > 0 {
+			out = append(out, siteSegment{wide: mergeWide(wide, p)})
+		}
+	}
+	return out
+}
+
+// mergeWide merges rules of one verdict that differ only by their sources
+// into one (the union of the sources); a rule without sources absorbs the
+// others of its kind.
+func mergeWide(ms []siteMatch, p *policy.Policy) []siteMatch {
+	type kind struct {
+		proto   policy.Proto
+		ports   string
+		trusted bool
+	}
+	var out []siteMatch
+	at := map[kind]int{}
+	for _, m := range ms {
+		ports := "all"
+		if !m.allPorts(p) {
+			ports = fmt.Sprint(mergePorts(m.Ports))
+		}
+		k := kind{m.Proto, ports, m.Trusted}
+		i, ok := at[k]
+		if !ok {
+			at[k] = len(out)
+			m.Sources = slices.Clone(m.Sources)
+			out = append(out, m)
+			continue
+		}
+		if out[i].Sources == nil || m.Sources == nil {
+			out[i].Sources = nil
+			continue
+		}
+		out[i].Sources = append(out[i].Sources, m.Sources...)
+	}
+	return out
+}
+
+// mergePorts sorts and merges overlapping and adjacent ranges.
+func mergePorts(rs []policy.PortRange) []policy.PortRange {
+	rs = slices.Clone(rs)
+	slices.SortFunc(rs, func(a, b policy.PortRange) int { return int(a.First) - int(b.First) })
+	var out []policy.PortRange
+	for _, r := range rs {
+		if n := len(out); n > 0 && int(r.First) <= int(out[n-1].Last)+1 {
+			out[n-1].Last = max(out[n-1].Last, r.Last)
+			continue
+		}
+		out = append(out, r)
+	}
+	return out
+}
+
+// siteSize is the number of nft rules the table of s holds (the bound's
+// measure; TestSiteTableBound).
+func siteSize(s *siteSpec) int {
+	per := func(m siteMatch) int {
+		if m.Sources == nil && !m.Trusted {
+			return 1
+		}
+		return 2
+	}
+	n := 0
+	subs := map[string]bool{}
+	for _, ms := range s.chains {
+		for _, seg := range siteSegments(ms, s.p) {
+			n++ // the dispatch rule, or counted below for wide
+			if seg.wide != nil {
+				n--
+				for _, m := range seg.wide {
+					n += per(m)
+				}
+				continue
+			}
+			for _, cl := range seg.classes {
+				var k strings.Builder
+				for _, m := range cl.rules {
+					k.WriteString(strconv.Itoa(m.Rule) + ",")
+				}
+				if subs[k.String()] {
+					continue
+				}
+				subs[k.String()] = true
+				for _, m := range cl.rules {
+					n += per(m)
+				}
+			}
+		}
+	}
+	return n
 }
 
 // portClass is a range of ports that the same rules of a chain cover.

@@ -39,6 +39,10 @@ func siteNftPolicy() *policy.Policy {
 			{Name: "deny-port", Ports: pr(5001, 5001)},
 			{Name: "deny-udp-range", Ports: pr(5010, 5012), Proto: policy.UDP},
 			{Name: "deny-tcp-overlapping", Ports: pr(5011, 5013), Proto: policy.TCP}, // adjacent port classes
+			// Wide rules (siteSegments): tested in order between two
+			// runs of the port dispatch.
+			{Name: "allow-ib-tcp-wide", Allow: true, Sources: pf("198.19.0.0/24"), Ports: []policy.PortRange{{First: 5000, Last: 5099}, {First: 7500, Last: 7500}}, Proto: policy.TCP},
+			{Name: "deny-udp-from-198.18.0.7", Sources: pf("198.18.0.7/32"), Proto: policy.UDP}, // no ports
 			{Name: "allow-ib", Allow: true, Sources: pf("198.19.0.0/24"), Ports: pr(5020, 5020)},
 			{Name: "deny-5020", Ports: pr(5020, 5020)},
 			{Name: "deny-from-node1", Sources: pf("198.18.0.1/32", "2001:2::1/128"), Ports: pr(5030, 5030)},
@@ -83,6 +87,13 @@ func TestSiteNft(t *testing.T) {
 			}
 		}
 		spec := buildSite(p, "node1", srun, []SiteUser{u}, nil)
+		var kinds []string
+		for _, sg := range siteSegments(spec.chains[spec.own[VRFName(u.UID)]], p) {
+			kinds = append(kinds, map[bool]string{true: "wide", false: "narrow"}[sg.wide != nil])
+		}
+		if k := strings.Join(kinds, " "); !strings.Contains(k, "narrow wide") || !strings.Contains(k, "wide narrow") {
+			t.Errorf("the own chain's segments: %v, want wide ones between narrow ones", kinds)
+		}
 		// Packets between a namespace's own addresses arrive on lo.
 		for _, m := range []map[string]int{spec.own, spec.srun} {
 			if c, ok := m[VRFName(u.UID)]; ok {
@@ -403,6 +414,9 @@ func TestSiteCost(t *testing.T) {
 		// differ by source): the worst case, every rule tested; else each
 		// rule has a port of its own, not the datagrams'.
 		cover := os.Getenv("PALISADE_UVN_SITE_COVER") != ""
+		// portless: every fifth rule has no ports (a wide rule, tested
+		// in order outside the port dispatch: siteSegments).
+		portless := os.Getenv("PALISADE_UVN_SITE_PORTLESS") != ""
 		table := func(n int) error {
 			p := &policy.Policy{SystemPortMax: 1023, ClusterSubnets: []netip.Prefix{netip.MustParsePrefix("198.18.0.0/24")}}
 			for i := range n {
@@ -412,8 +426,12 @@ func TestSiteCost(t *testing.T) {
 				if cover {
 					port = 5999
 				}
-				p.Rules = append(p.Rules, policy.SiteRule{Name: fmt.Sprintf("r%d", i), From: []uint32{2001},
-					Sources: []netip.Prefix{netip.PrefixFrom(netip.AddrFrom4([4]byte{198, 18, 1 + byte(i>>8), byte(i)}), 32)}, Ports: []policy.PortRange{{First: port, Last: port}}})
+				r := policy.SiteRule{Name: fmt.Sprintf("r%d", i), From: []uint32{2001},
+					Sources: []netip.Prefix{netip.PrefixFrom(netip.AddrFrom4([4]byte{198, 18, 1 + byte(i>>8), byte(i)}), 32)}, Ports: []policy.PortRange{{First: port, Last: port}}}
+				if portless && i%5 == 0 {
+					r.Ports = nil
+				}
+				p.Rules = append(p.Rules, r)
 			}
 			spec := buildSite(p, "node1", policy.PortRange{}, []SiteUser{{UID: 2001}}, nil)
 			if c, ok := spec.own[VRFName(2001)]; ok {
@@ -444,8 +462,8 @@ func TestSiteCost(t *testing.T) {
 			}
 		}
 		for _, n := range ns {
-			t.Logf("cover=%v %4d rules: %v per new datagram (sender's CPU, least of %d rounds of %d); +%v over no table",
-				cover, n, best[n], rounds, perRound, best[n]-best[0])
+			t.Logf("cover=%v portless=%v %4d rules: %v per new datagram (sender's CPU, least of %d rounds of %d); +%v over no table",
+				cover, portless, n, best[n], rounds, perRound, best[n]-best[0])
 		}
 		return removeSite()
 	})
@@ -478,7 +496,7 @@ func TestSiteAccepted(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			set, err := c.GetSetByName(&nftables.Table{Name: siteTable, Family: nftables.TableFamilyINet}, "m0")
+			set, err := c.GetSetByName(&nftables.Table{Name: siteTable, Family: nftables.TableFamilyINet}, "m0_0")
 			if err != nil {
 				t.Fatalf("table's port map: %v", err)
 			}
