@@ -1,6 +1,8 @@
 package uvn
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -539,6 +541,115 @@ func (s *siteSpec) add(c *nftables.Conn, t *nftables.Table) error {
 	return nil
 }
 
+// siteInstalled is what the table in the kernel was built from
+// (site-installed.json in the state directory): the fingerprint of
+// everything but the devices' verdict maps, and those maps.
+type siteInstalled struct {
+	Body string         `json:"body"`
+	Own  map[string]int `json:"own"`
+	Srun map[string]int `json:"srun"`
+}
+
+func (s store) installedPath() string { return filepath.Join(s.dir, "site-installed.json") }
+
+// body fingerprints the table but for which device uses which chain.
+func (s *siteSpec) body() string {
+	type chainKey struct {
+		Rule  int
+		Ports []policy.PortRange
+	}
+	var cs [][]chainKey
+	for _, ms := range s.chains {
+		var c []chainKey
+		for _, m := range ms {
+			c = append(c, chainKey{m.Rule, m.Ports})
+		}
+		cs = append(cs, c)
+	}
+	b, err := json.Marshal(struct {
+		P      *policy.Policy
+		Chains [][]chainKey
+	}{s.p, cs})
+	if err != nil {
+		return ""
+	}
+	sum := sha256.Sum256(b)
+	return hex.EncodeToString(sum[:])
+}
+
+// installSpec puts s in the kernel, changing only what differs from the
+// table there (node lock held). A setup or teardown usually changes only
+// which devices use which chain (users selected by the same rules share
+// one): then only those verdict-map elements change, in one transaction.
+// Anything else, or a table that is not there (removed behind uvn's back),
+// replaces the whole table (installSite).
+func (m *Manager) installSpec(s *siteSpec) error {
+	var inst siteInstalled
+	ok, _ := readJSON(m.st.installedPath(), &inst)
+	body := s.body()
+	if s.empty() {
+		os.Remove(m.st.installedPath())
+		return installSite(s)
+	}
+	if ok && body != "" && inst.Body == body && sitePresent() {
+		err := updateSiteMaps(inst, s)
+		if err == nil {
+			return writeJSON(m.st.installedPath(), siteInstalled{Body: body, Own: s.own, Srun: s.srun})
+		}
+		m.logf("uvn: site rules: update of the device maps failed (%v): replacing the table", err)
+	}
+	// Forget the old record first: a crash between the two leaves a
+	// table that the next rebuild replaces whole.
+	os.Remove(m.st.installedPath())
+	if err := installSite(s); err != nil {
+		return err
+	}
+	return writeJSON(m.st.installedPath(), siteInstalled{Body: body, Own: s.own, Srun: s.srun})
+}
+
+// updateSiteMaps changes the own and srun verdict maps from inst's to s's
+// in one transaction.
+func updateSiteMaps(inst siteInstalled, s *siteSpec) error {
+	c, err := nftables.New()
+	if err != nil {
+		return err
+	}
+	t := &nftables.Table{Name: siteTable, Family: nftables.TableFamilyINet}
+	changes := 0
+	for _, mp := range []struct {
+		name     string
+		old, new map[string]int
+	}{{"own", inst.Own, s.own}, {"srun", inst.Srun, s.srun}} {
+		set := &nftables.Set{Table: t, Name: mp.name, IsMap: true, KeyType: nftables.TypeIFName, DataType: nftables.TypeVerdict}
+		var del, add []nftables.SetElement
+		for d, ch := range mp.old {
+			if n, ok := mp.new[d]; !ok || n != ch {
+				del = append(del, nftables.SetElement{Key: ifname(d)})
+			}
+		}
+		for d, ch := range mp.new {
+			if o, ok := mp.old[d]; !ok || o != ch {
+				add = append(add, nftables.SetElement{Key: ifname(d), VerdictData: &expr.Verdict{Kind: expr.VerdictGoto, Chain: fmt.Sprintf("c%d", ch)}})
+			}
+		}
+		if len(del) > 0 {
+			if err := c.SetDeleteElements(set, del); err != nil {
+				return err
+			}
+		}
+		if len(add) > 0 {
+			if err := c.SetAddElements(set, add); err != nil {
+				return err
+			}
+		}
+		changes += len(del) + len(add)
+	}
+	if changes == 0 {
+		return nil
+	}
+	return c.Flush()
+}
+
 // removeSite deletes the table; a missing table is fine.
 func removeSite() error {
 	c, err := nftables.New()
@@ -1036,7 +1147,7 @@ func (m *Manager) installFor(p *policy.Policy, known map[uint32]groupsEntry) err
 		}
 		return out
 	}
-	if err := installSite(buildSite(p, m.Site.Node, m.Srun, users, vxlans)); err != nil {
+	if err := m.installSpec(buildSite(p, m.Site.Node, m.Srun, users, vxlans)); err != nil {
 		return err
 	}
 	// The cache holds only the node's users (its bound).

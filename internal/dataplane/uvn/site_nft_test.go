@@ -644,3 +644,98 @@ func TestSiteGroupsLookups(t *testing.T) {
 		}
 	}
 }
+
+// TestSiteIncremental: a setup or teardown that only changes which devices
+// use which chain changes only those verdict-map elements (the review:
+// the whole table was rebuilt at every login); a policy change replaces
+// the table. A set the test adds to the table tells the two apart: an
+// update keeps it, a replacement drops it.
+func TestSiteIncremental(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root")
+	}
+	pr := []policy.PortRange{{First: 5000, Last: 5000}}
+	dir := t.TempDir()
+	inScratchNetns(t, nil, func(int) error {
+		m := New(&Config{StateDir: dir}, nil)
+		m.Site = &SiteConfig{Policy: &policy.Policy{SystemPortMax: 1023, Rules: []policy.SiteRule{{Name: "deny-5000", Ports: pr}}}, Node: "node1"}
+		c, err := nftables.New()
+		if err != nil {
+			return err
+		}
+		tbl := &nftables.Table{Name: siteTable, Family: nftables.TableFamilyINet}
+		marked := func() bool {
+			_, err := c.GetSetByName(tbl, "paltest")
+			return err == nil
+		}
+		own := func() []string {
+			set, err := c.GetSetByName(tbl, "own")
+			if err != nil {
+				t.Fatal(err)
+			}
+			els, err := c.GetSetElements(set)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out []string
+			for _, e := range els {
+				out = append(out, strings.TrimRight(string(e.Key), "\x00"))
+			}
+			slices.Sort(out)
+			return out
+		}
+		users := func(uids ...uint32) {
+			for _, u := range []uint32{2001, 2002, 2003} {
+				m.st.removeUser(u)
+			}
+			for _, u := range uids {
+				if err := m.st.saveUser(&UserState{UID: u, Complete: true}); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		users(2001, 2002)
+		if err := m.applySiteLocked(0); err != nil {
+			return err
+		}
+		if err := c.AddSet(&nftables.Set{Table: tbl, Name: "paltest", KeyType: nftables.TypeInetService}, nil); err != nil {
+			return err
+		}
+		if err := c.Flush(); err != nil {
+			return err
+		}
+		users(2001, 2002, 2003) // 2003's setup
+		if err := m.applySiteLocked(2003); err != nil {
+			return err
+		}
+		if !marked() || !slices.Equal(own(), []string{"palv2001", "palv2002", "palv2003"}) {
+			t.Errorf("a user's setup: table replaced=%v, own map %v", !marked(), own())
+		}
+		users(2001, 2003) // 2002's teardown
+		if err := m.applySiteLocked(0); err != nil {
+			return err
+		}
+		if !marked() || !slices.Equal(own(), []string{"palv2001", "palv2003"}) {
+			t.Errorf("a user's teardown: table replaced=%v, own map %v", !marked(), own())
+		}
+		// A new policy: the whole table, in one transaction.
+		m.Site.Policy = &policy.Policy{SystemPortMax: 1023, Rules: []policy.SiteRule{{Name: "deny-5000-alice", To: []uint32{2001}, Ports: pr}}}
+		if _, err := m.ReloadSite(); err != nil {
+			return err
+		}
+		if marked() || !slices.Equal(own(), []string{"palv2001"}) {
+			t.Errorf("a reload with another policy: table kept=%v, own map %v", marked(), own())
+		}
+		// Removed behind uvn's back: the next rebuild makes it whole.
+		if err := removeSite(); err != nil {
+			return err
+		}
+		if err := m.applySiteLocked(0); err != nil {
+			return err
+		}
+		if !sitePresent() || !slices.Equal(own(), []string{"palv2001"}) {
+			t.Error("the table removed: not rebuilt")
+		}
+		return removeSite()
+	})
+}
