@@ -46,6 +46,10 @@ var rules = []rule{
 	{pkg: "internal/dataplane/userwall/agentconfig", allow: []string{"internal/policy"}},
 	// userwall's kernel side knows no agent and no configuration file.
 	{pkg: "internal/dataplane/userwall/kernel", allow: []string{"internal/policy", "internal/identity", "internal/sys/..."}},
+	// Its read side (status, uninstall, signals, the cluster view) is
+	// what the CLI uses without the agent: it never imports the agent.
+	{pkg: "internal/dataplane/userwall/control", allow: []string{"internal/dataplane/userwall/kernel", "internal/config",
+		"internal/sockowner", "internal/sys/..."}},
 	{pkg: "internal/dataplane/userwall/...", allow: []string{"internal/dataplane/userwall/...", "internal/policy", "internal/config",
 		"internal/identity", "internal/membership", "internal/sockowner", "internal/portal", "internal/sys/...", "internal/version"}},
 	{pkg: "internal/dataplane/uvn/spank"},
@@ -176,6 +180,10 @@ func TestImportRulesCatch(t *testing.T) {
 		{"internal/dataplane/userwall/kernel", "internal/dataplane/userwall", false},
 		{"internal/dataplane/userwall/kernel", "internal/config", false},
 		{"internal/dataplane/userwall", "internal/dataplane/userwall/kernel", true},
+		{"internal/dataplane/userwall", "internal/dataplane/userwall/control", true},
+		{"internal/dataplane/userwall/control", "internal/dataplane/userwall", false},
+		{"internal/dataplane/userwall/control", "internal/dataplane/userwall/kernel", true},
+		{"internal/dataplane/userwall/kernel", "internal/dataplane/userwall/control", false},
 		{"internal/dataplane/egress/gateway", "internal/dataplane/egress/join", true},
 		{"lab/testbed", "lab/modes/userwall", false},
 		{"lab/modes/egress", "internal/dataplane/userwall", false},

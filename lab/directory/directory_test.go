@@ -14,7 +14,8 @@ import (
 	"testing"
 	"time"
 
-	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
+
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	userwalllab "github.com/palisade-hpc/palisade/lab/modes/userwall"
 	"github.com/palisade-hpc/palisade/lab/testbed"
@@ -289,9 +290,9 @@ func TestDirectoryUserwall(t *testing.T) {
 		// node3 forgets whom it looked up.
 		n3, _ := dt.Node("node3")
 		pidFile := userwalllab.AgentPidFile(dt, "node3")
-		if pid := uw.ReadPid(pidFile); pid != 0 {
+		if pid := control.ReadPid(pidFile); pid != 0 {
 			syscall.Kill(pid, syscall.SIGTERM)
-			for i := 0; uw.ReadPid(pidFile) != 0; i++ {
+			for i := 0; control.ReadPid(pidFile) != 0; i++ {
 				if i == 200 {
 					t.Fatal("node3's agent did not stop")
 				}

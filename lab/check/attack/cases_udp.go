@@ -12,7 +12,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	uwlab "github.com/palisade-hpc/palisade/lab/modes/userwall"
 )
@@ -284,9 +284,9 @@ func connectedUDPTTL() *Case {
 		Run: func(e *Env, r *Run) error {
 			r.Defer(func() { e.restoreAgent(e.A) })
 			pidFile := uwlab.AgentPidFile(e.TB, e.A.Name)
-			if pid := userwall.ReadPid(pidFile); pid != 0 {
+			if pid := control.ReadPid(pidFile); pid != 0 {
 				syscall.Kill(pid, syscall.SIGTERM)
-				for i := 0; i < 100 && userwall.ReadPid(pidFile) != 0; i++ {
+				for i := 0; i < 100 && control.ReadPid(pidFile) != 0; i++ {
 					time.Sleep(50 * time.Millisecond)
 				}
 			}

@@ -14,8 +14,9 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
+
 	"github.com/palisade-hpc/palisade/internal/config"
-	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
 
@@ -83,7 +84,7 @@ func StartAgent(ctx context.Context, tb *testbed.Testbed, n testbed.Node) error 
 // environment (test settings such as userwall.TestPeerTTLEnv).
 func StartAgentEnv(ctx context.Context, tb *testbed.Testbed, n testbed.Node, env []string) error {
 	pidFile := AgentPidFile(tb, n.Name)
-	if pid := uw.ReadPid(pidFile); pid != 0 {
+	if pid := control.ReadPid(pidFile); pid != 0 {
 		return nil // already running
 	}
 	if err := os.MkdirAll(filepath.Dir(pidFile), 0o755); err != nil {
@@ -127,7 +128,7 @@ func StartAgentEnv(ctx context.Context, tb *testbed.Testbed, n testbed.Node, env
 			_ = cmd.Process.Kill()
 			return ctx.Err()
 		case <-tick.C:
-			if uw.ReadPid(pidFile) == cmd.Process.Pid {
+			if control.ReadPid(pidFile) == cmd.Process.Pid {
 				return nil
 			}
 		}

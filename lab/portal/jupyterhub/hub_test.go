@@ -21,6 +21,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
+
 	"golang.org/x/sys/unix"
 
 	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
@@ -483,7 +485,7 @@ except OSError as e:
 // reaching listener at port from address src.
 func refusedEvent(t *testing.T, node, connector, listener string, port int, src string) {
 	t.Helper()
-	c, err := (&uw.AgentOptions{ConfigPath: tb.ConfigPath(node)}).LoadConfig()
+	c, err := (&control.Options{ConfigPath: tb.ConfigPath(node)}).LoadConfig()
 	if err != nil {
 		t.Fatal(err)
 	}
