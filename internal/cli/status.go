@@ -7,8 +7,9 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
 	"github.com/spf13/cobra"
+
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
 )
 
 // Exit codes of `palisade status` (also with --check and --json).

@@ -24,7 +24,6 @@ import (
 	"time"
 
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
-
 	"github.com/palisade-hpc/palisade/lab/check"
 	"github.com/palisade-hpc/palisade/lab/check/vmcheck"
 	userwalllab "github.com/palisade-hpc/palisade/lab/modes/userwall"

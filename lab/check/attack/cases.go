@@ -621,11 +621,8 @@ func (e *Env) restoreAgent(node testbed.Node) error {
 		control.ReadPid(uwlab.AgentPidFile(e.TB, node.Name)) != 0 {
 		return nil
 	}
-	if pid := control.ReadPid(uwlab.AgentPidFile(e.TB, node.Name)); pid != 0 {
-		syscall.Kill(pid, syscall.SIGTERM)
-		for i := 0; i < 100 && control.ReadPid(uwlab.AgentPidFile(e.TB, node.Name)) != 0; i++ {
-			time.Sleep(50 * time.Millisecond)
-		}
+	if err := uwlab.TermAgent(e.TB, node.Name); err != nil {
+		return err
 	}
 	return uwlab.StartAgent(e.Ctx, e.TB, node)
 }
@@ -670,14 +667,11 @@ func agentKill(sig syscall.Signal) *Case {
 				return err
 			}
 			r.Defer(func() { e.restoreAgent(e.A) })
-			pidFile := uwlab.AgentPidFile(e.TB, e.A.Name)
-			pid := control.ReadPid(pidFile)
-			if pid == 0 {
+			if control.ReadPid(uwlab.AgentPidFile(e.TB, e.A.Name)) == 0 {
 				return errors.New("no agent runs on " + e.A.Name)
 			}
-			syscall.Kill(pid, sig)
-			for i := 0; i < 200 && control.ReadPid(pidFile) == pid; i++ {
-				time.Sleep(25 * time.Millisecond)
+			if err := uwlab.SignalAgent(e.TB, e.A.Name, sig); err != nil {
+				return err
 			}
 			tspec := ActSpec{Sock: sock("tcp", 4), Dst: ap(e.A.Eth0V4, e.Port)}
 			uspec := ActSpec{Sock: sock("udp", 6), Dst: ap(e.A.Eth0V6, e.Port), Count: 3, Connect: true}

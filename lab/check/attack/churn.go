@@ -329,19 +329,8 @@ func Churn(ctx context.Context, tb *testbed.Testbed, opts ChurnOptions) (*ChurnR
 
 // restartAgent stops node's agent with sig and starts it again.
 func (e *Env) restartAgent(n testbed.Node, sig syscall.Signal) error {
-	pidFile := uwlab.AgentPidFile(e.TB, n.Name)
-	pid := control.ReadPid(pidFile)
-	if pid == 0 {
-		return uwlab.StartAgent(e.Ctx, e.TB, n)
-	}
-	if err := syscall.Kill(pid, sig); err != nil {
+	if err := uwlab.SignalAgent(e.TB, n.Name, sig); err != nil {
 		return err
-	}
-	for i := 0; i < 200 && control.ReadPid(pidFile) == pid; i++ {
-		time.Sleep(25 * time.Millisecond)
-	}
-	if control.ReadPid(pidFile) == pid {
-		return fmt.Errorf("agent %d still runs after %v", pid, sig)
 	}
 	return uwlab.StartAgent(e.Ctx, e.TB, n)
 }

@@ -14,7 +14,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -449,14 +448,10 @@ func TestUpgradeRollback(t *testing.T) {
 			for _, l := range before.Links {
 				progs[l.Name] = l.ProgID
 			}
-			pidFile := AgentPidFile(tb, "node1")
 			underTraffic(t, 5199, func() {
 				u.replace(t, variant)
-				if pid := control.ReadPid(pidFile); pid != 0 {
-					syscall.Kill(pid, syscall.SIGTERM)
-					for i := 0; i < 250 && control.ReadPid(pidFile) != 0; i++ {
-						time.Sleep(20 * time.Millisecond) // the pid file goes when it stopped
-					}
+				if err := TermAgent(tb, "node1"); err != nil {
+					t.Error(err)
 				}
 				for _, stage := range []string{"cgroup:connect6", "commit"} {
 					cmd := nodeCommand(context.Background(), tb, tb.Nodes[0], "agent")
@@ -706,12 +701,8 @@ func (u *upgrader) replace(t *testing.T, b []byte) {
 
 func (u *upgrader) restart(t *testing.T) {
 	t.Helper()
-	pidFile := AgentPidFile(tb, "node1")
-	if pid := control.ReadPid(pidFile); pid != 0 {
-		syscall.Kill(pid, syscall.SIGTERM)
-		for i := 0; i < 250 && control.ReadPid(pidFile) != 0; i++ {
-			time.Sleep(20 * time.Millisecond) // the pid file goes when it stopped
-		}
+	if err := TermAgent(tb, "node1"); err != nil {
+		t.Fatal(err)
 	}
 	if fi, err := os.Stat(filepath.Join(tb.LogDir(), "node1-agent.log")); err == nil {
 		u.logAt = int(fi.Size())
@@ -898,9 +889,8 @@ func TestStatusAll(t *testing.T) {
 			t.Error(err)
 		}
 	})
-	syscall.Kill(pid, syscall.SIGTERM)
-	for i := 0; i < 250 && control.ReadPid(pidFile) != 0; i++ {
-		time.Sleep(20 * time.Millisecond) // the pid file goes when it stopped
+	if err := TermAgent(tb, n2.Name); err != nil {
+		t.Fatal(err)
 	}
 	start := time.Now()
 	views, _, code = clusterStatus(t)

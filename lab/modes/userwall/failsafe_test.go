@@ -10,7 +10,6 @@ import (
 	"regexp"
 	"slices"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -23,14 +22,8 @@ import (
 func restartAgent(t *testing.T, node string) {
 	t.Helper()
 	n, _ := tb.Node(node)
-	pidFile := AgentPidFile(tb, node)
-	if pid := control.ReadPid(pidFile); pid != 0 {
-		syscall.Kill(pid, syscall.SIGTERM)
-		for deadline := time.Now().Add(30 * time.Second); control.ReadPid(pidFile) != 0; time.Sleep(50 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				t.Fatalf("%s's agent did not stop within 30 s", node)
-			}
-		}
+	if err := TermAgent(tb, node); err != nil {
+		t.Fatal(err)
 	}
 	if err := StartAgent(context.Background(), tb, n); err != nil {
 		t.Fatal(err)
@@ -428,8 +421,9 @@ func TestSlurmdGate(t *testing.T) {
 			}
 		}
 	})
-	syscall.Kill(control.ReadPid(pidFile), syscall.SIGTERM)
-	waitFor(t, "the agent to stop", func() bool { return control.ReadPid(pidFile) == 0 })
+	if err := TermAgent(tb, node); err != nil {
+		t.Fatal(err)
+	}
 	if code, out := gate(); code != 0 {
 		t.Errorf("agent stopped, pins in force: exit %d %q", code, out)
 	}

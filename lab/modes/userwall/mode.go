@@ -5,6 +5,7 @@ package userwall
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -14,9 +15,10 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
+	"golang.org/x/sys/unix"
 
 	"github.com/palisade-hpc/palisade/internal/config"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
 
@@ -152,6 +154,56 @@ func StopAgent(ctx context.Context, tb *testbed.Testbed, n testbed.Node) error {
 		return fmt.Errorf("%s: uninstall: %v: %s", n.Name, err, out)
 	}
 	return nil
+}
+
+// agentStopBound bounds SignalAgent's wait: an agent stops in well under a
+// second; the bound only turns a hang into an error.
+const agentStopBound = time.Minute
+
+// TermAgent stops one node's agent as systemd does (SIGTERM): its programs
+// stay pinned and go on enforcing, and the next agent adopts them. It
+// returns once the agent has exited (at once if none runs), waiting on the
+// process itself (a pidfd), not polling its pid file.
+func TermAgent(tb *testbed.Testbed, node string) error {
+	return SignalAgent(tb, node, unix.SIGTERM)
+}
+
+// SignalAgent sends sig (SIGTERM, SIGKILL) to one node's agent and returns
+// once it has exited (at once if none runs).
+func SignalAgent(tb *testbed.Testbed, node string, sig unix.Signal) error {
+	pid := control.ReadPid(AgentPidFile(tb, node))
+	if pid == 0 {
+		return nil
+	}
+	fd, err := unix.PidfdOpen(pid, 0)
+	if errors.Is(err, unix.ESRCH) {
+		return nil // gone already
+	}
+	if err != nil {
+		return fmt.Errorf("%s: agent %d: %w", node, pid, err)
+	}
+	defer unix.Close(fd)
+	// Through the pidfd: never a process that took the pid since.
+	if err := unix.PidfdSendSignal(fd, sig, nil, 0); err != nil {
+		if errors.Is(err, unix.ESRCH) {
+			return nil
+		}
+		return fmt.Errorf("%s: %v to agent %d: %w", node, sig, pid, err)
+	}
+	fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+	deadline := time.Now().Add(agentStopBound)
+	for {
+		n, err := unix.Poll(fds, int(time.Until(deadline).Milliseconds()))
+		switch {
+		case errors.Is(err, unix.EINTR):
+			continue
+		case err != nil:
+			return fmt.Errorf("%s: waiting for agent %d: %w", node, pid, err)
+		case n == 0:
+			return fmt.Errorf("%s: agent %d did not stop within %v of %v", node, pid, agentStopBound, sig)
+		}
+		return nil // readable: the process has exited
+	}
 }
 
 // StartAgents starts the agent on every node; on failure the ones started

@@ -85,14 +85,9 @@ func TestHUPWhileStarting(t *testing.T) {
 	needTestbed(t)
 	n := tb.Nodes[len(tb.Nodes)-1]
 	pidFile := AgentPidFile(tb, n.Name)
-	if pid := control.ReadPid(pidFile); pid != 0 {
-		syscall.Kill(pid, syscall.SIGTERM) // its programs stay pinned: the next agent adopts them
-		for i := 0; control.ReadPid(pidFile) != 0; i++ {
-			if i == 500 {
-				t.Fatalf("%s's agent %d did not stop", n.Name, pid)
-			}
-			time.Sleep(20 * time.Millisecond) // the pid file goes when it has exited
-		}
+	// Its programs stay pinned: the next agent adopts them.
+	if err := TermAgent(tb, n.Name); err != nil {
+		t.Fatal(err)
 	}
 	t.Cleanup(func() {
 		if err := StartAgent(context.Background(), tb, n); err != nil {

@@ -18,9 +18,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
-
 	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
@@ -166,12 +165,9 @@ func setupAndRun(m *testing.M) int {
 			p := tb.ConfigPath(n.Name)
 			b, _ := os.ReadFile(p)
 			os.WriteFile(p, []byte(strings.Replace(string(b), "[agent]\n", "[agent]\ntc_attach = \""+mode+"\"\n", 1)), 0o644)
-			pidFile := AgentPidFile(tb, n.Name)
-			if pid := control.ReadPid(pidFile); pid != 0 {
-				syscall.Kill(pid, syscall.SIGTERM)
-				for i := 0; i < 100 && control.ReadPid(pidFile) != 0; i++ {
-					time.Sleep(50 * time.Millisecond)
-				}
+			if err := TermAgent(tb, n.Name); err != nil {
+				fmt.Fprintln(os.Stderr, "restart with tc_attach:", err)
+				return 1
 			}
 			if err := StartAgent(context.Background(), tb, n); err != nil {
 				fmt.Fprintln(os.Stderr, "restart with tc_attach:", err)
@@ -563,12 +559,8 @@ func TestRestartWithoutGap(t *testing.T) {
 		t.Fatal("node1 agent not running")
 	}
 	before := status(t, "node1")
-	syscall.Kill(pid, syscall.SIGTERM)
-	for i := 0; i < 100 && control.ReadPid(pidFile) != 0; i++ {
-		time.Sleep(20 * time.Millisecond)
-	}
-	if control.ReadPid(pidFile) != 0 {
-		t.Fatal("agent did not stop")
+	if err := TermAgent(tb, "node1"); err != nil {
+		t.Fatal(err)
 	}
 	down := status(t, "node1")
 	if down.Mode != "userwall" || down.AgentPID != 0 || len(down.Links) != len(before.Links) {

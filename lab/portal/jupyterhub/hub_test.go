@@ -21,11 +21,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
-
 	"golang.org/x/sys/unix"
 
 	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
 	uwlab "github.com/palisade-hpc/palisade/lab/modes/userwall"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
