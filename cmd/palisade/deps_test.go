@@ -29,6 +29,9 @@ var rules = []rule{
 	{pkg: "internal/identity"},
 	// The Unix-socket server reads peers through the one peercred.
 	{pkg: "internal/sys/unixserve", allow: []string{"internal/sys/peercred"}},
+	// The cgroup2 root is found in the mount table, read by the one
+	// reader of /proc.
+	{pkg: "internal/sys/cgroup2", allow: []string{"internal/sys/procfs"}},
 	{pkg: "internal/sys/..."},
 	{pkg: "internal/slurmconf"},
 	{pkg: "internal/version"},
@@ -170,6 +173,9 @@ func TestImportRulesCatch(t *testing.T) {
 		ok       bool
 	}{
 		{"internal/policy", "internal/identity", true},
+		{"internal/sys/cgroup2", "internal/sys/procfs", true},
+		{"internal/sys/procfs", "internal/sys/cgroup2", false},
+		{"internal/sys/relay", "internal/sys/procfs", false},
 		{"internal/policy", "internal/config", false},
 		{"internal/config", "internal/dataplane/userwall", false},
 		{"internal/config", "internal/dataplane/egress/gateway", false},
