@@ -5,7 +5,6 @@ package userwall
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -163,7 +162,7 @@ const agentStopBound = time.Minute
 // TermAgent stops one node's agent as systemd does (SIGTERM): its programs
 // stay pinned and go on enforcing, and the next agent adopts them. It
 // returns once the agent has exited (at once if none runs), waiting on the
-// process itself (a pidfd), not polling its pid file.
+// process itself (control.Signal: a pidfd), not polling its pid file.
 func TermAgent(tb *testbed.Testbed, node string) error {
 	return SignalAgent(tb, node, unix.SIGTERM)
 }
@@ -175,35 +174,14 @@ func SignalAgent(tb *testbed.Testbed, node string, sig unix.Signal) error {
 	if pid == 0 {
 		return nil
 	}
-	fd, err := unix.PidfdOpen(pid, 0)
-	if errors.Is(err, unix.ESRCH) {
-		return nil // gone already
-	}
+	exited, err := control.Signal(pid, sig, agentStopBound)
 	if err != nil {
-		return fmt.Errorf("%s: agent %d: %w", node, pid, err)
+		return fmt.Errorf("%s: agent: %w", node, err)
 	}
-	defer unix.Close(fd)
-	// Through the pidfd: never a process that took the pid since.
-	if err := unix.PidfdSendSignal(fd, sig, nil, 0); err != nil {
-		if errors.Is(err, unix.ESRCH) {
-			return nil
-		}
-		return fmt.Errorf("%s: %v to agent %d: %w", node, sig, pid, err)
+	if !exited {
+		return fmt.Errorf("%s: agent %d did not stop within %v of %v", node, pid, agentStopBound, sig)
 	}
-	fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
-	deadline := time.Now().Add(agentStopBound)
-	for {
-		n, err := unix.Poll(fds, int(time.Until(deadline).Milliseconds()))
-		switch {
-		case errors.Is(err, unix.EINTR):
-			continue
-		case err != nil:
-			return fmt.Errorf("%s: waiting for agent %d: %w", node, pid, err)
-		case n == 0:
-			return fmt.Errorf("%s: agent %d did not stop within %v of %v", node, pid, agentStopBound, sig)
-		}
-		return nil // readable: the process has exited
-	}
+	return nil
 }
 
 // StartAgents starts the agent on every node; on failure the ones started

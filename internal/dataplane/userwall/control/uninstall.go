@@ -4,12 +4,12 @@ import (
 	"errors"
 	"net/netip"
 	"os"
-	"syscall"
 	"time"
 
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"github.com/palisade-hpc/palisade/internal/sys/nldump"
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 )
 
 // Uninstall stops the namespace's running agent (if any) and removes every
@@ -28,13 +28,8 @@ func Uninstall(o Options) error {
 			if !fsOK {
 				fs, fsOK = kernel.FindBPFFS(bpffsDir, pid)
 			}
-			syscall.Kill(pid, syscall.SIGTERM)
-			for i := 0; i < 100 && ReadPid(pidFile) == pid; i++ {
-				time.Sleep(50 * time.Millisecond)
-			}
-			if ReadPid(pidFile) == pid {
-				syscall.Kill(pid, syscall.SIGKILL)
-				time.Sleep(100 * time.Millisecond)
+			if exited, _ := Signal(pid, unix.SIGTERM, 5*time.Second); !exited {
+				Signal(pid, unix.SIGKILL, 5*time.Second)
 			}
 			os.Remove(pidFile)
 		}
