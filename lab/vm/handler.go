@@ -144,8 +144,13 @@ func (Handler) Up(ctx context.Context, tb *testbed.Testbed, opts testbed.Options
 	if err := Start(ctx, dir, tb.LabBinary, a); err != nil {
 		return err
 	}
-	// Boot and guest testbed, after another guest's run (the VM lock).
+	// Boot and guest testbed, after other guests' runs (the VM lock): the
+	// caller's deadline bounds it, else 30 minutes (in make test a VM
+	// suite may queue behind two others).
 	timeout := 30 * time.Minute
+	if d, ok := ctx.Deadline(); ok {
+		timeout = time.Until(d)
+	}
 	rd, err := WaitReady(ctx, dir, timeout)
 	if err != nil {
 		return err
