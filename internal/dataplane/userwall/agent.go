@@ -117,12 +117,10 @@ type agent struct {
 	// stateWriteErrors counts state files not written (metrics).
 	stateWriteErrors atomic.Uint64
 
-	// Set by newAgent, read-only after: the kernel's features, how the tc
-	// programs attach and why, why the LSM programs are left out.
+	// Set by newAgent, read-only after: the kernel's features and what
+	// enforces on it (how the tc programs attach, whether the LSM ones do).
 	probe *kernel.Probe
-	useTC bool
-	tcWhy string
-	noLSM error
+	enf   kernel.Enforcement
 
 	// Owned by the main loop (RunAgent, reload): ctx of the services,
 	// the metrics server, the ident service's stop, and problems of the
@@ -145,6 +143,7 @@ type agent struct {
 	nodeAddrs   []netip.Addr
 	lastResolve time.Time
 	usr1        chan os.Signal // SIGUSR1: reopen the event log
+	hup         chan os.Signal // SIGHUP: reload
 
 	// stateMu guards state, which the metrics goroutine reads.
 	stateMu sync.Mutex
@@ -184,16 +183,22 @@ func ReadPid(path string) int {
 // programs go on enforcing (restart adopts them; --uninstall removes them).
 func RunAgent(ctx context.Context, o AgentOptions) error {
 	// SIGUSR1 reopens the event log only (logrotate's postrotate): no
-	// reload of the policy every day. Caught from the start: its default
-	// action would end an agent still loading.
+	// reload of the policy every day. SIGHUP reloads. Both are caught from
+	// the start: their default action would end an agent still loading, or
+	// one whose pid file `agent --reload` has just read (ci5: a reload sent
+	// right after a restart killed the agent). A SIGHUP that arrives before
+	// the loop runs waits in the channel and is a reload then.
 	usr1 := make(chan os.Signal, 1)
 	signal.Notify(usr1, syscall.SIGUSR1)
 	defer signal.Stop(usr1)
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
 	a, err := newAgent(o)
 	if err != nil {
 		return err
 	}
-	a.usr1 = usr1
+	a.usr1, a.hup = usr1, hup
 	unlock, err := a.lockNamespace()
 	if err != nil {
 		return err
@@ -272,16 +277,8 @@ func newAgent(o AgentOptions) (*agent, error) {
 	if testErr != nil {
 		a.notes = append(a.notes, "policy tests fail (enforced anyway at start; a reload is refused until they pass): "+testErr.Error())
 	}
-	if a.useTC, a.tcWhy, err = kernel.ChooseTC(cfg.Agent.TCAttach, probe); err != nil {
+	if a.enf, err = kernel.Plan(probe, cfg.Agent.TCAttach, cfg.Agent.UnixSockets); err != nil {
 		return nil, err
-	}
-	switch {
-	case !cfg.Agent.UnixSockets:
-		a.noLSM = errors.New("disabled by configuration (unix_sockets = false)")
-	case !probe.Has(kernel.FeatLSMActive) && strings.HasPrefix(kernel.FeatureDetail(probe, kernel.FeatLSMActive), "/"):
-		a.noLSM = fmt.Errorf("the bpf LSM is not enabled (%s); boot with lsm=...,bpf", kernel.FeatureDetail(probe, kernel.FeatLSMActive))
-	case !probe.Has(kernel.FeatLSMAttach):
-		a.noLSM = fmt.Errorf("BPF LSM programs cannot attach on this kernel: %s", kernel.FeatureDetail(probe, kernel.FeatLSMAttach))
 	}
 	return a, nil
 }
@@ -336,7 +333,7 @@ func (a *agent) enforce() error {
 	}
 	_, statErr := os.Stat(filepath.Join(pinDir, "settings"))
 	adopting := statErr == nil
-	if a.dp, err = kernel.Load(pinDir, cookie, a.noLSM); err != nil {
+	if a.dp, err = kernel.Load(pinDir, cookie, a.enf); err != nil {
 		if !adopting {
 			// The loader pins each map as it creates it and does not
 			// unpin them when a later program fails to load.
@@ -344,14 +341,13 @@ func (a *agent) enforce() error {
 		}
 		return err
 	}
-	a.dp.TC = a.useTC
 	if changed := a.dp.Migrating(); changed != nil {
 		a.log.Info("pinned maps have another layout: migrating (new maps staged, links switched in place)", "maps", changed)
 	}
 	a.exempt.changed = make(chan struct{}, 1)
 	a.exempt.setGroups(a.cfg.Policy)
 	a.members = a.newMembers()
-	a.log.Info("tc programs attach with "+kernel.AttachName(a.useTC), "why", a.tcWhy, "kernel", a.probe.Kernel)
+	a.log.Info("tc programs attach with "+kernel.AttachName(a.enf.TC), "why", a.enf.TCWhy, "kernel", a.probe.Kernel)
 	err = a.install(cg)
 	if err == nil && a.dp.Migrating() != nil {
 		err = a.dp.Fault("commit")
@@ -473,10 +469,6 @@ func goJoined(fn, end, after func()) (stop func()) {
 // loop keeps the data plane in step with the node until ctx ends: SIGHUP
 // reloads, address and link changes (netlink) and a 5 s poll resync.
 func (a *agent) loop(ctx context.Context) error {
-	hup := make(chan os.Signal, 1)
-	signal.Notify(hup, syscall.SIGHUP)
-	defer signal.Stop(hup)
-
 	addrs := newSubscription("address", subscriptionGap, func(ch chan netlink.AddrUpdate, done chan struct{}) error {
 		return netlink.AddrSubscribe(ch, done)
 	})
@@ -498,7 +490,7 @@ func (a *agent) loop(ctx context.Context) error {
 		case <-ctx.Done():
 			a.log.Info("agent stopping; pinned programs stay in force")
 			return nil
-		case <-hup:
+		case <-a.hup:
 			daemon.SdNotify(false, daemon.SdNotifyReloading)
 			a.reload()
 			daemon.SdNotify(false, daemon.SdNotifyReady)
@@ -650,6 +642,11 @@ func (a *agent) syncAddrs() error {
 	a.localAddrs.Store(&set)
 	if err := a.dp.SetLocalAddrs(addrs); err != nil {
 		return err
+	}
+	if err := a.dp.SetNodeAddrs(addrs); err != nil {
+		// Fails closed for users only (their wildcard binds that share
+		// a port): never a reason to stop the agent.
+		a.log.Warn("node address list for the bind check incomplete", "err", err)
 	}
 	if err := a.dp.SetBroadcasts(bcast); err != nil {
 		return err

@@ -7,20 +7,20 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/netip"
-	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"golang.org/x/time/rate"
 
 	"github.com/palisade-hpc/palisade/internal/policy"
 	ident "github.com/palisade-hpc/palisade/internal/sockowner"
-	"github.com/palisade-hpc/palisade/internal/sys/peercred"
+	"github.com/palisade-hpc/palisade/internal/sys/unixserve"
 )
 
 // The flows socket: the agent's local API for `palisade flows` and
@@ -82,9 +82,8 @@ type flowTarget struct {
 type flowServer struct {
 	rec    *flowRecorder
 	grants *grantStore
-	path   string
-	l      *net.UnixListener
-	file   os.FileInfo
+	l      *unixserve.Listener
+	log    *slog.Logger
 	cfg    func() *flowConfig // the main loop's: [cluster] nodes, ident port, subnets
 	// remoteAsks bounds the requests that go to other nodes (each asks
 	// every node named): a user's loop cannot make this agent flood the
@@ -96,78 +95,15 @@ type flowServer struct {
 // are 424).
 const maxParallelAsks = 64
 
-func listenFlows(path string) (*net.UnixListener, os.FileInfo, error) {
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return nil, nil, err
-	}
-	if fi, err := os.Lstat(path); err == nil && fi.Mode()&os.ModeSocket == 0 {
-		return nil, nil, fmt.Errorf("%s exists and is not a socket", path)
-	}
-	tmp := fmt.Sprintf("%s.%d.tmp", path, os.Getpid())
-	os.Remove(tmp)
-	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: tmp, Net: "unix"})
-	if err != nil {
-		return nil, nil, err
-	}
-	l.SetUnlinkOnClose(false)
-	err = os.Chmod(tmp, 0o666) // who may see what is decided per asker
-	if err == nil {
-		err = os.Rename(tmp, path)
-	}
-	if err != nil {
-		l.Close()
-		os.Remove(tmp)
-		return nil, nil, err
-	}
-	fi, _ := os.Lstat(path)
-	return l, fi, nil
-}
-
 // serve accepts until the listener is closed (at most 16 clients at once).
 func (s *flowServer) serve(ctx context.Context) {
-	sem := make(chan struct{}, 16)
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	for {
-		c, err := s.l.AcceptUnix()
-		if err != nil {
-			return
-		}
-		select {
-		case sem <- struct{}{}:
-		default:
-			c.Close()
-			continue
-		}
-		wg.Go(func() {
-			defer func() { <-sem }()
-			defer c.Close()
-			s.serveConn(ctx, c)
-		})
-	}
+	unixserve.Serve(s.l, unixserve.Options{Max: 16, Name: "flows", Log: s.log}, func(c *net.UnixConn, peer *unix.Ucred, _ func()) {
+		s.serveConn(ctx, c, peer.Uid)
+	})
 }
 
-func (s *flowServer) close() {
-	s.l.Close()
-	if fi, err := os.Lstat(s.path); err == nil && s.file != nil && os.SameFile(fi, s.file) {
-		os.Remove(s.path)
-	}
-}
-
-func askerUID(c *net.UnixConn) (uint32, bool) {
-	cr, err := peercred.Of(c)
-	if err != nil {
-		return 0, false
-	}
-	return cr.Uid, true
-}
-
-func (s *flowServer) serveConn(ctx context.Context, c *net.UnixConn) {
+func (s *flowServer) serveConn(ctx context.Context, c *net.UnixConn, uid uint32) {
 	c.SetDeadline(time.Now().Add(30 * time.Second))
-	uid, ok := askerUID(c)
-	if !ok {
-		return
-	}
 	r := bufio.NewReaderSize(c, 8192)
 	line, err := r.ReadSlice('\n')
 	if err != nil && !(errors.Is(err, io.EOF) && len(line) > 0) {
@@ -262,6 +198,33 @@ func (s *flowServer) answerGrant(ctx context.Context, asker uint32, req FlowsReq
 		}
 		names = append(names, hs...)
 	}
+	port := s.cfg().identPort
+	return s.askEach(names, func(t flowTarget) NodeFlows {
+		nf := NodeFlows{Name: t.name}
+		var a GrantAnswer
+		var err error
+		if t.local {
+			a, err = s.grants.handle(asker, *req.Grant)
+		} else {
+			raw, _ := json.Marshal(ForwardedGrant{Asker: asker, Request: *req.Grant})
+			var data json.RawMessage
+			if data, err = (ident.Client{Port: port, Timeout: 2 * time.Second}).Data(ctx, t.addr, ident.KindGrant, raw); err == nil {
+				err = json.Unmarshal(data, &a)
+			}
+		}
+		if err != nil {
+			nf.Error = err.Error()
+		} else {
+			nf.Grant = &a
+		}
+		return nf
+	})
+}
+
+// askEach asks every node named (targets) with ask, at most
+// maxParallelAsks at once; asking other nodes is rate-limited
+// (remoteAsks).
+func (s *flowServer) askEach(names []string, ask func(flowTarget) NodeFlows) FlowsResponse {
 	ts, err := s.targets(names)
 	if err != nil {
 		return FlowsResponse{Error: err.Error()}
@@ -269,7 +232,6 @@ func (s *flowServer) answerGrant(ctx context.Context, asker uint32, req FlowsReq
 	if slices.ContainsFunc(ts, func(t flowTarget) bool { return !t.local }) && !s.remoteAsks.Allow() {
 		return FlowsResponse{Error: "too many requests to other nodes: retry in a second"}
 	}
-	port := s.cfg().identPort
 	out := make([]NodeFlows, len(ts))
 	sem := make(chan struct{}, maxParallelAsks)
 	var wg sync.WaitGroup
@@ -277,24 +239,7 @@ func (s *flowServer) answerGrant(ctx context.Context, asker uint32, req FlowsReq
 		wg.Go(func() {
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			nf := NodeFlows{Name: t.name}
-			var a GrantAnswer
-			var err error
-			if t.local {
-				a, err = s.grants.handle(asker, *req.Grant)
-			} else {
-				raw, _ := json.Marshal(ForwardedGrant{Asker: asker, Request: *req.Grant})
-				var data json.RawMessage
-				if data, err = (ident.Client{Port: port, Timeout: 2 * time.Second}).Data(ctx, t.addr, ident.KindGrant, raw); err == nil {
-					err = json.Unmarshal(data, &a)
-				}
-			}
-			if err != nil {
-				nf.Error = err.Error()
-			} else {
-				nf.Grant = &a
-			}
-			out[i] = nf
+			out[i] = ask(t)
 		})
 	}
 	wg.Wait()
@@ -306,63 +251,45 @@ func (s *flowServer) answer(ctx context.Context, req FlowsRequest) FlowsResponse
 	if req.Kind != ident.KindFlows && req.Kind != ident.KindAudit {
 		return FlowsResponse{Error: fmt.Sprintf("unknown kind %q (want %s or %s)", req.Kind, ident.KindFlows, ident.KindAudit)}
 	}
-	ts, err := s.targets(req.Nodes)
-	if err != nil {
-		return FlowsResponse{Error: err.Error()}
-	}
 	port := s.cfg().identPort
-	remote := slices.ContainsFunc(ts, func(t flowTarget) bool { return !t.local })
-	if remote && !s.remoteAsks.Allow() {
-		return FlowsResponse{Error: "too many requests to other nodes: retry in a second"}
-	}
-	out := make([]NodeFlows, len(ts))
-	sem := make(chan struct{}, maxParallelAsks)
-	var wg sync.WaitGroup
-	for i, t := range ts {
-		wg.Go(func() {
-			sem <- struct{}{}
-			defer func() { <-sem }()
-			nf := NodeFlows{Name: t.name}
-			if t.addr.IsValid() {
-				nf.Addr = t.addr.String()
+	return s.askEach(req.Nodes, func(t flowTarget) NodeFlows {
+		nf := NodeFlows{Name: t.name}
+		if t.addr.IsValid() {
+			nf.Addr = t.addr.String()
+		}
+		var args any
+		if req.Kind == ident.KindFlows {
+			args = FlowQuery{Filter: req.Filter, After: req.Cursors[t.name], Limit: req.Limit}
+		} else {
+			args = AuditQuery{Filter: req.Filter, Limit: req.Limit}
+		}
+		if t.local {
+			switch q := args.(type) {
+			case FlowQuery:
+				a := s.rec.Flows(q, 0)
+				nf.Flows = &a
+			case AuditQuery:
+				a := s.rec.Audit(q, 0)
+				nf.Audit = &a
 			}
-			var args any
+			return nf
+		}
+		raw, _ := json.Marshal(args)
+		data, err := ident.Client{Port: port, Timeout: time.Second}.Data(ctx, t.addr, req.Kind, raw)
+		if err == nil {
 			if req.Kind == ident.KindFlows {
-				args = FlowQuery{Filter: req.Filter, After: req.Cursors[t.name], Limit: req.Limit}
+				nf.Flows = &FlowAnswer{}
+				err = json.Unmarshal(data, nf.Flows)
 			} else {
-				args = AuditQuery{Filter: req.Filter, Limit: req.Limit}
+				nf.Audit = &AuditAnswer{}
+				err = json.Unmarshal(data, nf.Audit)
 			}
-			if t.local {
-				switch q := args.(type) {
-				case FlowQuery:
-					a := s.rec.Flows(q, 0)
-					nf.Flows = &a
-				case AuditQuery:
-					a := s.rec.Audit(q, 0)
-					nf.Audit = &a
-				}
-				out[i] = nf
-				return
-			}
-			raw, _ := json.Marshal(args)
-			data, err := ident.Client{Port: port, Timeout: time.Second}.Data(ctx, t.addr, req.Kind, raw)
-			if err == nil {
-				if req.Kind == ident.KindFlows {
-					nf.Flows = &FlowAnswer{}
-					err = json.Unmarshal(data, nf.Flows)
-				} else {
-					nf.Audit = &AuditAnswer{}
-					err = json.Unmarshal(data, nf.Audit)
-				}
-			}
-			if err != nil {
-				nf.Flows, nf.Audit, nf.Error = nil, nil, err.Error()
-			}
-			out[i] = nf
-		})
-	}
-	wg.Wait()
-	return FlowsResponse{Nodes: out}
+		}
+		if err != nil {
+			nf.Flows, nf.Audit, nf.Error = nil, nil, err.Error()
+		}
+		return nf
+	})
 }
 
 // AskFlows sends req to the agent's flows socket at path and returns its
