@@ -145,12 +145,9 @@ func (Handler) Up(ctx context.Context, tb *testbed.Testbed, opts testbed.Options
 		return err
 	}
 	// Boot and guest testbed, after other guests' runs (the VM lock): the
-	// caller's deadline bounds it, else 30 minutes (in make test a VM
-	// suite may queue behind two others).
+	// timeout counts from when the hub takes the lock (WaitReady), so time
+	// queued behind other guests is not counted; ctx bounds the whole wait.
 	timeout := 30 * time.Minute
-	if d, ok := ctx.Deadline(); ok {
-		timeout = time.Until(d)
-	}
 	rd, err := WaitReady(ctx, dir, timeout)
 	if err != nil {
 		return err
