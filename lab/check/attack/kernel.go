@@ -43,6 +43,8 @@ var kernelDependent = []string{
 	// kernel objects through BTF, the kernel's lookups
 	"mptcp-listen-nobind-", "proto-mptcp-", "tcp-timewait-cross", "reuseaddr-cobind-dualstack-wild-cross",
 	"reuseaddr-wild-over-specific-", "reuseaddr-wild-over-connected-", "reuseaddr-ephemeral-cobind-",
+	// the kernel's own port sharing (a user's SO_REUSEADDR is SO_REUSEPORT)
+	"reuseaddr-device-bound-",
 	// packets built around the stamp
 	"udp-gso-", "udp-size-1472-", "udp-size-8000-", "udp-reply-unstamped-fragment-", "group-near-mtu-",
 	"tcp-fastopen-", "tcp-option-md5-", "forge-stamp-",
