@@ -1314,10 +1314,8 @@ static __always_inline int parse(struct __sk_buff *skb, __u32 l3, struct pkt *p)
  * task is that user — a set-uid-root program run by bob, or a daemon half-way
  * through dropping privileges, is bob, never root.
  */
-static __always_inline void task_owner(struct uw_owner *o)
+static __always_inline void cred_owner(const struct cred *cr, struct uw_owner *o)
 {
-	struct task_struct *t = bpf_get_current_task_btf();
-	const struct cred *cr = BPF_CORE_READ(t, cred);
 	__u32 uid = BPF_CORE_READ(cr, fsuid.val), gid = BPF_CORE_READ(cr, fsgid.val);
 	if (bpf_map_lookup_elem(&exempt_conn, &uid)) {
 		__u32 ruid = BPF_CORE_READ(cr, uid.val), euid = BPF_CORE_READ(cr, euid.val),
@@ -1339,9 +1337,22 @@ static __always_inline void task_owner(struct uw_owner *o)
 	o->pad = 0;
 }
 
+/* The current task's credentials by task_owner's rule (cred_owner: the same
+ * rule for the credentials a TCP socket's file keeps, tcp_owner). */
+static __always_inline void task_owner(struct uw_owner *o)
+{
+	struct task_struct *t = bpf_get_current_task_btf();
+	cred_owner(BPF_CORE_READ(t, cred), o);
+}
+
 SEC("cgroup/sock_create")
 int uw_sock_create(struct bpf_sock *ctx)
 {
+	/* A TCP socket gets no record: its owner is read at its SYN from the
+	 * credentials its file keeps (tcp_owner). Allocating the storage was
+	 * most of a connection's eBPF time. */
+	if (ctx->type == SOCK_STREAM && ctx->protocol == IPPROTO_TCP)
+		return 1;
 	if (bpf_get_netns_cookie(ctx) != netns_cookie)
 		return 1;
 	struct uw_owner init;
@@ -2049,6 +2060,34 @@ static __always_inline struct uw_owner *kernel_tcp_owner(struct bpf_sock *sk, st
 }
 
 /*
+ * tcp_owner: the owner of a TCP socket, 0 if it is not of this namespace.
+ * TCP sockets keep no record (uw_sock_create): the kernel keeps the
+ * creator's credentials with the socket's file (f_cred, taken by socket()
+ * in the same call as the sock_create hook, and never changed), and
+ * task_owner's rule is applied to them, so the owner is the one a record
+ * made at socket() would hold; an accepted socket's file is its acceptor's
+ * (no decision reads one: only pure SYNs are decided). A socket without a
+ * file (kernel-created: MPTCP subflows, lockd's) takes its record (bound on
+ * a user's behalf: post_bind) or kernel_tcp_owner's answer, as before.
+ */
+static __always_inline struct uw_owner *tcp_owner(struct bpf_sock *sk, struct uw_owner *o)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+	if (!tp)
+		return owner_of(sk);
+	struct sock *ks = (struct sock *)tp;
+	if (BPF_CORE_READ(ks, __sk_common.skc_net.net, net_cookie) != netns_cookie)
+		return 0;
+	const struct cred *cr = BPF_CORE_READ(ks, sk_socket, file, f_cred);
+	if (cr) {
+		cred_owner(cr, o);
+		return o;
+	}
+	struct uw_owner *r = owner_of(sk);
+	return r ? r : kernel_tcp_owner(sk, o);
+}
+
+/*
  * A socket without an owner record that is not TCP (kernel_tcp_owner): a
  * datagram socket created before the agent and bound since by a send the
  * kernel refused before its sendmsg hook could run (inet_sendmsg autobinds
@@ -2152,9 +2191,10 @@ int uw_skb_ingress(struct __sk_buff *skb)
 		sk = bpf_sk_fullsock(sk);
 		if (!sk)
 			return 1;
-		l = owner_of(sk);
-		if (!l)
-			l = sk->protocol == IPPROTO_TCP ? kernel_tcp_owner(sk, &tl) : adopt_at_delivery(skb, sk, &tl);
+		if (sk->protocol == IPPROTO_TCP)
+			l = tcp_owner(sk, &tl);
+		else if (!(l = owner_of(sk)))
+			l = adopt_at_delivery(skb, sk, &tl);
 		if (!l)
 			return 1; /* not a socket of this namespace */
 	}
@@ -2426,7 +2466,7 @@ int uw_skb_egress(struct __sk_buff *skb)
 	sk = bpf_sk_fullsock(sk);
 	if (!sk)
 		return 1;
-	struct uw_owner *o = owner_of(sk);
+	struct uw_owner to, *o = sk->protocol == IPPROTO_TCP ? tcp_owner(sk, &to) : owner_of(sk);
 	if (!o || bpf_map_lookup_elem(&exempt_conn, &o->uid))
 		return 1; /* not this namespace's, or root/services (IP_TRANSPARENT proxies) */
 	struct uw_config *c = uw_cfg();
@@ -2618,7 +2658,7 @@ int uw_tc_ingress(struct __sk_buff *skb)
 		sk = bpf_sk_lookup_tcp(skb, &t, tlen, BPF_F_CURRENT_NETNS, 0);
 	if (!sk)
 		return TC_ACT_OK;
-	struct uw_owner lo, *l = owner_of(sk);
+	struct uw_owner lo, *l = udp ? owner_of(sk) : tcp_owner(sk, &lo);
 	if (!l) {
 		bpf_sk_release(sk);
 		return TC_ACT_OK;
@@ -2694,7 +2734,9 @@ int uw_tc_egress(struct __sk_buff *skb)
 	bsk = bpf_sk_fullsock(bsk);
 	if (!bsk)
 		return TC_ACT_OK;
-	struct uw_owner to, *o = test_mode ? test_owner(&to) : owner_of(bsk);
+	struct uw_owner to, *o = test_mode                        ? test_owner(&to)
+				 : bsk->protocol == IPPROTO_TCP ? tcp_owner(bsk, &to)
+								: owner_of(bsk);
 	if (o) {
 		p.uid = o->uid;
 		p.gid = o->gid;
