@@ -1,13 +1,18 @@
 package uvn
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"slices"
 	"sort"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/binaryutil"
@@ -128,8 +133,18 @@ func compileSite(p *policy.Policy, node string, srun policy.PortRange, u SiteUse
 				continue
 			}
 		}
+		// The trusted-source test is Decide's: identity is believed only
+		// from a trusted source. On the own path the VRF proves it (the
+		// connector is u whatever address u sends from: its NAT address
+		// 100.64.x.y is not in the cluster's subnets), so a deny applies
+		// from every source there; an allow keeps the test, which makes it
+		// decide no more than Decide lets it (docs/policy.md, OwnVerdict).
+		trusted := len(r.Sources) == 0 || !r.IdentityFree()
+		if path == pathOwn && !r.Allow {
+			trusted = false
+		}
 		out = append(out, siteMatch{Rule: i, Name: r.Name, Allow: r.Allow, Proto: r.Proto, Ports: ports,
-			Sources: r.Sources, Trusted: len(r.Sources) == 0 || !r.IdentityFree()})
+			Sources: r.Sources, Trusted: trusted})
 	}
 	return out
 }
@@ -601,6 +616,83 @@ type SiteConfig struct {
 	// Groups looks up a user's groups (NSS), asked only when a rule names
 	// a group.
 	Groups func(uid uint32) ([]uint32, error)
+	// Vet runs the policy's [[test]]s (nil: nothing to run). Asked only
+	// when the node has accepted no policy yet (acceptedSite).
+	Vet func() error
+}
+
+// acceptedSite is the site policy this node last accepted, in the state
+// directory (site-policy.json): what `palisade uvn reload` applied after
+// its [[test]]s passed, or what the node's first setup found with passing
+// tests. Every later setup and teardown compiles it, never the file on
+// disk: an edit (even one reload refused) applies only through reload.
+type acceptedSite struct {
+	Policy *policy.Policy `json:"policy"`
+	At     time.Time      `json:"at"`
+}
+
+func (s store) sitePath() string { return filepath.Join(s.dir, "site-policy.json") }
+
+// readAccepted returns the accepted policy, nil when there is none.
+func (s store) readAccepted() (*policy.Policy, error) {
+	var a acceptedSite
+	ok, err := readJSON(s.sitePath(), &a)
+	if err != nil || !ok {
+		return nil, err
+	}
+	if a.Policy == nil {
+		return nil, fmt.Errorf("%s: no policy", s.sitePath())
+	}
+	return a.Policy, nil
+}
+
+func (s store) accept(p *policy.Policy) error {
+	if err := os.MkdirAll(s.dir, 0o700); err != nil {
+		return err
+	}
+	return writeJSON(s.sitePath(), acceptedSite{Policy: p, At: time.Now().UTC()})
+}
+
+// sitePolicy is the policy setup and teardown enforce (node lock held): the
+// accepted one; on a node that has accepted none yet, the file's, accepted
+// now if its tests pass. A file whose tests fail on such a node is enforced
+// unaccepted (as the agent does when it starts with one: no running policy
+// to keep, and none at all would leave the node without the site's denies)
+// and logged; the next setup vets it again.
+func (m *Manager) sitePolicy() (*policy.Policy, error) {
+	if m.Site == nil {
+		return nil, nil
+	}
+	p, err := m.st.readAccepted()
+	if err != nil {
+		// Fail closed: a setup without the accepted policy stops (and
+		// rolls back) rather than enforce an unvetted one.
+		return nil, fmt.Errorf("accepted site policy: %w", err)
+	}
+	if p != nil {
+		if !samePolicy(p, m.Site.Policy) {
+			m.logf("uvn: site rules: the configuration differs from the policy this node accepted: `palisade uvn reload` applies it once its tests pass")
+		}
+		return p, nil
+	}
+	if m.Site.Vet != nil {
+		if err := m.Site.Vet(); err != nil {
+			m.logf("uvn: site rules: no accepted policy on this node and the configuration's tests fail (%v): enforcing it unaccepted until `palisade uvn reload` accepts a passing one", err)
+			return m.Site.Policy, nil
+		}
+	}
+	if m.Site.Policy != nil {
+		if err := m.st.accept(m.Site.Policy); err != nil {
+			return nil, fmt.Errorf("accept site policy: %w", err)
+		}
+	}
+	return m.Site.Policy, nil
+}
+
+func samePolicy(a, b *policy.Policy) bool {
+	ja, err1 := json.Marshal(a)
+	jb, err2 := json.Marshal(b)
+	return err1 == nil && err2 == nil && string(ja) == string(jb)
 }
 
 // siteNeedsGroups reports whether a rule names a group.
@@ -630,13 +722,23 @@ func (m *Manager) applySite() error {
 	if m.Site == nil {
 		return nil
 	}
+	p, err := m.sitePolicy()
+	if err != nil {
+		return err
+	}
+	return m.installFor(p)
+}
+
+// installFor compiles p for every user with a network on this node and
+// replaces the table (node lock held).
+func (m *Manager) installFor(p *policy.Policy) error {
 	uids, err := m.st.users()
 	if err != nil {
 		return err
 	}
 	users := make([]SiteUser, 0, len(uids))
 	for _, uid := range uids {
-		u := SiteUserOf(m.Site.Policy, uid, m.Site.Groups)
+		u := SiteUserOf(p, uid, m.Site.Groups)
 		if u.GroupsUnknown {
 			m.logf("uvn: site rules: groups of uid %d unknown: its group conditions fail closed", uid)
 		}
@@ -649,7 +751,7 @@ func (m *Manager) applySite() error {
 		}
 		return out
 	}
-	return installSite(buildSite(m.Site.Policy, m.Site.Node, m.Srun, users, vxlans))
+	return installSite(buildSite(p, m.Site.Node, m.Srun, users, vxlans))
 }
 
 func (m *Manager) applySiteLocked() error {
@@ -664,24 +766,56 @@ func (m *Manager) applySiteLocked() error {
 // siteIntact reports whether the table is where the policy wants it: there
 // when the policy has site rules.
 func (m *Manager) siteIntact() bool {
-	if m.Site == nil || m.Site.Policy == nil || len(m.Site.Policy.Rules) == 0 {
+	if m.Site == nil {
+		return true
+	}
+	p, err := m.st.readAccepted()
+	if err != nil {
+		return false
+	}
+	if p == nil {
+		p = m.Site.Policy
+	}
+	if p == nil || len(p.Rules) == 0 || p.SystemPortMax == 65535 {
 		return true
 	}
 	return sitePresent()
 }
 
-// ReloadSite applies the manager's site rules to every user of the node
-// at once (`palisade uvn reload`): one nftables transaction, so a failure
-// leaves the running rules. A node without users has nothing to apply.
+// ReloadSite accepts the manager's site policy (its caller has run its
+// tests: `palisade uvn reload`) and applies it to every user of the node at
+// once: one nftables transaction, so a failure leaves the running rules and
+// the policy accepted before. It also restores a table removed behind uvn's
+// back (nft flush ruleset). A node without users only records the policy
+// for its next setup.
 func (m *Manager) ReloadSite() (int, error) {
 	unlock, err := m.st.lockNode()
 	if err != nil {
 		return 0, err
 	}
 	defer unlock()
-	uids, err := m.st.users()
-	if err != nil || len(uids) == 0 {
+	if m.Site == nil || m.Site.Policy == nil {
+		return 0, errors.New("no site policy to apply")
+	}
+	prev, err := os.ReadFile(m.st.sitePath())
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return 0, err
 	}
-	return len(uids), m.applySite()
+	if err := m.st.accept(m.Site.Policy); err != nil {
+		return 0, fmt.Errorf("accept site policy: %w", err)
+	}
+	uids, err := m.st.users()
+	if err == nil && len(uids) > 0 {
+		err = m.installFor(m.Site.Policy)
+	}
+	if err != nil {
+		// Keep the policy accepted before: later setups enforce it.
+		if prev != nil {
+			err = errors.Join(err, writeJSON(m.st.sitePath(), json.RawMessage(prev)))
+		} else {
+			err = errors.Join(err, os.Remove(m.st.sitePath()))
+		}
+		return 0, err
+	}
+	return len(uids), nil
 }

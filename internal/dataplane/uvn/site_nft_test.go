@@ -2,15 +2,19 @@ package uvn
 
 import (
 	"context"
+	"encoding/binary"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/google/nftables"
 	"golang.org/x/sys/unix"
 
 	"github.com/palisade-hpc/palisade/internal/policy"
@@ -110,7 +114,7 @@ func TestSiteNft(t *testing.T) {
 					id := policy.Identity{UID: 2001, GID: 2001, Groups: u.Groups, GroupsKnown: true}
 					c := policy.Conn{Source: src, Connector: id, Listener: id, Port: port, Proto: proto, Node: "node1"}
 					k := kase{proto: proto, src: src, port: port}
-					if v := p.Decide(c); !v.Allow && p.SiteRule(v.Rule) != nil {
+					if v := decideOwn(p, c); !v.Allow && p.SiteRule(v.Rule) != nil {
 						k.want = string(v.Rule)
 					}
 					cases = append(cases, k)
@@ -440,6 +444,100 @@ func TestSiteCost(t *testing.T) {
 		for _, n := range ns {
 			t.Logf("cover=%v %4d rules: %v per new datagram (sender's CPU, least of %d rounds of %d); +%v over no table",
 				cover, n, best[n], rounds, perRound, best[n]-best[0])
+		}
+		return removeSite()
+	})
+}
+
+// TestSiteAccepted: setup and teardown enforce the policy the node
+// accepted, never an unvetted file (the review's finding: a file that
+// `uvn reload` refused was applied by the next login). A node's first
+// setup accepts a file whose tests pass; a later file reaches the kernel
+// only through ReloadSite, which also restores a removed table.
+func TestSiteAccepted(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root")
+	}
+	deny := func(port uint16) *policy.Policy {
+		return &policy.Policy{SystemPortMax: 1023, Rules: []policy.SiteRule{
+			{Name: fmt.Sprintf("deny-%d", port), Ports: []policy.PortRange{{First: port, Last: port}}}}}
+	}
+	dir := t.TempDir()
+	inScratchNetns(t, nil, func(int) error {
+		m := New(&Config{StateDir: dir}, nil)
+		if err := m.st.saveUser(&UserState{UID: 2001, Complete: true}); err != nil {
+			return err
+		}
+		failing := errors.New("policy tests fail")
+		vetted := 0
+		m.Site = &SiteConfig{Policy: deny(5001), Node: "node1", Vet: func() error { vetted++; return nil }}
+		ports := func() []uint16 {
+			c, err := nftables.New()
+			if err != nil {
+				t.Fatal(err)
+			}
+			set, err := c.GetSetByName(&nftables.Table{Name: siteTable, Family: nftables.TableFamilyINet}, "m0")
+			if err != nil {
+				t.Fatalf("table's port map: %v", err)
+			}
+			els, err := c.GetSetElements(set)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out []uint16
+			for _, e := range els {
+				if !e.IntervalEnd {
+					out = append(out, binary.BigEndian.Uint16(e.Key))
+				}
+			}
+			return out
+		}
+		// First setup on the node: the file's tests pass, it is accepted.
+		if err := m.applySiteLocked(); err != nil {
+			return err
+		}
+		if got := ports(); !slices.Equal(got, []uint16{5001}) || vetted != 1 {
+			t.Errorf("first setup: ports %v (want [5001]), vetted %d times (want 1)", got, vetted)
+		}
+		// The file changes to one whose tests fail (reload refuses it); a
+		// login, a step, a logout: the accepted policy stays in force and
+		// the new file is not even vetted.
+		m.Site = &SiteConfig{Policy: deny(5002), Node: "node1", Vet: func() error { vetted++; return failing }}
+		for range 2 {
+			if err := m.applySiteLocked(); err != nil {
+				return err
+			}
+		}
+		if got := ports(); !slices.Equal(got, []uint16{5001}) || vetted != 1 {
+			t.Errorf("setup after an edit: ports %v (want the accepted [5001]), vetted %d (want 1)", got, vetted)
+		}
+		// reload (its caller ran the tests) accepts and applies it.
+		if _, err := m.ReloadSite(); err != nil {
+			return err
+		}
+		if got := ports(); !slices.Equal(got, []uint16{5002}) {
+			t.Errorf("after reload: ports %v, want [5002]", got)
+		}
+		m.Site.Policy = deny(5003)
+		if err := m.applySiteLocked(); err != nil {
+			return err
+		}
+		if got := ports(); !slices.Equal(got, []uint16{5002}) {
+			t.Errorf("setup after reload: ports %v, want the reloaded [5002]", got)
+		}
+		// A table removed behind uvn's back: reload restores it.
+		if err := removeSite(); err != nil {
+			return err
+		}
+		if m.siteIntact() {
+			t.Error("siteIntact with the table removed")
+		}
+		m.Site.Policy = deny(5002)
+		if _, err := m.ReloadSite(); err != nil {
+			return err
+		}
+		if !m.siteIntact() || !slices.Equal(ports(), []uint16{5002}) {
+			t.Error("reload did not restore the removed table")
 		}
 		return removeSite()
 	})

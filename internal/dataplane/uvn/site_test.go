@@ -102,8 +102,8 @@ func TestSiteCompileDecide(t *testing.T) {
 				src := siteSources[r.IntN(len(siteSources))]
 				port := uint16(1020 + r.IntN(14))
 				c := policy.Conn{Source: src, Connector: id, Listener: id, Port: port, Proto: proto, Node: node}
-				check := func(path string, ms []siteMatch, c policy.Conn) {
-					v := p.Decide(c)
+				check := func(path string, ms []siteMatch, c policy.Conn, decide func(policy.Conn) policy.Verdict) {
+					v := decide(c)
 					m := firstSiteMatch(ms, p, c.Proto, c.Port, c.Source)
 					want := ""
 					if p.SiteRule(v.Rule) != nil {
@@ -122,7 +122,7 @@ func TestSiteCompileDecide(t *testing.T) {
 							world, path, node, u, c.Proto, "", c.Port, c.Source, v.Rule, v.Allow, got, p.Rules, ms)
 					}
 				}
-				check("own VRF", own, c)
+				check("own VRF", own, c, func(c policy.Conn) policy.Verdict { return decideOwn(p, c) })
 				// Slurm's callback: a system account, a cluster node's
 				// address or loopback, an SrunPortRange port.
 				c.Connector = policy.Identity{UID: siteSystem[r.IntN(len(siteSystem))], GroupsKnown: true}
@@ -130,7 +130,7 @@ func TestSiteCompileDecide(t *testing.T) {
 				c.Port = siteSrun.First + uint16(r.IntN(int(siteSrun.Last-siteSrun.First)+1))
 				c.Source = []netip.Addr{netip.MustParseAddr("198.18.0.1"), netip.MustParseAddr("198.18.0.3"),
 					netip.MustParseAddr("127.0.0.1"), netip.MustParseAddr("2001:2::3")}[r.IntN(4)]
-				check("srun callback", srun, c)
+				check("srun callback", srun, c, p.Decide)
 			}
 		}
 	}
@@ -138,6 +138,58 @@ func TestSiteCompileDecide(t *testing.T) {
 		t.Errorf("too few site-rule verdicts to mean anything: %v", decided)
 	}
 	t.Logf("site-rule verdicts compared: %d allow, %d deny", decided[true], decided[false])
+}
+
+// decideOwn is policy.Decide for a connection from the listener's own VRF
+// (connector = listener): the VRF proves the identity whatever the source
+// address (the user's NAT address is not a cluster address), so a deny
+// rule matches as for a trusted source; an allow rule matches only where
+// Decide would let it (a trusted source, or an identity-free rule naming
+// the source). A site rule's verdict is reported; otherwise Decide's.
+func decideOwn(p *policy.Policy, c policy.Conn) policy.Verdict {
+	if c.Port <= p.SystemPortMax {
+		return policy.Verdict{Allow: true, Rule: policy.RuleSystemPort}
+	}
+	trusted := p.Trusted(c.Source)
+	for i := range p.Rules {
+		if r := &p.Rules[i]; r.Matches(c, trusted || !r.Allow) {
+			return policy.Verdict{Allow: r.Allow, Rule: policy.Rule(r.Name)}
+		}
+	}
+	return p.Decide(c)
+}
+
+// TestSiteOwnNATSource: a user sending from her own NAT address (not a
+// cluster address) to her own listener is refused by a deny rule, as a
+// trusted source is (the review's finding: it matched no rule that asked
+// for a trusted source and passed). An allow rule still needs a trusted
+// source, so it does not shadow a later deny for her NAT address.
+func TestSiteOwnNATSource(t *testing.T) {
+	pr := []policy.PortRange{{First: 5432, Last: 5432}}
+	p := &policy.Policy{SystemPortMax: 1023, ClusterSubnets: siteSubnets, Rules: []policy.SiteRule{
+		{Name: "allow-alice-5432", Allow: true, From: []uint32{2001}, Ports: pr},
+		{Name: "deny-5432", Ports: pr},
+		{Name: "deny-bob-6000", From: []uint32{2002}, Ports: []policy.PortRange{{First: 6000, Last: 6000}}},
+	}}
+	nat := netip.MustParseAddr("100.64.0.7")
+	for _, c := range []struct {
+		uid  uint32
+		port uint16
+		src  netip.Addr
+		rule string
+	}{
+		{2001, 5432, nat, "deny-5432"},
+		{2001, 5432, netip.MustParseAddr("198.18.0.2"), "allow-alice-5432"},
+		{2002, 5432, nat, "deny-5432"},
+		{2002, 6000, nat, "deny-bob-6000"},
+		{2001, 6000, nat, ""},
+	} {
+		u := SiteUser{UID: c.uid, Groups: []uint32{c.uid}}
+		allow, rule := SiteVerdict(p, "node1", policy.PortRange{}, u, false, policy.TCP, c.port, c.src)
+		if rule != c.rule || (rule != "" && allow != p.SiteRule(policy.Rule(rule)).Allow) {
+			t.Errorf("uid %d -> :%d from %v: got %v by %q, want rule %q", c.uid, c.port, c.src, allow, rule, c.rule)
+		}
+	}
 }
 
 // TestSiteGroupsUnknown: a user whose groups could not be looked up gets
