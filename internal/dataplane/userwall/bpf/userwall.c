@@ -2532,15 +2532,18 @@ static __always_inline int needs_look(struct __sk_buff *skb, int l3)
 }
 
 /*
- * Datagram flows tc ingress found allowed lately: the polite path's second
+ * Flows tc ingress found allowed lately: the polite path's second
  * decision, paid once per flow and second instead of once per datagram (in
  * real traffic the socket lookup and decision cost ~300 ns a datagram, more
- * than the check at the socket). Only an allowed verdict is kept, and only
+ * than the check at the socket) — and, for TCP, once per connector, listener
+ * and second instead of once per connection: a SYN's flow has no source port
+ * (each connection has a new one). Only an allowed verdict is kept, and only
  * for a stamp whose key and window are good: a hit only skips the marking
  * of a refusal, never a decision — uw_skb_ingress still decides every
- * datagram at the socket. A flow refused since (a group revoked, another
- * user's socket on the port) is dropped there without its ICMP for at most
- * POLITE_TTL_NS.
+ * datagram and SYN at the socket. A flow refused since (a group revoked,
+ * another user's socket on the port) is dropped there without its ICMP or
+ * reset for at most POLITE_TTL_NS (a SYN's retransmission, a second later,
+ * gets its reset).
  */
 #define POLITE_TTL_NS 1000000000ULL
 struct uw_flow_key {
@@ -2561,7 +2564,7 @@ static __always_inline void flow_key(struct uw_flow_key *k, const struct pkt *p)
 {
 	__builtin_memcpy(k->src, p->src, 16);
 	__builtin_memcpy(k->dst, p->dst, 16);
-	k->sport = p->sport;
+	k->sport = p->proto == IPPROTO_TCP ? 0 : p->sport;
 	k->dport = p->dport;
 	k->uid = p->uid;
 	k->gid = p->gid;
@@ -2619,7 +2622,7 @@ int uw_tc_ingress(struct __sk_buff *skb)
 	__u8 st = stamp_key(c, &p, &k, &w);
 	st = (p.has_stamp && st == S_NONE) ? S_VALID : (st == S_NONE ? S_NONE : st);
 	__u64 now = 0;
-	if (udp && st == S_VALID && !test_mode) {
+	if (st == S_VALID && !test_mode) {
 		now = now_ns();
 		if (polite_seen(&p, now))
 			return TC_ACT_OK;
