@@ -2070,8 +2070,21 @@ static __always_inline struct uw_owner *kernel_tcp_owner(struct bpf_sock *sk, st
  * file (kernel-created: MPTCP subflows, lockd's) takes its record (bound on
  * a user's behalf: post_bind) or kernel_tcp_owner's answer, as before.
  */
+#define OWNER_FROM_FILE 2 /* uw_owner.set: a listener's owner kept from its file */
+
 static __always_inline struct uw_owner *tcp_owner(struct bpf_sock *sk, struct uw_owner *o)
 {
+	/* A listener reads its file once, at its first SYN, and keeps the
+	 * answer as its record (a record exists only for a socket this
+	 * namespace's programs looked at); a record made otherwise (post_bind,
+	 * the iterator) is replaced by it. */
+	int lis = sk->state == TCP_LISTEN;
+	struct uw_owner *r = 0;
+	if (lis) {
+		r = owner_of(sk);
+		if (r && r->set == OWNER_FROM_FILE)
+			return r;
+	}
 	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
 	if (!tp)
 		return owner_of(sk);
@@ -2086,9 +2099,19 @@ static __always_inline struct uw_owner *tcp_owner(struct bpf_sock *sk, struct uw
 	const struct cred *cr = f ? f->f_cred : 0;
 	if (cr) {
 		cred_owner(cr, o);
+		if (lis) {
+			if (!r)
+				r = bpf_sk_storage_get(&sk_owners, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+			if (r) {
+				r->uid = o->uid;
+				r->gid = o->gid;
+				r->set = OWNER_FROM_FILE;
+			}
+		}
 		return o;
 	}
-	struct uw_owner *r = owner_of(sk);
+	if (!lis)
+		r = owner_of(sk);
 	return r ? r : kernel_tcp_owner(sk, o);
 }
 
