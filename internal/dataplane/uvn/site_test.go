@@ -4,6 +4,7 @@ import (
 	"math/rand/v2"
 	"net/netip"
 	"slices"
+	"strconv"
 	"testing"
 
 	"github.com/palisade-hpc/palisade/internal/policy"
@@ -263,4 +264,107 @@ func TestSitePortClasses(t *testing.T) {
 			}
 		}
 	}
+}
+
+// evalSegments is what the table does with a packet in a chain laid out by
+// siteSegments: wide rules tested in order with their own ports; narrow
+// rules dispatched on the port to its class's rules, falling through to
+// the next segment when none matches.
+func evalSegments(segs []siteSegment, p *policy.Policy, proto policy.Proto, port uint16, src netip.Addr) *siteMatch {
+	if port <= p.SystemPortMax {
+		return nil
+	}
+	for _, seg := range segs {
+		for i := range seg.wide {
+			if seg.wide[i].matches(p, proto, port, src) {
+				return &seg.wide[i]
+			}
+		}
+		for _, cl := range seg.classes {
+			if !cl.ports.Contains(port) {
+				continue
+			}
+			for i := range cl.rules {
+				if cl.rules[i].matches(p, proto, port, src) {
+					return &cl.rules[i]
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// TestSiteSegments: the chain's layout (per block of one verdict, a port
+// dispatch of its narrow rules and its merged wide rules) gives every
+// packet the verdict of the compiled rules in order, on random policies
+// with rules without ports and with wide ranges among port rules.
+func TestSiteSegments(t *testing.T) {
+	r := rand.New(rand.NewPCG(23, 3))
+	kinds := map[string]int{}
+	for world := range 300 {
+		p := &policy.Policy{SystemPortMax: 1023, ClusterSubnets: siteSubnets}
+		for i := range 1 + r.IntN(20) {
+			sr := randomRule(r, i)
+			if r.IntN(5) == 0 {
+				sr.Ports = []policy.PortRange{{First: 1024, Last: uint16(1030 + r.IntN(40))}}
+			}
+			p.Rules = append(p.Rules, sr)
+		}
+		u := SiteUser{UID: 2001, Groups: []uint32{2001, 3001}}
+		for _, path := range []sitePath{pathOwn, pathSrun} {
+			ms := compileSite(p, "node1", siteSrun, u, path)
+			segs := siteSegments(ms, p)
+			for _, sg := range segs {
+				if sg.wide != nil {
+					kinds["wide"]++
+				} else {
+					kinds["narrow"]++
+				}
+			}
+			for range 200 {
+				proto := []policy.Proto{policy.TCP, policy.UDP}[r.IntN(2)]
+				src := siteSources[r.IntN(len(siteSources))]
+				port := uint16(1020 + r.IntN(80))
+				if path == pathSrun {
+					port = siteSrun.First + uint16(r.IntN(120)) - 10
+				}
+				want, got := firstSiteMatch(ms, p, proto, port, src), evalSegments(segs, p, proto, port, src)
+				if (want == nil) != (got == nil) || (want != nil && want.Allow != got.Allow) {
+					t.Fatalf("world %d path %d: %v :%d from %v: in order %+v, segments %+v", world, path, proto, port, src, want, got)
+				}
+			}
+		}
+	}
+	if kinds["wide"] < 100 || kinds["narrow"] < 100 {
+		t.Errorf("too few segments of each kind to mean anything: %v", kinds)
+	}
+}
+
+// TestSiteTableBound: 200 rules without ports and 800 with ports of their
+// own make a table of at most (wideClasses+1)·n·2 nft rules (two address
+// families at most per compiled rule) — it was rules without ports × port
+// classes (~320,000).
+func TestSiteTableBound(t *testing.T) {
+	r := rand.New(rand.NewPCG(23, 4))
+	p := &policy.Policy{SystemPortMax: 1023, ClusterSubnets: siteSubnets}
+	for i := range 1000 {
+		sr := policy.SiteRule{Name: "r" + strconv.Itoa(i), Proto: []policy.Proto{0, policy.TCP, policy.UDP}[r.IntN(3)],
+			Sources: pick(r, sitePrefixes, 1)}
+		if i%5 != 0 {
+			f := uint16(2000 + r.IntN(60000))
+			sr.Ports = []policy.PortRange{{First: f, Last: f + uint16(r.IntN(3))}}
+		}
+		p.Rules = append(p.Rules, sr)
+	}
+	s := buildSite(p, "node1", siteSrun, []SiteUser{{UID: 2001}}, nil)
+	ms := s.chains[s.own[VRFName(2001)]]
+	before := 0
+	for _, cl := range portClasses(ms) {
+		before += len(cl.rules)
+	}
+	got := siteSize(s)
+	if bound := (wideClasses + 1) * len(p.Rules) * 2; got > bound {
+		t.Errorf("table of %d nft rules, bound %d", got, bound)
+	}
+	t.Logf("1000 rules (200 without ports): %d nft rules; the layout before held %d compiled rules in its sub-chains", got, before)
 }
