@@ -197,7 +197,7 @@ func TestSiteNft(t *testing.T) {
 }
 
 func siteNoted(p *policy.Policy, srun policy.PortRange, name string) bool {
-	for _, n := range SiteNotes(p, 1000, srun) {
+	for _, n := range SiteNotes(p, 1000, srun, nil) {
 		if p.Rules[n.Rule].Name == name && strings.Contains(n.Msg, "Slurm's callbacks") {
 			return true
 		}
