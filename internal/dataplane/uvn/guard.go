@@ -64,6 +64,10 @@ func (m *Manager) ensureGuardRoot(ns *NodeState) error {
 		return err
 	}
 	defer coll.Close()
+	// Cluster addresses: where Slurm's callbacks to a stray srun come from.
+	if err := fillSources(coll.Maps[guardbpfMapPalUvnSrc4], coll.Maps[guardbpfMapPalUvnSrc6], m.cfg.Underlays); err != nil {
+		return err
+	}
 	uids, err := m.st.users()
 	if err != nil {
 		return err

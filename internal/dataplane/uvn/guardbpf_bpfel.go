@@ -38,6 +38,29 @@ type guardbpfGuardOwner struct {
 	Uid uint32
 }
 
+type guardbpfGuardSent struct {
+	_ structs.HostLayout
+	P [8]struct {
+		_      structs.HostLayout
+		Addr   [4]uint32
+		Port   uint16
+		Family uint16
+	}
+	Next uint32
+}
+
+type guardbpfSrunLpm4 struct {
+	_         structs.HostLayout
+	Prefixlen uint32
+	Addr      uint32
+}
+
+type guardbpfSrunLpm6 struct {
+	_         structs.HostLayout
+	Prefixlen uint32
+	Addr      [4]uint32
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
@@ -46,6 +69,9 @@ const (
 	guardbpfMapPalUvnDevs     = "pal_uvn_devs"
 	guardbpfMapPalUvnExempt   = "pal_uvn_exempt"
 	guardbpfMapPalUvnNames    = "pal_uvn_names"
+	guardbpfMapPalUvnSent     = "pal_uvn_sent"
+	guardbpfMapPalUvnSrc4     = "pal_uvn_src4"
+	guardbpfMapPalUvnSrc6     = "pal_uvn_src6"
 	guardbpfProgPalUvnBorn    = "pal_uvn_born"
 	guardbpfProgPalUvnIn      = "pal_uvn_in"
 	guardbpfProgPalUvnOut     = "pal_uvn_out"
@@ -113,6 +139,9 @@ type guardbpfMapSpecs struct {
 	PalUvnDevs   *ebpf.MapSpec `ebpf:"pal_uvn_devs"`
 	PalUvnExempt *ebpf.MapSpec `ebpf:"pal_uvn_exempt"`
 	PalUvnNames  *ebpf.MapSpec `ebpf:"pal_uvn_names"`
+	PalUvnSent   *ebpf.MapSpec `ebpf:"pal_uvn_sent"`
+	PalUvnSrc4   *ebpf.MapSpec `ebpf:"pal_uvn_src4"`
+	PalUvnSrc6   *ebpf.MapSpec `ebpf:"pal_uvn_src6"`
 }
 
 // guardbpfVariableSpecs contains global variables before they are loaded into the kernel.
@@ -150,6 +179,9 @@ type guardbpfMaps struct {
 	PalUvnDevs   *ebpf.Map `ebpf:"pal_uvn_devs"`
 	PalUvnExempt *ebpf.Map `ebpf:"pal_uvn_exempt"`
 	PalUvnNames  *ebpf.Map `ebpf:"pal_uvn_names"`
+	PalUvnSent   *ebpf.Map `ebpf:"pal_uvn_sent"`
+	PalUvnSrc4   *ebpf.Map `ebpf:"pal_uvn_src4"`
+	PalUvnSrc6   *ebpf.Map `ebpf:"pal_uvn_src6"`
 }
 
 func (m *guardbpfMaps) Close() error {
@@ -158,6 +190,9 @@ func (m *guardbpfMaps) Close() error {
 		m.PalUvnDevs,
 		m.PalUvnExempt,
 		m.PalUvnNames,
+		m.PalUvnSent,
+		m.PalUvnSrc4,
+		m.PalUvnSrc6,
 	)
 }
 
