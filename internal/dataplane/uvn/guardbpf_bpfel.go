@@ -65,22 +65,24 @@ type guardbpfSrunLpm6 struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	guardbpfMapPalUvnBirth    = "pal_uvn_birth"
-	guardbpfMapPalUvnDevs     = "pal_uvn_devs"
-	guardbpfMapPalUvnExempt   = "pal_uvn_exempt"
-	guardbpfMapPalUvnNames    = "pal_uvn_names"
-	guardbpfMapPalUvnSent     = "pal_uvn_sent"
-	guardbpfMapPalUvnSrc4     = "pal_uvn_src4"
-	guardbpfMapPalUvnSrc6     = "pal_uvn_src6"
-	guardbpfProgPalUvnBorn    = "pal_uvn_born"
-	guardbpfProgPalUvnIn      = "pal_uvn_in"
-	guardbpfProgPalUvnOut     = "pal_uvn_out"
-	guardbpfProgPalUvnSockopt = "pal_uvn_sockopt"
-	guardbpfVarGuardLimitBtf  = "guard_limit_btf"
-	guardbpfVarMinUid         = "min_uid"
-	guardbpfVarNetnsCookie    = "netns_cookie"
-	guardbpfVarSrunFirst      = "srun_first"
-	guardbpfVarSrunLast       = "srun_last"
+	guardbpfMapPalUvnBirth     = "pal_uvn_birth"
+	guardbpfMapPalUvnDevs      = "pal_uvn_devs"
+	guardbpfMapPalUvnExempt    = "pal_uvn_exempt"
+	guardbpfMapPalUvnNames     = "pal_uvn_names"
+	guardbpfMapPalUvnSent      = "pal_uvn_sent"
+	guardbpfMapPalUvnSrc4      = "pal_uvn_src4"
+	guardbpfMapPalUvnSrc6      = "pal_uvn_src6"
+	guardbpfProgPalUvnAdoptTcp = "pal_uvn_adopt_tcp"
+	guardbpfProgPalUvnAdoptUdp = "pal_uvn_adopt_udp"
+	guardbpfProgPalUvnBorn     = "pal_uvn_born"
+	guardbpfProgPalUvnIn       = "pal_uvn_in"
+	guardbpfProgPalUvnOut      = "pal_uvn_out"
+	guardbpfProgPalUvnSockopt  = "pal_uvn_sockopt"
+	guardbpfVarGuardLimitBtf   = "guard_limit_btf"
+	guardbpfVarMinUid          = "min_uid"
+	guardbpfVarNetnsCookie     = "netns_cookie"
+	guardbpfVarSrunFirst       = "srun_first"
+	guardbpfVarSrunLast        = "srun_last"
 )
 
 // loadGuardbpf returns the embedded CollectionSpec for guardbpf.
@@ -125,10 +127,12 @@ type guardbpfSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type guardbpfProgramSpecs struct {
-	PalUvnBorn    *ebpf.ProgramSpec `ebpf:"pal_uvn_born"`
-	PalUvnIn      *ebpf.ProgramSpec `ebpf:"pal_uvn_in"`
-	PalUvnOut     *ebpf.ProgramSpec `ebpf:"pal_uvn_out"`
-	PalUvnSockopt *ebpf.ProgramSpec `ebpf:"pal_uvn_sockopt"`
+	PalUvnAdoptTcp *ebpf.ProgramSpec `ebpf:"pal_uvn_adopt_tcp"`
+	PalUvnAdoptUdp *ebpf.ProgramSpec `ebpf:"pal_uvn_adopt_udp"`
+	PalUvnBorn     *ebpf.ProgramSpec `ebpf:"pal_uvn_born"`
+	PalUvnIn       *ebpf.ProgramSpec `ebpf:"pal_uvn_in"`
+	PalUvnOut      *ebpf.ProgramSpec `ebpf:"pal_uvn_out"`
+	PalUvnSockopt  *ebpf.ProgramSpec `ebpf:"pal_uvn_sockopt"`
 }
 
 // guardbpfMapSpecs contains maps before they are loaded into the kernel.
@@ -211,14 +215,18 @@ type guardbpfVariables struct {
 //
 // It can be passed to loadGuardbpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type guardbpfPrograms struct {
-	PalUvnBorn    *ebpf.Program `ebpf:"pal_uvn_born"`
-	PalUvnIn      *ebpf.Program `ebpf:"pal_uvn_in"`
-	PalUvnOut     *ebpf.Program `ebpf:"pal_uvn_out"`
-	PalUvnSockopt *ebpf.Program `ebpf:"pal_uvn_sockopt"`
+	PalUvnAdoptTcp *ebpf.Program `ebpf:"pal_uvn_adopt_tcp"`
+	PalUvnAdoptUdp *ebpf.Program `ebpf:"pal_uvn_adopt_udp"`
+	PalUvnBorn     *ebpf.Program `ebpf:"pal_uvn_born"`
+	PalUvnIn       *ebpf.Program `ebpf:"pal_uvn_in"`
+	PalUvnOut      *ebpf.Program `ebpf:"pal_uvn_out"`
+	PalUvnSockopt  *ebpf.Program `ebpf:"pal_uvn_sockopt"`
 }
 
 func (p *guardbpfPrograms) Close() error {
 	return _GuardbpfClose(
+		p.PalUvnAdoptTcp,
+		p.PalUvnAdoptUdp,
 		p.PalUvnBorn,
 		p.PalUvnIn,
 		p.PalUvnOut,

@@ -24,7 +24,8 @@ import (
 // address outside the cluster; controls: root's listener (a system
 // service), Slurm's callback from a cluster address to her srun port, the
 // reply to her unconnected UDP socket's datagram, her own TCP connection's
-// data, and her listener once she is exempt.
+// data, and her listener once she is exempt. A listener older than the
+// guard is judged once the socket iterators have adopted it.
 func TestGuardStrayNetwork(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root")
@@ -133,14 +134,8 @@ func TestGuardStrayNetwork(t *testing.T) {
 		if err := fillSources(coll.Maps[guardbpfMapPalUvnSrc4], coll.Maps[guardbpfMapPalUvnSrc6], us); err != nil {
 			return err
 		}
-		for _, a := range guardAttach {
-			if _, err := cg.attachProg(path, coll.Programs[a.prog], a.at); err != nil {
-				return err
-			}
-		}
 		enterCgroup(t, cg, path)
 		defer enterCgroup(t, cg, home)
-
 		as := func(uid int, f func()) {
 			unix.Setfsuid(uid)
 			defer unix.Setfsuid(0)
@@ -173,6 +168,13 @@ func TestGuardStrayNetwork(t *testing.T) {
 			t.Cleanup(func() { unix.Close(fd) })
 			return fd
 		}
+		// A listener of alice's older than the guard (no birth record).
+		as(alice, func() { listen(29340) })
+		for _, a := range guardAttach {
+			if _, err := cg.attachProg(path, coll.Programs[a.prog], a.at); err != nil {
+				return err
+			}
+		}
 		var udpFd int
 		as(alice, func() {
 			listen(29310)
@@ -204,6 +206,13 @@ func TestGuardStrayNetwork(t *testing.T) {
 				return nil
 			})
 		}
+		// Without its record the old listener passes as another
+		// namespace's; the iterators give it one.
+		dial("control: alice's listener older than the guard, before adoption", "", "198.18.5.1:29340", true)
+		if err := adoptSockets(coll); err != nil {
+			return err
+		}
+		dial("alice's listener older than the guard, adopted", "", "198.18.5.1:29340", false)
 		dial("alice's stray listener, IPv4", "", "198.18.5.1:29310", false)
 		dial("alice's stray listener, IPv6", "", "[2001:2::1]:29310", false)
 		dial("control: root's listener", "", "198.18.5.1:29320", true)

@@ -201,6 +201,43 @@ int pal_uvn_born(struct bpf_sock *sk)
 	return GUARD_ALLOW;
 }
 
+/* Sockets older than the guard (made before the node's first setup) get
+ * their record from the socket iterators, run once in this namespace when
+ * the programs are attached: the VRF they are in, their owner (sk_uid). A
+ * socket made since has its record already and keeps it. */
+static __always_inline void adopt(struct sock *sk, __u32 uid)
+{
+	struct guard_birth b = {};
+
+	b.vrf = vrf_of(sk->__sk_common.skc_bound_dev_if);
+	b.uid = uid;
+	bpf_sk_storage_get(&pal_uvn_birth, sk, &b, BPF_SK_STORAGE_GET_F_CREATE);
+}
+
+SEC("iter/tcp")
+int pal_uvn_adopt_tcp(struct bpf_iter__tcp *ctx)
+{
+	struct sock_common *skc = ctx->sk_common;
+	struct tcp_sock *tp;
+
+	if (!skc)
+		return 0;
+	tp = bpf_skc_to_tcp_sock(skc); /* full sockets only */
+	if (tp)
+		adopt((struct sock *)tp, ctx->uid);
+	return 0;
+}
+
+SEC("iter/udp")
+int pal_uvn_adopt_udp(struct bpf_iter__udp *ctx)
+{
+	struct udp_sock *us = ctx->udp_sk;
+
+	if (us)
+		adopt((struct sock *)us, ctx->uid);
+	return 0;
+}
+
 /* Whether the uid is a system account's (root, below min_uid, exempt). */
 static __always_inline int system_uid(__u32 uid)
 {
