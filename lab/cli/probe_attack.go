@@ -50,11 +50,17 @@ func probeSinkCmd() *cobra.Command {
 
 func probeActCmd() *cobra.Command {
 	var spec string
+	var serve bool
 	c := &cobra.Command{
-		Use:   "act --spec JSON",
+		Use:   "act --spec JSON | --serve",
 		Short: "Run one attack-suite step (send a nonce as described) and print the result as JSON",
-		Args:  cobra.NoArgs,
+		Long: "Run one attack-suite step (send a nonce as described) and print the result as JSON.\n" +
+			"--serve runs a step per line of stdin (a spec each) and prints a result line per step, until stdin closes.",
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if serve {
+				return attack.ServeActs(os.Stdin, cmd.OutOrStdout())
+			}
 			var s attack.ActSpec
 			if err := json.Unmarshal([]byte(spec), &s); err != nil {
 				return fmt.Errorf("bad --spec: %w", err)
@@ -67,6 +73,7 @@ func probeActCmd() *cobra.Command {
 		},
 	}
 	c.Flags().StringVar(&spec, "spec", "", "step description (JSON)")
+	c.Flags().BoolVar(&serve, "serve", false, "run a step per stdin line until stdin closes")
 	return c
 }
 

@@ -41,6 +41,9 @@ type Env struct {
 	ll   map[string]netip.Addr // link-local address of eth0 per node
 	// present: "node/user" has a process for the whole suite.
 	present map[string]bool
+	// actors: one step-running process per node and user (nil: a
+	// process per step).
+	actors *actors
 }
 
 // Sink is a running victim socket.
@@ -277,6 +280,10 @@ func patient(d time.Duration) time.Duration {
 
 // Act runs one step as user on node (see command for the user's forms).
 func (e *Env) Act(node, user string, spec ActSpec) (ActResult, error) {
+	// A step that takes other ids (Creds) keeps them: its own process.
+	if e.actors != nil && pooled(user) && spec.Creds == nil {
+		return e.actors.act(e, node, user, spec, patient(20*time.Second))
+	}
 	b, _ := json.Marshal(spec)
 	ctx, cancel := context.WithTimeout(e.Ctx, patient(20*time.Second))
 	defer cancel()
@@ -420,7 +427,12 @@ func RunSuite(ctx context.Context, tb *testbed.Testbed, opts Options) ([]*Result
 	// their networks (VRF, VXLANs, NAT address) exist there for the
 	// cross-node cases without a process start per case.
 	present := map[string]bool{}
+	var acts *actors
 	if opts.Mode == "uvn" {
+		// Every user's command is a login there: one per user and node
+		// for the whole suite, not one per step.
+		acts = newActors(ctx)
+		defer acts.close()
 		hold := &Run{}
 		defer func() {
 			for _, s := range hold.sinks {
@@ -445,7 +457,7 @@ func RunSuite(ctx context.Context, tb *testbed.Testbed, opts Options) ([]*Result
 			break
 		}
 		e := &Env{TB: tb, Ctx: ctx, A: tb.Nodes[0], B: tb.Nodes[1], Outside: tb.Outside,
-			Port: opts.BasePort + 10*i, Log: logf, ll: map[string]netip.Addr{}, present: present}
+			Port: opts.BasePort + 10*i, Log: logf, ll: map[string]netip.Addr{}, present: present, actors: acts}
 		res := RunCase(e, c)
 		out = append(out, res)
 		logf("%s", res.Line())
