@@ -197,6 +197,9 @@ get if it is your own, and how to ask about someone else's.`,
 				fmt.Fprintf(w, "grants\tnot known (%v): a user grant (palisade share) could still allow it\n", grantsErr)
 			}
 			fmt.Fprintf(w, "why\t%s\n", pol.ExplainWith(c, res))
+			if cfg.UVN.Enable {
+				fmt.Fprintf(w, "uvn\t%s\n", uvnExplain(cfg, res, c))
+			}
 			if !v.Allow {
 				for _, f := range fixes(res, c, v, lis, !pol.Grants.Disabled) {
 					fmt.Fprintf(w, "fix\t%s\n", f)

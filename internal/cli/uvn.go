@@ -32,7 +32,7 @@ user's processes reach only the user's own listeners (locally and on other
 nodes), system services in the default VRF, and off-subnet hosts through a
 per-user NAT address. See docs/uvn.md.`,
 	}
-	cmd.AddCommand(uvnSetupCmd(), uvnReleaseCmd(), uvnTeardownCmd(), uvnStatusCmd(), uvnPAMCmd(), uvnJobCmd(), uvnLoginCmd(), uvnLeftoversCmd())
+	cmd.AddCommand(uvnSetupCmd(), uvnReleaseCmd(), uvnTeardownCmd(), uvnStatusCmd(), uvnPAMCmd(), uvnJobCmd(), uvnLoginCmd(), uvnLeftoversCmd(), uvnReloadCmd())
 	return cmd
 }
 
@@ -86,7 +86,57 @@ func uvnManager(cmd *cobra.Command, needEnabled bool) (*uvn.Manager, *config.Con
 			m.Exempt = append(m.Exempt, uid)
 		}
 	}
+	host, _ := os.Hostname()
+	m.Site = &uvn.SiteConfig{Policy: cfg.Policy, Node: host, Groups: groupsOfUID(res)}
 	return m, cfg, nil
+}
+
+// groupsOfUID looks a uid's groups up (NSS): what site rules' "@group"
+// conditions test in uvn.
+func groupsOfUID(res identity.Resolver) func(uint32) ([]uint32, error) {
+	return func(uid uint32) ([]uint32, error) {
+		name, err := res.LookupUID(uid)
+		if err != nil {
+			return nil, err
+		}
+		return res.GroupsOf(name)
+	}
+}
+
+func uvnReloadCmd() *cobra.Command {
+	c := &cobra.Command{
+		Use:   "reload",
+		Short: "Apply the configuration's site rules ([[rule]]) to every user's network on this node, atomically",
+		Long: `Compile the site rules of the configuration for every user with a network on
+this node and replace the nftables table palisade_uvn_site in one transaction
+(docs/uvn.md, "Site rules"). A configuration that is invalid or whose policy
+tests ([[test]]) fail is refused and the running rules stay; so does a
+transaction the kernel refuses. A user's network made later (a login, a job
+step) gets the rules of the configuration it reads.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			m, cfg, err := uvnManager(cmd, false)
+			if err != nil {
+				return err
+			}
+			if results, err := cfg.RunTests(nil); err != nil {
+				for _, r := range results {
+					if r.Err != nil {
+						fmt.Fprintf(cmd.ErrOrStderr(), "%s: test %q: %v\n", r.Where(), r.Name, r.Err)
+					}
+				}
+				return &ExitError{1, fmt.Sprintf("%s: policy tests fail: refused, the running site rules stay", cfg.Path)}
+			}
+			n, err := m.ReloadSite()
+			if err != nil {
+				return fmt.Errorf("site rules not applied (the running ones stay): %w", err)
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "site rules applied: %d rule(s), %d user(s) on this node\n", len(cfg.Policy.Rules), n)
+			return nil
+		},
+	}
+	verboseFlag(c)
+	return c
 }
 
 func principals(ps []policy.Principal) []string {

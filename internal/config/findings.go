@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/palisade-hpc/palisade/internal/dataplane/uvn"
 	"github.com/palisade-hpc/palisade/internal/identity"
 )
 
@@ -162,6 +163,12 @@ func (c *Config) Findings(o CheckOptions) []Finding {
 	}
 	if !o.Elsewhere {
 		c.slurmFindings(o, add)
+	}
+	if c.UVN.Enable {
+		for _, n := range uvn.SiteNotes(p, c.UVN.MinUID, c.UVN.SrunRange) {
+			r := &p.Rules[n.Rule]
+			out = append(out, Finding{Severity: Warning, Level: Warning.String(), Key: "rule " + strconv.Quote(r.Name), Line: r.Line, Msg: n.Msg})
+		}
 	}
 	return out
 }

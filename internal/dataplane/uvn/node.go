@@ -479,8 +479,15 @@ func (m *Manager) maybeTeardownNode() error {
 	}
 	defer unlock()
 	uids, err := m.st.users()
-	if err != nil || len(uids) > 0 {
+	if err != nil {
 		return err
+	}
+	if len(uids) > 0 {
+		// The users left keep their rules; the one gone leaves none.
+		return m.applySite()
+	}
+	if err := removeSite(); err != nil {
+		return fmt.Errorf("remove nftables table %s: %w", siteTable, err)
 	}
 	ns, found, err := m.st.loadNode()
 	if err != nil || !found {
@@ -831,6 +838,9 @@ func Leftovers() ([]string, error) {
 	}
 	if guardPresent() {
 		out = append(out, "nft table inet "+nftTable)
+	}
+	if sitePresent() {
+		out = append(out, "nft table inet "+siteTable)
 	}
 	for _, fam := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
 		rs, err := nldump.Retry(func() ([]netlink.Route, error) {

@@ -36,6 +36,9 @@ type Manager struct {
 	// accounts): like root and accounts below min_uid, their unbound
 	// sockets may serve every user's VRF (bpf/guard.c).
 	Exempt []uint32
+	// Site is the site's rules for this node (site.go; nil: none are
+	// enforced, e.g. a caller that only tears down).
+	Site *SiteConfig
 }
 
 // New returns a manager for a validated [uvn] section; nodes are the
@@ -149,6 +152,17 @@ func (m *Manager) intact(st *UserState, repair bool) bool {
 	}
 	for _, n := range st.Links {
 		if _, err := netlink.LinkByName(n); err != nil {
+			return false
+		}
+	}
+	if !m.siteIntact() {
+		if !repair {
+			return false
+		}
+		// The site rules' table was removed (or never made): put it
+		// back for every user of the node.
+		if err := m.applySiteLocked(); err != nil {
+			m.logf("uvn: site rules: %v", err)
 			return false
 		}
 	}
@@ -288,6 +302,12 @@ func (m *Manager) build(st *UserState) error {
 	}
 
 	if err := m.guardAdd(st); err != nil {
+		return err
+	}
+	if err := m.step("site"); err != nil {
+		return err
+	}
+	if err := m.applySiteLocked(); err != nil {
 		return err
 	}
 	if err := m.step("complete"); err != nil {

@@ -1,6 +1,7 @@
 package egress
 
 import (
+	"bufio"
 	"context"
 	"flag"
 	"fmt"
@@ -315,13 +316,42 @@ func TestCredentials(t *testing.T) {
 		script := `curl -sS -m 5 http://outside.pal.test/; while [ ! -e ` + flag + ` ]; do sleep 0.1; done; curl -sS -m 4 http://outside.pal.test/ && echo STILL-REACHABLE || echo CUT-OFF`
 		cmd := tb.Command(ctx, "node1", "carol", "palisade", "egress", "--", "sh", "-c", script)
 		cmd.Env = append(cmd.Env, "PALISADE_EGRESS_TOKEN="+tok)
-		var out strings.Builder
-		cmd.Stdout, cmd.Stderr = &out, &out
+		// The job's output is read by one goroutine as it comes (the
+		// first answer is the acknowledgement that the job is in) and
+		// read here only once that goroutine has ended: a strings.Builder
+		// read while the command writes to it was a data race.
+		pipe, err := cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		cmd.Stderr = cmd.Stdout
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
-		for i := 0; i < 100 && !strings.Contains(out.String(), "palisade-outside hello"); i++ {
-			time.Sleep(100 * time.Millisecond)
+		var out strings.Builder
+		hello, outDone := make(chan struct{}), make(chan struct{})
+		go func() {
+			defer close(outDone)
+			sc := bufio.NewScanner(pipe)
+			for seen := false; sc.Scan(); {
+				out.WriteString(sc.Text() + "\n")
+				if !seen && strings.Contains(sc.Text(), "palisade-outside hello") {
+					seen = true
+					close(hello)
+				}
+			}
+		}()
+		// output ends the job (if it still runs) and returns all it wrote.
+		output := func() string {
+			cancel()
+			<-outDone
+			cmd.Wait()
+			return out.String()
+		}
+		select {
+		case <-hello:
+		case <-outDone:
+			t.Fatalf("the job ended before its first answer:\n%s", output())
 		}
 		// The gateway acknowledges a revocation by ending the lease (its
 		// counters list the leases every second): first the lease is seen.
@@ -331,7 +361,7 @@ func TestCredentials(t *testing.T) {
 		}
 		for deadline := time.Now().Add(15 * time.Second); !leased(); time.Sleep(100 * time.Millisecond) {
 			if time.Now().After(deadline) {
-				t.Fatalf("the job's lease carol-rev-node1 never listed by the gateway:\n%s", out.String())
+				t.Fatalf("the job's lease carol-rev-node1 never listed by the gateway:\n%s", output())
 			}
 		}
 		if err := env.Revoke(false, "carol/rev"); err != nil {
@@ -347,9 +377,10 @@ func TestCredentials(t *testing.T) {
 		if err := os.WriteFile(flag, nil, 0o644); err != nil {
 			t.Fatal(err)
 		}
+		<-outDone
 		cmd.Wait()
-		if !strings.Contains(out.String(), "palisade-outside hello") || !strings.Contains(out.String(), "CUT-OFF") {
-			t.Fatalf("revoked running job not cut off:\n%s", out.String())
+		if o := out.String(); !strings.Contains(o, "CUT-OFF") {
+			t.Fatalf("revoked running job not cut off:\n%s", o)
 		}
 		o2, err := egress(t, "node1", "carol", tok, "--", "true")
 		if err == nil || !strings.Contains(o2, "credentials revoked") {

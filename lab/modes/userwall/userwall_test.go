@@ -816,12 +816,31 @@ func TestCollectStale(t *testing.T) {
 	os.WriteFile(cfg, []byte(fmt.Sprintf("[agent]\npid_file = %q\nevent_log = \"\"\nmetrics_address = \"\"\nident_port = 0\nident_socket = \"\"\nsyslog = false\n",
 		filepath.Join(dir, "agent.pid"))), 0o644)
 	cmd := exec.Command("nsenter", "--net=/run/netns/"+ns, "--", tb.Binary, "agent", "--config", cfg)
+	var agentLog strings.Builder
+	cmd.Stdout, cmd.Stderr = &agentLog, &agentLog
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	// The pid file is the agent's acknowledgement (written once it
+	// enforces). ci: at load 30 the agent took longer than the 5 s this
+	// loop once allowed, and status, asked anyway, found no agent ("mode
+	// none"; its feature table's "load program: operation not permitted"
+	// lines are the host's normal Tracing/LSM probe answers, not the
+	// cause). The bound only guards against a hang.
 	var cookie string
-	for i := 0; i < 100 && uw.ReadPid(filepath.Join(dir, "agent.pid")) == 0; i++ {
-		time.Sleep(50 * time.Millisecond)
+	for deadline := time.Now().Add(3 * time.Minute); uw.ReadPid(filepath.Join(dir, "agent.pid")) == 0; time.Sleep(50 * time.Millisecond) {
+		select {
+		case err := <-exited:
+			t.Fatalf("scratch agent exited before it enforced: %v\n%s", err, agentLog.String())
+		default:
+		}
+		if time.Now().After(deadline) {
+			cmd.Process.Kill()
+			<-exited
+			t.Fatalf("scratch agent not enforcing after 3 min:\n%s", agentLog.String())
+		}
 	}
 	out, err := exec.Command("nsenter", "--net=/run/netns/"+ns, "--", tb.Binary, "status", "--json", "--config", cfg).Output()
 	var s uw.Status
@@ -830,18 +849,24 @@ func TestCollectStale(t *testing.T) {
 	}
 	if err != nil || json.Unmarshal(out, &s) != nil || s.Mode != "userwall" {
 		cmd.Process.Kill()
-		t.Fatalf("scratch agent: %v %s", err, out)
+		<-exited
+		t.Fatalf("scratch agent: %v %s\n%s", err, out, agentLog.String())
 	}
 	cookie = strconv.FormatUint(s.NetnsCookie, 10)
 	cmd.Process.Signal(syscall.SIGTERM)
-	cmd.Wait()
+	<-exited
 	pins := filepath.Join("/sys/fs/bpf/palisade", cookie)
 	if uw.NamespaceGone(pins) {
 		t.Fatal("namespace reported gone while it exists")
 	}
 	exec.Command("ip", "netns", "del", ns).Run()
-	for i := 0; i < 100 && !uw.NamespaceGone(pins); i++ {
-		time.Sleep(50 * time.Millisecond)
+	// The kernel dismantles a deleted namespace in a work queue of its
+	// own: wait for its loopback to go (the bound only guards a hang; a
+	// fixed 5 s here could end first under load, as the agent's start did).
+	for deadline := time.Now().Add(time.Minute); !uw.NamespaceGone(pins); time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("namespace %s (cookie %s) still not gone a minute after ip netns del", ns, cookie)
+		}
 	}
 	removed := uw.CollectStale("/sys/fs/bpf")
 	if _, err := os.Stat(pins); !os.IsNotExist(err) {

@@ -38,17 +38,15 @@ var (
 	reroutePy string
 )
 
-// tbName is this suite's testbed (PALISADE_TEST_TESTBED: one per developer).
-var tbName = cmp.Or(os.Getenv("PALISADE_TEST_TESTBED"), "palhub")
+// tbName is this run's testbed (testbed.RunName: runs side by side never
+// share one; PALISADE_TEST_TESTBED names one by hand). It also names the
+// hub's host account (hubAccount).
+var tbName = cmp.Or(os.Getenv("PALISADE_TEST_TESTBED"), testbed.RunName("jh"))
 
 const (
 	// venv is what .ci/deps installs (JupyterHub, batchspawner, JupyterLab,
 	// jupyter-server-proxy, Dask; configurable-http-proxy in node/).
-	venv = "/opt/pal-hub"
-	// hubAccount runs the hub and its proxy: a service account, not an
-	// exempt connector (an exempt listener: every user reaches the hub).
-	hubAccount = "paljhub"
-	hubUID     = 2090
+	venv       = "/opt/pal-hub"
 	portalNode = "node1"
 	// forwardAddr is the delegation's forwarder on the portal node
 	// (palisade portal forward, as the hub's account).
@@ -56,12 +54,19 @@ const (
 )
 
 var (
-	stopHub func() // stops the running hub (and its proxy)
-	tb      *testbed.Testbed
-	hubDir  string
-	hubURL  string
-	hubLog  string
-	portalV string // the portal node's eth0 address
+	// hubAccount runs the hub and its proxy: a service account, not an
+	// exempt connector (an exempt listener: every user reaches the hub).
+	// A host account of this run's own, named after its testbed, with a
+	// system uid useradd picks (hubUID): two runs at once once shared
+	// "paljhub", uid 2090, and the first to end removed the other's.
+	hubAccount = tbName
+	hubUID     int
+	stopHub    func() // stops the running hub (and its proxy)
+	tb         *testbed.Testbed
+	hubDir     string
+	hubURL     string
+	hubLog     string
+	portalV    string // the portal node's eth0 address
 )
 
 func TestMain(m *testing.M) {
@@ -77,6 +82,8 @@ func TestMain(m *testing.M) {
 	}
 	t0 := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	testbed.DownOrphans(ctx)
+	removeOrphanAccounts()
 	_ = testbed.Down(ctx, tbName)
 	var err error
 	tb, err = testbed.Up(ctx, testbed.Options{Name: tbName, Nodes: 3, Mode: uwlab.ModeName})
@@ -136,24 +143,57 @@ func run(argv ...string) error {
 	return nil
 }
 
-// addAccount creates the hub's service account (and its group), or checks
-// the one a crashed run left.
+// addAccount creates the hub's service account (and its group) with a
+// system uid and gid of useradd's choice (never one of the testbed's), or
+// takes the one a crashed run of the same name left.
 func addAccount() error {
 	return withUsersLock(func() error {
-		if u, err := user.Lookup(hubAccount); err == nil {
-			if u.Uid != strconv.Itoa(hubUID) {
-				return fmt.Errorf("user %s exists with uid %s, the test needs %d", hubAccount, u.Uid, hubUID)
+		if _, err := user.Lookup(hubAccount); err != nil {
+			if _, err := user.LookupGroup(hubAccount); err != nil {
+				if err := run("groupadd", "-r", hubAccount); err != nil {
+					return err
+				}
 			}
-			return nil
+			if err := run("useradd", "-r", "-g", hubAccount, "-M", "-d", hubDir, "-s", "/usr/sbin/nologin", hubAccount); err != nil {
+				return err
+			}
 		}
-		if u, err := user.LookupId(strconv.Itoa(hubUID)); err == nil {
-			return fmt.Errorf("uid %d belongs to %s, the test needs it for %s", hubUID, u.Username, hubAccount)
-		}
-		if err := run("groupadd", "-g", strconv.Itoa(hubUID), hubAccount); err != nil {
+		u, err := user.Lookup(hubAccount)
+		if err != nil {
 			return err
 		}
-		return run("useradd", "-r", "-u", strconv.Itoa(hubUID), "-g", hubAccount, "-M", "-d", hubDir, "-s", "/usr/sbin/nologin", hubAccount)
+		hubUID, err = strconv.Atoi(u.Uid)
+		return err
 	})
+}
+
+// removeOrphanAccounts removes the hub accounts of runs killed before they
+// could: an account named as testbed.RunName("jh") names whose instance is
+// gone (a live run's account exists only while its testbed is up: it is
+// added after Up and removed before Down; DownOrphans took the killed
+// runs' testbeds down).
+func removeOrphanAccounts() {
+	b, err := os.ReadFile("/etc/passwd")
+	if err != nil {
+		return
+	}
+	for l := range strings.Lines(string(b)) {
+		name, _, _ := strings.Cut(l, ":")
+		// RunName("jh"): "paljh" and five base-36 characters.
+		if len(name) != len("paljh")+5 || !strings.HasPrefix(name, "paljh") || name == tbName {
+			continue
+		}
+		if _, err := os.Stat(testbed.InstanceDir(name)); err == nil {
+			continue
+		}
+		withUsersLock(func() error {
+			run("userdel", "-f", name)
+			if _, err := user.LookupGroup(name); err == nil {
+				run("groupdel", name)
+			}
+			return nil
+		})
+	}
 }
 
 func removeAccount() error {
@@ -245,7 +285,7 @@ func setup() (func(), error) {
 // (8081) to the users' jobs. The account is no exempt listener: its other
 // listeners (the proxy's API, the delegation's forwarder on a loopback
 // port) stay its own.
-const hubRules = `
+var hubRules = `
 [[rule]]
 name = "jupyterhub"
 action = "allow"

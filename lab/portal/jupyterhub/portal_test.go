@@ -25,7 +25,7 @@ func served(page, user, name string) bool {
 // exempt (what a site does without the delegation) reaches alice.
 func TestJupyterHub(t *testing.T) {
 	if tb == nil {
-		t.Skip("needs root and the palhub testbed")
+		t.Skip("needs root and the " + tbName + " testbed")
 	}
 	// Wrong passwords get nowhere (the portal authenticates its users).
 	if got := browse("bob", "alice-pw", "get", "/hub/home"); !strings.HasPrefix(got, "LOGIN-FAILED") {

@@ -1,0 +1,175 @@
+package uvn
+
+import (
+	"math/rand/v2"
+	"net/netip"
+	"slices"
+	"testing"
+
+	"github.com/palisade-hpc/palisade/internal/policy"
+)
+
+// siteWorld is a small cluster for the site rules' tests.
+var (
+	siteSubnets = []netip.Prefix{netip.MustParsePrefix("198.18.0.0/24"), netip.MustParsePrefix("198.19.0.0/24"),
+		netip.MustParsePrefix("2001:2::/64")}
+	siteSources = []netip.Addr{netip.MustParseAddr("198.18.0.1"), netip.MustParseAddr("198.18.0.2"),
+		netip.MustParseAddr("198.19.0.3"), netip.MustParseAddr("2001:2::2"), netip.MustParseAddr("127.0.0.1"),
+		netip.MustParseAddr("::1"), netip.MustParseAddr("203.0.113.9"), netip.MustParseAddr("2001:db8::9"),
+		netip.MustParseAddr("fe80::2"), netip.MustParseAddr("::ffff:198.18.0.2")}
+	sitePrefixes = []netip.Prefix{netip.MustParsePrefix("198.18.0.2/32"), netip.MustParsePrefix("198.18.0.0/28"),
+		netip.MustParsePrefix("198.19.0.0/24"), netip.MustParsePrefix("2001:2::2/128"), netip.MustParsePrefix("203.0.113.0/24"),
+		netip.MustParsePrefix("2001:db8::/32"), netip.MustParsePrefix("0.0.0.0/0"), netip.MustParsePrefix("127.0.0.0/8")}
+	siteUIDs   = []uint32{2001, 2002, 2003, 2004}
+	siteGIDs   = []uint32{3001, 3002, 3003}
+	siteNodes  = []string{"node1", "node2", "node3"}
+	siteSrun   = policy.PortRange{First: 61000, Last: 61099}
+	siteSystem = []uint32{0, 64030, 105} // root, slurm, a system account
+)
+
+func pick[T any](r *rand.Rand, from []T, max int) []T {
+	var out []T
+	for _, x := range from {
+		if r.IntN(len(from)+1) < max {
+			out = append(out, x)
+		}
+	}
+	return out
+}
+
+// randomRule draws a site rule of random kinds (every key optional).
+func randomRule(r *rand.Rand, i int) policy.SiteRule {
+	sr := policy.SiteRule{Name: "r" + string(rune('a'+i%26)) + string(rune('a'+i/26)), Allow: r.IntN(2) == 0}
+	if r.IntN(3) == 0 {
+		sr.From = pick(r, siteUIDs, 2)
+	}
+	if r.IntN(4) == 0 {
+		sr.FromGroups = pick(r, siteGIDs, 1)
+	}
+	if r.IntN(3) == 0 {
+		sr.To = pick(r, siteUIDs, 2)
+	}
+	if r.IntN(4) == 0 {
+		sr.ToGroups = pick(r, siteGIDs, 1)
+	}
+	if r.IntN(3) == 0 {
+		sr.Nodes = pick(r, siteNodes, 1)
+	}
+	if r.IntN(3) == 0 {
+		sr.Sources = pick(r, sitePrefixes, 2)
+	}
+	if r.IntN(3) != 0 {
+		n := 1 + r.IntN(3)
+		for range n {
+			f := uint16(1024 + r.IntN(8))
+			if r.IntN(4) == 0 {
+				f = uint16(61000 + r.IntN(120))
+			}
+			sr.Ports = append(sr.Ports, policy.PortRange{First: f, Last: f + uint16(r.IntN(3))})
+		}
+	}
+	sr.Proto = []policy.Proto{0, policy.TCP, policy.UDP}[r.IntN(3)]
+	if r.IntN(5) == 0 {
+		sr.Relation = []policy.Relation{policy.SameUser, policy.SharedGroup}[r.IntN(2)]
+	}
+	return sr
+}
+
+// TestSiteCompileDecide holds the compiled rules (what the nftables rules
+// test) against policy.Decide on random policies, users and packets, on
+// both of uvn's paths into a user's VRF: from the user's own VRF
+// (connector = listener = the user, groups from the directory) and Slurm's
+// callback from a default VRF (a system account without the users' groups,
+// on SrunPortRange). Where Decide's verdict is a site rule, the compiled
+// chain must pick the same rule; where it is a built-in, no compiled rule.
+func TestSiteCompileDecide(t *testing.T) {
+	r := rand.New(rand.NewPCG(23, 1))
+	decided := map[bool]int{}
+	for world := range 400 {
+		p := &policy.Policy{SystemPortMax: 1023, ClusterSubnets: siteSubnets, ExemptConnectors: []uint32{0}}
+		for i := range 1 + r.IntN(12) {
+			p.Rules = append(p.Rules, randomRule(r, i))
+		}
+		node := siteNodes[r.IntN(len(siteNodes))]
+		for _, uid := range siteUIDs {
+			groups := append([]uint32{uid}, pick(r, siteGIDs, 2)...)
+			u := SiteUser{UID: uid, Groups: groups}
+			id := policy.Identity{UID: uid, GID: uid, Groups: groups, GroupsKnown: true}
+			own := compileSite(p, node, siteSrun, u, pathOwn)
+			srun := compileSite(p, node, siteSrun, u, pathSrun)
+			for range 40 {
+				proto := []policy.Proto{policy.TCP, policy.UDP}[r.IntN(2)]
+				src := siteSources[r.IntN(len(siteSources))]
+				port := uint16(1020 + r.IntN(14))
+				c := policy.Conn{Source: src, Connector: id, Listener: id, Port: port, Proto: proto, Node: node}
+				check := func(path string, ms []siteMatch, c policy.Conn) {
+					v := p.Decide(c)
+					m := firstSiteMatch(ms, p, c.Proto, c.Port, c.Source)
+					want := ""
+					if p.SiteRule(v.Rule) != nil {
+						want = string(v.Rule)
+						decided[v.Allow]++
+					}
+					got := ""
+					if m != nil {
+						got = m.Name
+						if m.Allow != v.Allow && want != "" {
+							t.Errorf("world %d %s: verdicts differ", world, path)
+						}
+					}
+					if got != want {
+						t.Fatalf("world %d, %s, node %s, user %+v: %v %s:%d from %v: Decide says %s (%v), compiled %q\nrules %+v\ncompiled %+v",
+							world, path, node, u, c.Proto, "", c.Port, c.Source, v.Rule, v.Allow, got, p.Rules, ms)
+					}
+				}
+				check("own VRF", own, c)
+				// Slurm's callback: a system account, a cluster node's
+				// address or loopback, an SrunPortRange port.
+				c.Connector = policy.Identity{UID: siteSystem[r.IntN(len(siteSystem))], GroupsKnown: true}
+				c.Connector.GID = c.Connector.UID
+				c.Port = siteSrun.First + uint16(r.IntN(int(siteSrun.Last-siteSrun.First)+1))
+				c.Source = []netip.Addr{netip.MustParseAddr("198.18.0.1"), netip.MustParseAddr("198.18.0.3"),
+					netip.MustParseAddr("127.0.0.1"), netip.MustParseAddr("2001:2::3")}[r.IntN(4)]
+				check("srun callback", srun, c)
+			}
+		}
+	}
+	if decided[true] < 100 || decided[false] < 100 {
+		t.Errorf("too few site-rule verdicts to mean anything: %v", decided)
+	}
+	t.Logf("site-rule verdicts compared: %d allow, %d deny", decided[true], decided[false])
+}
+
+// TestSiteGroupsUnknown: a user whose groups could not be looked up gets
+// every deny rule that names a group and no allow rule that does.
+func TestSiteGroupsUnknown(t *testing.T) {
+	p := &policy.Policy{SystemPortMax: 1023, Rules: []policy.SiteRule{
+		{Name: "allow-g", Allow: true, FromGroups: []uint32{3001}, Ports: []policy.PortRange{{First: 5000, Last: 5000}}},
+		{Name: "deny-g", FromGroups: []uint32{3001}, Ports: []policy.PortRange{{First: 5000, Last: 5001}}},
+		{Name: "deny-to-g", ToGroups: []uint32{3002}, Ports: []policy.PortRange{{First: 6000, Last: 6000}}},
+	}}
+	ms := compileSite(p, "node1", policy.PortRange{}, SiteUser{UID: 2001, GroupsUnknown: true}, pathOwn)
+	var names []string
+	for _, m := range ms {
+		names = append(names, m.Name)
+	}
+	if !slices.Equal(names, []string{"deny-g", "deny-to-g"}) {
+		t.Errorf("groups unknown: compiled %v, want the deny rules only", names)
+	}
+}
+
+// TestSiteSpecShared: users selected by the same rules share one chain.
+func TestSiteSpecShared(t *testing.T) {
+	p := &policy.Policy{SystemPortMax: 1023, Rules: []policy.SiteRule{
+		{Name: "all", Ports: []policy.PortRange{{First: 5000, Last: 5000}}},
+		{Name: "alice", To: []uint32{2001}, Ports: []policy.PortRange{{First: 5001, Last: 5001}}},
+	}}
+	var users []SiteUser
+	for uid := uint32(2001); uid < 2101; uid++ {
+		users = append(users, SiteUser{UID: uid})
+	}
+	s := buildSite(p, "node1", siteSrun, users)
+	if len(s.chains) != 2 || len(s.own) != 100 || len(s.srun) != 0 {
+		t.Errorf("100 users, 2 rules: want 2 own chains + none on the callback path, got %d chains, %d own, %d srun", len(s.chains), len(s.own), len(s.srun))
+	}
+}
