@@ -341,8 +341,8 @@ static __always_inline int to_other_stray(struct __sk_buff *skb, __u32 uid)
 	return other;
 }
 
-/* The packet's source (src) or destination peer; 0 unless it is TCP or UDP
- * over IPv4, or over IPv6 without extension headers. */
+/* The packet's source (src) or destination peer; 0 unless it is TCP, UDP or
+ * UDP-Lite over IPv4, or over IPv6 without extension headers. */
 static __always_inline int peer_of(struct __sk_buff *skb, int src, struct guard_peer *p)
 {
 	__u32 off;
@@ -352,7 +352,7 @@ static __always_inline int peer_of(struct __sk_buff *skb, int src, struct guard_
 
 		if (bpf_skb_load_bytes(skb, 0, v, sizeof(v)))
 			return 0;
-		if (v[9] != IPPROTO_TCP && v[9] != IPPROTO_UDP)
+		if (v[9] != IPPROTO_TCP && v[9] != IPPROTO_UDP && v[9] != IPPROTO_UDPLITE)
 			return 0;
 		off = (v[0] & 0xf) * 4;
 		__builtin_memcpy(&p->addr[0], &v[src ? 12 : 16], 4);
@@ -360,7 +360,7 @@ static __always_inline int peer_of(struct __sk_buff *skb, int src, struct guard_
 	} else if (skb->protocol == bpf_htons(0x86dd)) {
 		__u8 nh;
 
-		if (bpf_skb_load_bytes(skb, 6, &nh, 1) || (nh != IPPROTO_TCP && nh != IPPROTO_UDP))
+		if (bpf_skb_load_bytes(skb, 6, &nh, 1) || (nh != IPPROTO_TCP && nh != IPPROTO_UDP && nh != IPPROTO_UDPLITE))
 			return 0;
 		if (bpf_skb_load_bytes(skb, src ? 8 : 24, p->addr, 16))
 			return 0;
