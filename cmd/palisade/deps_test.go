@@ -43,6 +43,8 @@ var rules = []rule{
 		"internal/dataplane/userwall/agentconfig", "internal/dataplane/egress", "internal/dataplane/uvn", "internal/portal"}},
 	// Data planes: each on its own, never another plane.
 	{pkg: "internal/dataplane/userwall/agentconfig", allow: []string{"internal/policy"}},
+	// userwall's kernel side knows no agent and no configuration file.
+	{pkg: "internal/dataplane/userwall/kernel", allow: []string{"internal/policy", "internal/identity", "internal/sys/..."}},
 	{pkg: "internal/dataplane/userwall/...", allow: []string{"internal/dataplane/userwall/...", "internal/policy", "internal/config",
 		"internal/identity", "internal/membership", "internal/sockowner", "internal/portal", "internal/sys/...", "internal/version"}},
 	{pkg: "internal/dataplane/uvn/spank"},
@@ -166,6 +168,9 @@ func TestImportRulesCatch(t *testing.T) {
 		{"internal/config", "internal/dataplane/userwall", false},
 		{"internal/config", "internal/dataplane/egress/gateway", false},
 		{"internal/dataplane/uvn", "internal/dataplane/userwall", false},
+		{"internal/dataplane/userwall/kernel", "internal/dataplane/userwall", false},
+		{"internal/dataplane/userwall/kernel", "internal/config", false},
+		{"internal/dataplane/userwall", "internal/dataplane/userwall/kernel", true},
 		{"internal/dataplane/egress/gateway", "internal/dataplane/egress/join", true},
 		{"lab/testbed", "lab/modes/userwall", false},
 		{"lab/modes/egress", "internal/dataplane/userwall", false},

@@ -8,11 +8,11 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 )
 
 // writeProbe prints the kernel feature table (status and doctor).
-func writeProbe(out io.Writer, p *userwall.Probe) {
+func writeProbe(out io.Writer, p *kernel.Probe) {
 	fmt.Fprintf(out, "kernel %s (userwall needs >= %s):\n", p.Kernel, p.Floor)
 	tw := tabwriter.NewWriter(out, 2, 8, 2, ' ', 0)
 	fmt.Fprintf(tw, "  FEATURE\tPRESENT\tSINCE\tNEEDED BY\tWITHOUT IT\n")
@@ -55,7 +55,7 @@ would refuse to start. Nothing is installed or left behind (probe programs are
 unloaded, the clsact probe runs in a throw-away network namespace).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			p, err := userwall.ProbeKernel()
+			p, err := kernel.ProbeKernel()
 			if err != nil {
 				return err
 			}

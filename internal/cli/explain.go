@@ -17,6 +17,7 @@ import (
 
 	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/internal/sockowner"
@@ -414,9 +415,9 @@ func stampLimits(pol *policy.Policy, node string, dst netip.Addr, proto policy.P
 	if err != nil {
 		return ""
 	}
-	room, hdr, max := userwall.StampRoom4, 28, 65507
+	room, hdr, max := kernel.StampRoom4, 28, 65507
 	if dst.Is6() {
-		room, hdr, max = userwall.StampRoom6, 48, 65527
+		room, hdr, max = kernel.StampRoom6, 48, 65527
 	}
 	if link.Attrs().Flags&net.FlagLoopback != 0 {
 		return fmt.Sprintf("on this node every datagram size (up to %d bytes) carries your identity (a stamp, or a loopback token where a stamp does not fit)", max)
@@ -428,7 +429,7 @@ func stampLimits(pol *policy.Policy, node string, dst netip.Addr, proto policy.P
 	if mtu == 0 {
 		mtu = link.Attrs().MTU
 	}
-	if want := userwall.StampMTU(link.Attrs().MTU, 0, dst.Is6()); mtu > want {
+	if want := kernel.StampMTU(link.Attrs().MTU, 0, dst.Is6()); mtu > want {
 		return fmt.Sprintf("the route to %s has MTU %d: not lowered for the identity stamp (is the agent running here? route changed?); datagrams of more than %d bytes are sent without your identity and refused", dst, mtu, mtu-hdr-room)
 	}
 	return fmt.Sprintf("datagrams leave whole up to %d bytes (route MTU %d via %s, %d bytes kept for the identity stamp); larger ones are fragmented and delivered, or refused at once with EMSGSIZE where fragmenting is forbidden (IP_PMTUDISC_DO, IPV6_DONTFRAG, QUIC), as are UDP_SEGMENT sizes above %d; IP options or IPv6 extension headers get EPERM",

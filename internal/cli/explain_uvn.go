@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"slices"
+	"strconv"
 
 	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/dataplane/uvn"
@@ -52,7 +53,12 @@ func uvnExplain(cfg *config.Config, res identity.Resolver, c policy.Conn) string
 		}
 		return fmt.Sprintf("%s (site rule %s; %s)", word, rule, what)
 	}
-	name := func(u uint32) string { return identity.UserName(res, u) }
+	name := func(u uint32) string {
+		if n, err := res.LookupUID(u); err == nil {
+			return n
+		}
+		return strconv.FormatUint(uint64(u), 10)
+	}
 	switch {
 	case c.Port <= p.SystemPortMax:
 		return "ALLOW (system port: system services in the default VRF serve every VRF)"

@@ -9,7 +9,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/palisade-hpc/palisade/internal/config"
-	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 )
 
 // keyCommand manages the cluster key that seals identity stamps.
@@ -28,7 +28,7 @@ To rotate without a gap: append the new key as a second line on every node and r
 swap the two lines everywhere and reload; remove the old key and reload.`,
 		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			body := userwall.GenerateKey()
+			body := kernel.GenerateKey()
 			if len(args) == 0 {
 				_, err := cmd.OutOrStdout().Write(body)
 				return err
@@ -75,7 +75,7 @@ keys. Prints which file was checked and the id of each key.`,
 				}
 				path = cmp.Or(cfg.Cluster.KeyFile, config.DefaultKeyFile)
 			}
-			keys, err := userwall.LoadKeys(path)
+			keys, err := kernel.LoadKeys(path)
 			if err != nil {
 				return err
 			}

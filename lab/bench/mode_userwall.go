@@ -18,7 +18,7 @@ func (*userwallDriver) BaselineText() string {
 	return "the same testbed with the agent uninstalled (no programs, pins or nft table)"
 }
 func (*userwallDriver) Suites() []string {
-	return []string{SuiteThroughput, SuiteLatency, SuiteConn, SuiteUDP, SuiteMPI, SuiteScale}
+	return []string{SuiteThroughput, SuiteLatency, SuiteConn, SuiteUDP, SuiteMPI, SuiteScale, SuiteApps}
 }
 
 // AdjustPlan: the full run takes more interleaved rounds, so that the

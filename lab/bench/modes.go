@@ -18,6 +18,7 @@ const (
 	SuiteSetup      = "setup"      // uvn: per-user setup time vs users
 	SuiteEgress     = "egress"     // gateway vs direct, 1..20 transfers
 	SuiteUDP        = "udp"        // small-datagram rate and UDP round trips
+	SuiteApps       = "apps"       // real applications: iperf3, redis, pgbench, MPI, HTTP/3
 )
 
 // Proc is a data-plane process whose footprint is recorded.

@@ -52,48 +52,12 @@ func (s *session) mpi() error {
 	}
 	var errs []string
 	for _, np := range s.plan.MPINodes {
-		if np > len(s.env.Nodes) {
-			errs = append(errs, fmt.Sprintf("%d nodes: testbed has only %d", np, len(s.env.Nodes)))
-			continue
-		}
-		var hosts []string
-		for i := 0; i < np; i++ {
-			hosts = append(hosts, s.env.Nodes[i].Name+":1")
-		}
-		net := netipPrefix24(s.env.Nodes[0].Eth0)
-		argv := []string{"mpirun", "-np", strconv.Itoa(np), "--host", strings.Join(hosts, ","),
-			"--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", net,
-			"--mca", "oob_tcp_if_include", net, "--mca", "pml", "ob1",
-			// Ranks share two oversubscribed cores with everything else:
-			// busy polling would measure scheduler quanta (ms), not the
-			// network (µs).
-			"--mca", "mpi_yield_when_idle", "1",
-			s.mpiProg, strconv.Itoa(s.plan.MPIIters)}
-		for _, sz := range s.plan.MPISizes {
-			argv = append(argv, strconv.Itoa(sz))
-		}
 		series := fmt.Sprintf("np%d", np)
-		out, err := s.runAs(s.env.Nodes[0].Name, BenchUser, argv...)
+		lines, err := s.mpiRun(np, s.plan.MPISizes)
 		if err != nil {
-			errs = append(errs, fmt.Sprintf("%s: %v", series, err))
-			continue
+			errs = append(errs, fmt.Sprintf("%s: %v", series, err)) // the checked lines still count
 		}
-		got := 0
-		sc := bufio.NewScanner(strings.NewReader(out))
-		for sc.Scan() {
-			line := strings.TrimSpace(sc.Text())
-			if !strings.HasPrefix(line, "{") {
-				continue
-			}
-			var l mpiLine
-			if err := json.Unmarshal([]byte(line), &l); err != nil {
-				continue
-			}
-			if !l.OK {
-				errs = append(errs, fmt.Sprintf("%s %s size %d: data check failed", series, l.Test, l.Size))
-				continue
-			}
-			got++
+		for _, l := range lines {
 			switch l.Test {
 			case "pingpong":
 				s.emit(SuiteMPI, series+"-pingpong", float64(l.Size), "lat_us", l.Lat, "")
@@ -111,11 +75,58 @@ func (s *session) mpi() error {
 				s.emit(SuiteMPI, series+"-allreduce", float64(l.Size), "allreduce_us", l.US, "")
 			}
 		}
-		if got == 0 {
-			errs = append(errs, fmt.Sprintf("%s: no results in output: %s", series, tail(out, 300)))
-		}
 	}
 	return joinErrs(errs)
+}
+
+// mpiRun runs the MPI program on the first np nodes with the given message
+// sizes and returns its checked result lines.
+func (s *session) mpiRun(np int, sizes []int) ([]mpiLine, error) {
+	if np > len(s.env.Nodes) {
+		return nil, fmt.Errorf("%d nodes: testbed has only %d", np, len(s.env.Nodes))
+	}
+	var hosts []string
+	for i := 0; i < np; i++ {
+		hosts = append(hosts, s.env.Nodes[i].Name+":1")
+	}
+	net := netipPrefix24(s.env.Nodes[0].Eth0)
+	argv := []string{"mpirun", "-np", strconv.Itoa(np), "--host", strings.Join(hosts, ","),
+		"--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", net,
+		"--mca", "oob_tcp_if_include", net, "--mca", "pml", "ob1",
+		// Ranks share two oversubscribed cores with everything else:
+		// busy polling would measure scheduler quanta (ms), not the
+		// network (µs).
+		"--mca", "mpi_yield_when_idle", "1",
+		s.mpiProg, strconv.Itoa(s.plan.MPIIters)}
+	for _, sz := range sizes {
+		argv = append(argv, strconv.Itoa(sz))
+	}
+	out, err := s.runAs(s.env.Nodes[0].Name, BenchUser, argv...)
+	if err != nil {
+		return nil, err
+	}
+	var lines []mpiLine
+	var errs []string
+	sc := bufio.NewScanner(strings.NewReader(out))
+	for sc.Scan() {
+		line := strings.TrimSpace(sc.Text())
+		if !strings.HasPrefix(line, "{") {
+			continue
+		}
+		var l mpiLine
+		if err := json.Unmarshal([]byte(line), &l); err != nil {
+			continue
+		}
+		if !l.OK {
+			errs = append(errs, fmt.Sprintf("%s size %d: data check failed", l.Test, l.Size))
+			continue
+		}
+		lines = append(lines, l)
+	}
+	if len(lines) == 0 {
+		errs = append(errs, fmt.Sprintf("no results in output: %s", tail(out, 300)))
+	}
+	return lines, joinErrs(errs)
 }
 
 // netipPrefix24 is the /24 of a node address (the testbed's node nets).

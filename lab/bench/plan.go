@@ -28,6 +28,14 @@ type Plan struct {
 	HoldConns    []int   `json:"hold_conns"`       // userwall: live idle connections
 	SetupUsers   []int   `json:"setup_users"`      // uvn: users on a node
 	EgressXfers  []int   `json:"egress_transfers"`
+	// Real applications (suite apps; AppSeconds 0 = not measured): pgbench
+	// seconds, iperf3 UDP datagram sizes, redis-benchmark requests, MPI
+	// allreduce sizes, bytes of the HTTP/3 transfer.
+	AppSeconds       int   `json:"app_seconds,omitempty"`
+	AppUDPLens       []int `json:"app_udp_bytes,omitempty"`
+	AppRedisRequests int   `json:"app_redis_requests,omitempty"`
+	AppMPISizes      []int `json:"app_mpi_sizes,omitempty"`
+	AppH3Bytes       int   `json:"app_h3_bytes,omitempty"`
 }
 
 // QuickPlan is `palisade-lab bench --quick`.
@@ -85,7 +93,12 @@ func FullPlan() Plan {
 		// 1,000 users take about an hour under the VM's software
 		// emulation (~2 s per setup); sites with a VRF kernel or KVM run
 		// `--setup-users 10,100,1000`.
-		SetupUsers:  []int{10, 30},
-		EgressXfers: []int{1, 10},
+		SetupUsers:       []int{10, 30},
+		EgressXfers:      []int{1, 10},
+		AppSeconds:       5,
+		AppUDPLens:       []int{1400, 8000},
+		AppRedisRequests: 20000,
+		AppMPISizes:      []int{8, 65536, 1048576},
+		AppH3Bytes:       4 << 20,
 	}
 }

@@ -97,6 +97,23 @@ func (r *Results) Targets() []Target {
 		ratioTarget("userwall", 14, "wall: round trip ≤ 1.02× (median TCP round trip, every size, localhost and across nodes)", r.figs("userwall", SuiteLatency, "", "rtt_us"), 1.02, true),
 		ratioTarget("userwall", 14, "wall: bulk TCP throughput ≥ 0.99×", append(r.figs("userwall", SuiteThroughput, "tcp-cross", "gbit_s"), r.figs("userwall", SuiteThroughput, "tcp-local", "gbit_s")...), 0.99, false),
 	)
+	// userwall (issue 25): real applications side by side with no Palisade.
+	var appsUDP, appsRest []Figure
+	for _, f := range r.figs("userwall", SuiteApps, "", "gbit_s") {
+		if strings.HasPrefix(f.Series, appIperfUDP) {
+			appsUDP = append(appsUDP, f)
+		} else {
+			appsRest = append(appsRest, f)
+		}
+	}
+	for _, m := range []string{"ops_s", "tps", "mbit_s"} {
+		appsRest = append(appsRest, r.figs("userwall", SuiteApps, "", m)...)
+	}
+	ts = append(ts,
+		ratioTarget("userwall", 25, "apps: iperf3 UDP, 1,400 and 8,000-byte datagrams, unlimited ≥ 0.97×", appsUDP, 0.97, false),
+		ratioTarget("userwall", 25, "apps: iperf3 TCP, redis-benchmark, pgbench, HTTP/3 ≥ 0.98×", appsRest, 0.98, false),
+		ratioTarget("userwall", 25, "apps: MPI allreduce time ≤ 1/0.98×", r.figs("userwall", SuiteApps, appMPIAllreduc, "allreduce_us"), 1/0.98, true),
+	)
 	// egress (issue 5): the verdict is the default client path (tun, root
 	// gateway); the other paths and the reference's stack are listed.
 	for _, link := range []string{"", "@1gbit"} {
@@ -314,6 +331,8 @@ func xLabel(bench string) string {
 		return "users"
 	case SuiteEgress:
 		return "transfers"
+	case SuiteApps:
+		return "clients / bytes"
 	}
 	return "x"
 }
@@ -327,6 +346,7 @@ var benchTitles = map[string]string{
 	SuiteScale:      "Verdict cost vs concurrent users and live connections",
 	SuiteSetup:      "Per-user setup time vs users on a node",
 	SuiteEgress:     "Egress: through the gateway vs direct",
+	SuiteApps:       "Real applications across nodes (iperf3, redis-benchmark, pgbench, MPI allreduce, HTTP/3)",
 }
 
 // Markdown renders the results as tables.

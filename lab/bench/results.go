@@ -54,6 +54,8 @@ var metrics = map[string]metricInfo{
 	"gw_cpu_s_gb":     {"CPU s/GB", false, "CPU per GB carried, gateway processes"},
 	"map_mb":          {"MiB", false, "kernel memory of the membership map (per node)"},
 	"dgram_rate":      {"kdgram/s", true, "datagrams received per second"},
+	"ops_s":           {"op/s", true, "requests per second"},
+	"tps":             {"tx/s", true, "transactions per second"},
 	"cpu_us_op":       {"µs/op", false, "CPU time per operation (load generator + server)"},
 	"bpf_ns_op":       {"ns/op", false, "eBPF run time per operation (the nodes doing the work)"},
 	"bpf_other_ns_op": {"ns/op", false, "eBPF run time per operation (the testbed's other nodes' copies)"},

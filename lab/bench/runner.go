@@ -172,7 +172,7 @@ func Run(ctx context.Context, o Options) (*Results, error) {
 	return res, nil
 }
 
-var allSuites = []string{SuiteThroughput, SuiteLatency, SuiteConn, SuiteUDP, SuiteMPI, SuiteScale, SuiteSetup, SuiteEgress}
+var allSuites = []string{SuiteThroughput, SuiteLatency, SuiteConn, SuiteUDP, SuiteMPI, SuiteScale, SuiteSetup, SuiteEgress, SuiteApps}
 
 // runMode runs the interleaved rounds of one mode.
 func runMode(ctx context.Context, o *Options, plan Plan, d Driver, mode string, env *Env, res *Results, mpi map[*Env]string, stats *bpfStats) (err error) {
@@ -191,7 +191,7 @@ func runMode(ctx context.Context, o *Options, plan Plan, d Driver, mode string, 
 	if len(suites) == 0 {
 		return Skip("none of the selected suites applies to mode %s", mode)
 	}
-	if slices.Contains(suites, SuiteMPI) {
+	if slices.Contains(suites, SuiteMPI) || (slices.Contains(suites, SuiteApps) && plan.AppSeconds > 0) {
 		if _, ok := mpi[env]; !ok {
 			p, err := buildMPI(ctx, env)
 			if err != nil {
@@ -343,7 +343,7 @@ func (s *session) runSuites(suites []string) []error {
 	needServers := false
 	for _, su := range suites {
 		switch su {
-		case SuiteThroughput, SuiteLatency, SuiteConn, SuiteScale, SuiteUDP:
+		case SuiteThroughput, SuiteLatency, SuiteConn, SuiteScale, SuiteUDP, SuiteApps:
 			needServers = true
 		}
 	}
@@ -378,6 +378,8 @@ func (s *session) runSuites(suites []string) []error {
 			}
 		case SuiteEgress:
 			err = s.egress()
+		case SuiteApps:
+			err = s.apps()
 		}
 		if err != nil {
 			errs = append(errs, fmt.Errorf("%s: %w", su, err))

@@ -26,6 +26,7 @@ func checkCommand() *cobra.Command {
 		timeout               time.Duration
 		attacks, verbose      bool
 		only                  string
+		actors                bool
 		repeat                int
 		churn                 time.Duration
 		fuzzFor               time.Duration
@@ -83,7 +84,7 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 			if attacks {
 				ctx, stop := signal.NotifyContext(cmd.Context(), syscall.SIGINT, syscall.SIGTERM)
 				defer stop()
-				return runAttacks(ctx, tb, mode, only, verbose, quiet)
+				return runAttacks(ctx, tb, mode, only, actors, verbose, quiet)
 			}
 			if cmd.Flags().Changed("fuzz") || fuzzReplay != "" {
 				ctx, stop := signal.NotifyContext(cmd.Context(), syscall.SIGINT, syscall.SIGTERM)
@@ -163,6 +164,7 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 	f.BoolVar(&attacks, "attacks", false, "run the attack suite of the testbed's mode (userwall; uvn in its VM): real attacks, each with a control; see docs/check.md")
 	f.StringVar(&only, "only", "", "with --attacks: run only the cases whose name contains one of these comma-separated strings")
 	f.BoolVar(&verbose, "verbose", false, "with --attacks: print every case's rationale and steps, not only the failures'")
+	f.BoolVar(&actors, "actors", false, "with --attacks: run each user's steps in one long-lived process per node (uvn: a login per user, not per step)")
 	f.IntVar(&repeat, "repeat", 1, "run the matrix this many times; report every run's mismatches and the total (flakes show as mismatches in some runs)")
 	f.DurationVar(&churn, "churn", 10*time.Minute, "run the churn test for this long (userwall testbed): legitimate traffic and attacks while agents are killed, restarted, reloaded, their nft objects flushed and addresses added")
 	f.DurationVar(&fuzzFor, "fuzz", 0, "run the attack fuzzer for this long: random programs of unprivileged system calls as bob and carol against alice's sentinels on every node, judged by --mode's expectation; see docs/fuzz.md")

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	userwalllab "github.com/palisade-hpc/palisade/lab/modes/userwall"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
@@ -264,7 +265,7 @@ func TestDirectoryUserwall(t *testing.T) {
 		if err := userwalllab.WaitKnown(ctx, dt, "node1", 2002, true, bound); err != nil {
 			t.Fatal(err)
 		}
-		if err := userwalllab.WaitMembers(ctx, dt, "node1", []uw.MemberPair{{UID: 2002, GID: 2100}}, bound); err != nil {
+		if err := userwalllab.WaitMembers(ctx, dt, "node1", []kernel.MemberPair{{UID: 2002, GID: 2100}}, bound); err != nil {
 			t.Fatal(err)
 		}
 		modify("delete")
@@ -276,7 +277,7 @@ func TestDirectoryUserwall(t *testing.T) {
 		}
 		t0 := time.Now()
 		for {
-			missing, err := uw.MissingMembers(pin1, []uw.MemberPair{{UID: 2002, GID: 2100}})
+			missing, err := kernel.MissingMembers(pin1, []kernel.MemberPair{{UID: 2002, GID: 2100}})
 			if err == nil && len(missing) == 1 {
 				break
 			}
@@ -304,7 +305,7 @@ func TestDirectoryUserwall(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if known, err := uw.KnowsUser(pin3, 2002); err != nil || known {
+		if known, err := kernel.KnowsUser(pin3, 2002); err != nil || known {
 			t.Fatalf("node3 knows bob after its agent restarted (%v)", err)
 		}
 		if _, err := io.WriteString(bin, "go\n"); err != nil {

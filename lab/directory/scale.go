@@ -12,7 +12,7 @@ import (
 	"strings"
 	"time"
 
-	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 	userwalllab "github.com/palisade-hpc/palisade/lab/modes/userwall"
 	"github.com/palisade-hpc/palisade/lab/testbed"
@@ -165,13 +165,13 @@ func Measure(ctx context.Context, name string, users, held int, window time.Dura
 	}
 	sessions = append(sessions, l)
 	fig.HeldGroups = len(gids) + 1
-	if err := userwalllab.WaitMembers(ctx, tb, "node2", []uw.MemberPair{{UID: conUID, GID: lisGID}}, 5*time.Minute); err != nil {
+	if err := userwalllab.WaitMembers(ctx, tb, "node2", []kernel.MemberPair{{UID: conUID, GID: lisGID}}, 5*time.Minute); err != nil {
 		return nil, err
 	}
 	// Every held group looked up: the map stops growing.
 	prev := -1
 	for {
-		n, err := uw.CountMembers(pinDir)
+		n, err := kernel.CountMembers(pinDir)
 		if err != nil {
 			return nil, err
 		}

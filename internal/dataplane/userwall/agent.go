@@ -20,6 +20,7 @@ import (
 	"github.com/cilium/ebpf/ringbuf"
 	"github.com/coreos/go-systemd/v22/daemon"
 	"github.com/palisade-hpc/palisade/internal/config"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"github.com/palisade-hpc/palisade/internal/membership"
 	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/internal/portal"
@@ -95,7 +96,7 @@ type agent struct {
 	opts     AgentOptions
 	cfg      *config.Config
 	log      *slog.Logger
-	dp       *Dataplane
+	dp       *kernel.Dataplane
 	attached map[string]int // interface → ifindex
 	cgroup   string
 	sink     *eventSink
@@ -118,7 +119,7 @@ type agent struct {
 
 	// Set by newAgent, read-only after: the kernel's features, how the tc
 	// programs attach and why, why the LSM programs are left out.
-	probe *Probe
+	probe *kernel.Probe
 	useTC bool
 	tcWhy string
 	noLSM error
@@ -255,7 +256,7 @@ func newAgent(o AgentOptions) (*agent, error) {
 		log.Warn("no configuration file; using the built-in default policy", "path", o.ConfigPath)
 	}
 	cfg.ResolveNodes(nil) // hostlist node names (flows); findings if not
-	probe, err := ProbeKernel()
+	probe, err := kernel.ProbeKernel()
 	if err != nil {
 		return nil, fmt.Errorf("kernel feature probe: %w", err)
 	}
@@ -266,16 +267,16 @@ func newAgent(o AgentOptions) (*agent, error) {
 	if testErr != nil {
 		a.notes = append(a.notes, "policy tests fail (enforced anyway at start; a reload is refused until they pass): "+testErr.Error())
 	}
-	if a.useTC, a.tcWhy, err = chooseTC(cfg.Agent.TCAttach, probe); err != nil {
+	if a.useTC, a.tcWhy, err = kernel.ChooseTC(cfg.Agent.TCAttach, probe); err != nil {
 		return nil, err
 	}
 	switch {
 	case !cfg.Agent.UnixSockets:
 		a.noLSM = errors.New("disabled by configuration (unix_sockets = false)")
-	case !probe.Has(FeatLSMActive) && strings.HasPrefix(featureDetail(probe, FeatLSMActive), "/"):
-		a.noLSM = fmt.Errorf("the bpf LSM is not enabled (%s); boot with lsm=...,bpf", featureDetail(probe, FeatLSMActive))
-	case !probe.Has(FeatLSMAttach):
-		a.noLSM = fmt.Errorf("BPF LSM programs cannot attach on this kernel: %s", featureDetail(probe, FeatLSMAttach))
+	case !probe.Has(kernel.FeatLSMActive) && strings.HasPrefix(kernel.FeatureDetail(probe, kernel.FeatLSMActive), "/"):
+		a.noLSM = fmt.Errorf("the bpf LSM is not enabled (%s); boot with lsm=...,bpf", kernel.FeatureDetail(probe, kernel.FeatLSMActive))
+	case !probe.Has(kernel.FeatLSMAttach):
+		a.noLSM = fmt.Errorf("BPF LSM programs cannot attach on this kernel: %s", kernel.FeatureDetail(probe, kernel.FeatLSMAttach))
 	}
 	return a, nil
 }
@@ -311,11 +312,11 @@ func (a *agent) lockNamespace() (unlock func(), err error) {
 // install that fails half-way leaves nothing behind; an adopted data plane
 // keeps enforcing what it did.
 func (a *agent) enforce() error {
-	cookie, err := NetnsCookie()
+	cookie, err := kernel.NetnsCookie()
 	if err != nil {
 		return err
 	}
-	fs, err := BPFFS(a.cfg.Agent.BPFFS)
+	fs, err := kernel.BPFFS(a.cfg.Agent.BPFFS)
 	if err != nil {
 		return err
 	}
@@ -323,18 +324,18 @@ func (a *agent) enforce() error {
 	if err != nil {
 		return err
 	}
-	pinDir := PinDir(fs, cookie)
+	pinDir := kernel.PinDir(fs, cookie)
 	a.pinDir = pinDir
-	if gone := CollectStale(fs); len(gone) > 0 {
+	if gone := kernel.CollectStale(fs); len(gone) > 0 {
 		a.log.Info("removed the pins of deleted network namespaces", "cookies", gone)
 	}
 	_, statErr := os.Stat(filepath.Join(pinDir, "settings"))
 	adopting := statErr == nil
-	if a.dp, err = Load(pinDir, cookie, a.noLSM); err != nil {
+	if a.dp, err = kernel.Load(pinDir, cookie, a.noLSM); err != nil {
 		if !adopting {
 			// The loader pins each map as it creates it and does not
 			// unpin them when a later program fails to load.
-			RemovePins(pinDir)
+			kernel.RemovePins(pinDir)
 		}
 		return err
 	}
@@ -345,7 +346,7 @@ func (a *agent) enforce() error {
 	a.exempt.changed = make(chan struct{}, 1)
 	a.exempt.setGroups(a.cfg.Policy)
 	a.members = a.newMembers()
-	a.log.Info("tc programs attach with "+attachName(a.useTC), "why", a.tcWhy, "kernel", a.probe.Kernel)
+	a.log.Info("tc programs attach with "+kernel.AttachName(a.useTC), "why", a.tcWhy, "kernel", a.probe.Kernel)
 	err = a.install(cg)
 	if err == nil && a.dp.Migrating() != nil {
 		err = a.dp.Fault("commit")
@@ -367,9 +368,9 @@ func (a *agent) enforce() error {
 		a.dp.Close()
 		if !adopting {
 			// tc filters are not pinned: remove them by name.
-			RemovePins(pinDir)
-			removeTCFilters()
-			RemoveNft()
+			kernel.RemovePins(pinDir)
+			kernel.RemoveTCFilters()
+			kernel.RemoveNft()
 		}
 		return err
 	}
@@ -434,7 +435,7 @@ func (a *agent) startServices(ctx context.Context, svc *services) error {
 	}
 
 	nftCtx, cancel := context.WithCancel(ctx)
-	svc.add(goJoined(func() { WatchNft(nftCtx, a.repairNft) }, cancel, nil))
+	svc.add(goJoined(func() { kernel.WatchNft(nftCtx, a.repairNft) }, cancel, nil))
 
 	a.ctx = ctx
 	a.startMetrics()
@@ -566,7 +567,7 @@ func (a *agent) install(cgroupRoot string) error {
 		return err
 	}
 	a.sitePolicy.Store(a.cfg.Policy)
-	if err := InstallNft(); err != nil {
+	if err := kernel.InstallNft(); err != nil {
 		return err
 	}
 	if err := a.dp.PrepareMigration(cgroupRoot); err != nil {
@@ -593,15 +594,15 @@ func (a *agent) keyFile() string {
 // their local traffic, and no identity from another node is trusted (fail
 // closed for users, loudly).
 func (a *agent) loadKeys() error {
-	keys, err := LoadKeys(a.keyFile())
+	keys, err := kernel.LoadKeys(a.keyFile())
 	if err != nil {
 		if a.noKeyWarned == "" || a.noKeyWarned != err.Error() {
 			a.log.Error("no cluster key: identity from other nodes is NOT trusted (cross-node user traffic is refused)", "err", err)
 			a.noKeyWarned = err.Error()
 		}
-		var k Key
-		copy(k[:], GenerateKeyBytes())
-		keys = []Key{k}
+		var k kernel.Key
+		copy(k[:], kernel.GenerateKeyBytes())
+		keys = []kernel.Key{k}
 		a.keyErr = err
 	} else {
 		a.noKeyWarned, a.keyErr = "", nil
@@ -654,10 +655,10 @@ func (a *agent) syncAddrs() error {
 
 // repairNft restores the reject table if anything of it is gone.
 func (a *agent) repairNft() {
-	if NftComplete() {
+	if kernel.NftComplete() {
 		return
 	}
-	if err := InstallNft(); err != nil {
+	if err := kernel.InstallNft(); err != nil {
 		a.log.Error("nft reject table not restored (refusals are silent drops until it is)", "err", err)
 		return
 	}
@@ -747,7 +748,7 @@ func (a *agent) syncInterfaces() error {
 		}
 	}
 	// The stamp's room, reserved in what the stack computes (routemtu.go).
-	changed, err := syncRouteMTU(a.cfg.Policy.ClusterSubnets, l2, false)
+	changed, err := kernel.SyncRouteMTU(a.cfg.Policy.ClusterSubnets, l2, false)
 	for _, ch := range changed {
 		a.log.Info("route MTU lowered to leave room for the identity stamp", "route", ch.Dst, "dev", ch.Dev,
 			"mtu", ch.To, "was", ch.From)

@@ -20,6 +20,7 @@ import (
 	"github.com/cilium/ebpf/ringbuf"
 	"golang.org/x/time/rate"
 
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
 )
@@ -199,7 +200,7 @@ func addrPort(fam uint8, a [16]uint8, port uint16) string {
 }
 
 func (s *eventSink) decode(raw []byte) (Event, error) {
-	var r uwbpfUwEvent
+	var r kernel.RawEvent
 	if err := binary.Read(bytes.NewReader(raw), binary.NativeEndian, &r); err != nil {
 		return Event{}, err
 	}
@@ -207,12 +208,12 @@ func (s *eventSink) decode(raw []byte) (Event, error) {
 }
 
 // decodeRecord names the parties of a record (NSS: may be slow; no lock).
-func (s *eventSink) decodeRecord(r *uwbpfUwEvent) Event {
-	e := Event{Time: time.Now().UTC(), Node: s.node, Verdict: "deny", Rule: ruleName(r.Rule), Path: pathName(r.Path), PID: r.Pid}
+func (s *eventSink) decodeRecord(r *kernel.RawEvent) Event {
+	e := Event{Time: time.Now().UTC(), Node: s.node, Verdict: "deny", Rule: kernel.RuleName(r.Rule), Path: kernel.PathName(r.Path), PID: r.Pid}
 	switch {
 	case r.Audit != 0:
 		e.Verdict = "audit" // refused by the rules, let through (audit mode)
-	case ruleAllows(r.Rule):
+	case kernel.RuleAllows(r.Rule):
 		e.Verdict = "allow" // admitted and reported (unverified)
 	}
 	switch r.Proto {
@@ -238,27 +239,27 @@ func (s *eventSink) decodeRecord(r *uwbpfUwEvent) Event {
 	switch {
 	case r.Family == 1:
 		e.Stage = "unix"
-	case uwbpfUwPath(r.Path) == uwbpfUwPathP_BIND:
+	case kernel.Path(r.Path) == kernel.PathBind:
 		e.Stage = "bind"
-	case uwbpfUwPath(r.Path) == uwbpfUwPathP_SOURCE:
+	case kernel.Path(r.Path) == kernel.PathSource:
 		e.Stage = "send" // refused at the sender (rule unstampable)
 	case r.Polite != 0:
 		e.Stage = "early"
 	default:
 		e.Stage = "socket"
 	}
-	if r.Family != 1 && uwbpfUwPath(r.Path) != uwbpfUwPathP_BIND && uwbpfUwPath(r.Path) != uwbpfUwPathP_SOURCE {
-		e.Stamp = stampName(r.Stamp)
+	if r.Family != 1 && kernel.Path(r.Path) != kernel.PathBind && kernel.Path(r.Path) != kernel.PathSource {
+		e.Stamp = kernel.StampName(r.Stamp)
 	}
 	e.Listener = Party{UID: r.Luid, User: s.names.User(r.Luid), GID: r.Lgid, Group: s.names.Group(r.Lgid)}
-	if uwbpfUwRule(r.Rule) == uwbpfUwRuleR_SITE_DENY && s.site != nil && r.Family != 1 {
+	if kernel.Rule(r.Rule) == kernel.RuleSiteDeny && s.site != nil && r.Family != 1 {
 		c := policy.Conn{Source: netip.AddrFrom16(r.Saddr).Unmap(), Connector: policy.Identity{UID: r.Cuid, GID: r.Cgid},
 			Listener: policy.Identity{UID: r.Luid, GID: r.Lgid}, Port: r.Dport, Proto: policy.Proto(r.Proto), Node: s.node}
 		if v := s.site(c, r.HasConnector != 0); !v.Allow && v.Rule != policy.RuleDenied {
 			e.SiteRule = string(v.Rule)
 		}
 	}
-	if uwbpfUwRule(r.Rule) == uwbpfUwRuleR_USER_GRANT && s.grant != nil {
+	if kernel.Rule(r.Rule) == kernel.RuleUserGrant && s.grant != nil {
 		e.Grant = s.grant(policy.Conn{Connector: policy.Identity{UID: r.Cuid, GID: r.Cgid},
 			Listener: policy.Identity{UID: r.Luid, GID: r.Lgid}, Port: r.Dport, Proto: policy.Proto(r.Proto)})
 	}
@@ -271,7 +272,7 @@ func (s *eventSink) decodeRecord(r *uwbpfUwEvent) Event {
 		e.Dst = "@" + string(name)
 	} else {
 		e.Dst = addrPort(r.Family, r.Daddr, r.Dport)
-		if uwbpfUwPath(r.Path) != uwbpfUwPathP_BIND { // the packet's source
+		if kernel.Path(r.Path) != kernel.PathBind { // the packet's source
 			e.Src = addrPort(r.Family, r.Saddr, r.Sport)
 		}
 	}
@@ -293,12 +294,12 @@ func (e *Event) sampled() bool {
 }
 
 func (s *eventSink) handle(raw []byte) {
-	var r uwbpfUwEvent
+	var r kernel.RawEvent
 	if err := binary.Read(bytes.NewReader(raw), binary.NativeEndian, &r); err != nil {
 		s.Malformed.Add(1)
 		return
 	}
-	if s.seen != nil && r.HasConnector != 0 && (!ruleAllows(r.Rule) || r.Claim != 0) {
+	if s.seen != nil && r.HasConnector != 0 && (!kernel.RuleAllows(r.Rule) || r.Claim != 0) {
 		s.seen(r.Cuid)
 	}
 	e := s.decodeRecord(&r)

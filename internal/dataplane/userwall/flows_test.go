@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"github.com/palisade-hpc/palisade/internal/identity"
 )
 
@@ -208,7 +209,7 @@ func TestSinkReopenDuringLookup(t *testing.T) {
 	defer s.close()
 	names := blockingNames{asked: make(chan struct{}), release: make(chan struct{})}
 	s.names = identity.NewNameCache(names, time.Minute)
-	r := uwbpfUwEvent{Cuid: 2002, Luid: 2001, Proto: 6, Family: 4, Rule: 8, Path: 2, HasConnector: 1, Dport: 5000}
+	r := kernel.RawEvent{Cuid: 2002, Luid: 2001, Proto: 6, Family: 4, Rule: 8, Path: 2, HasConnector: 1, Dport: 5000}
 	var buf bytes.Buffer
 	binary.Write(&buf, binary.NativeEndian, &r)
 	done := make(chan struct{})

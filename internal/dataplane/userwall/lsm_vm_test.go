@@ -3,7 +3,6 @@ package userwall
 import (
 	"bufio"
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -15,10 +14,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
 	"github.com/cilium/ebpf/ringbuf"
 
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/lab/vm"
 )
@@ -243,43 +241,16 @@ func TestLSMGuest(t *testing.T) {
 	if dir == "" {
 		t.Skip("guest side of TestLSMVM")
 	}
-	cookie, err := NetnsCookie()
+	cookie, err := kernel.NetnsCookie()
 	if err != nil {
 		t.Fatal(err)
 	}
-	spec, err := loadUwbpf()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for name := range spec.Programs {
-		if name != progUnixStream && name != progUnixDgram {
-			delete(spec.Programs, name)
-		}
-	}
-	if err := spec.Variables["netns_cookie"].Set(cookie); err != nil {
-		t.Fatal(err)
-	}
-	coll, err := ebpf.NewCollection(spec)
-	if err != nil {
-		var verr *ebpf.VerifierError
-		if errors.As(err, &verr) {
-			t.Fatalf("load: %+v", verr)
-		}
-		t.Fatalf("load: %v", err)
-	}
-	defer coll.Close()
-	d := &Dataplane{coll: coll, links: map[string]link.Link{}}
 	pol := &policy.Policy{SystemPortMax: 1023, ExemptConnectors: []uint32{0, 2004}, ExemptListeners: []uint32{0, 2004}}
-	if err := d.ApplyPolicy(pol, false); err != nil {
+	d, err := kernel.LoadUnixOnly(cookie, pol)
+	if err != nil {
 		t.Fatal(err)
 	}
-	for _, h := range lsmHooks {
-		l, err := link.AttachLSM(link.LSMOptions{Program: coll.Programs[h.prog]})
-		if err != nil {
-			t.Fatalf("attach %s: %v", h.prog, err)
-		}
-		defer l.Close()
-	}
+	defer d.Close()
 	fmt.Printf("LSM-ATTACHED netns cookie %d\n", cookie)
 	events := filepath.Join(t.TempDir(), "events.jsonl")
 	sink, err := newEventSink(events, false, 1000, slog.New(slog.NewTextHandler(io.Discard, nil)))

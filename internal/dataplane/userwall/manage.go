@@ -6,13 +6,11 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
-	"sort"
 	"syscall"
 	"time"
 
-	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
 	"github.com/palisade-hpc/palisade/internal/config"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"github.com/palisade-hpc/palisade/internal/sys/nldump"
 	"github.com/vishvananda/netlink"
 )
@@ -27,11 +25,11 @@ func Uninstall(o AgentOptions) error {
 	} else if o.PidFile != "" {
 		pidFile = o.PidFile
 	}
-	fs, fsOK := findBPFFS(bpffsDir, 0)
+	fs, fsOK := kernel.FindBPFFS(bpffsDir, 0)
 	if pidFile != "" {
 		if pid := ReadPid(pidFile); pid != 0 && pid != os.Getpid() {
 			if !fsOK {
-				fs, fsOK = findBPFFS(bpffsDir, pid)
+				fs, fsOK = kernel.FindBPFFS(bpffsDir, pid)
 			}
 			syscall.Kill(pid, syscall.SIGTERM)
 			for i := 0; i < 100 && ReadPid(pidFile) == pid; i++ {
@@ -46,17 +44,17 @@ func Uninstall(o AgentOptions) error {
 		os.Remove(pidFile + ".lock")
 		removeState(pidFile)
 	}
-	cookie, err := NetnsCookie()
+	cookie, err := kernel.NetnsCookie()
 	if err != nil {
 		return err
 	}
 	var errs []error
 	if fsOK {
-		errs = append(errs, RemovePins(PinDir(fs, cookie)))
-		CollectStale(fs)
+		errs = append(errs, kernel.RemovePins(kernel.PinDir(fs, cookie)))
+		kernel.CollectStale(fs)
 	}
-	errs = append(errs, removeTCFilters())
-	errs = append(errs, RemoveNft())
+	errs = append(errs, kernel.RemoveTCFilters())
+	errs = append(errs, kernel.RemoveNft())
 	if cfg != nil {
 		errs = append(errs, restoreRouteMTU(cfg.Policy.ClusterSubnets))
 	}
@@ -64,7 +62,7 @@ func Uninstall(o AgentOptions) error {
 }
 
 // restoreRouteMTU removes the MTU the agent gave the routes to stamped
-// destinations (syncRouteMTU), on every device it could have managed.
+// destinations (SyncRouteMTU), on every device it could have managed.
 func restoreRouteMTU(cluster []netip.Prefix) error {
 	links, err := nldump.Retry(netlink.LinkList)
 	if err != nil {
@@ -76,16 +74,8 @@ func restoreRouteMTU(cluster []netip.Prefix) error {
 			l2[l.Attrs().Index] = n
 		}
 	}
-	_, err = syncRouteMTU(cluster, l2, true)
+	_, err = kernel.SyncRouteMTU(cluster, l2, true)
 	return err
-}
-
-// LinkStatus is one pinned attachment.
-type LinkStatus struct {
-	Name    string `json:"name"`
-	Type    string `json:"type"`
-	Program string `json:"program"`
-	ProgID  uint32 `json:"prog_id"`
 }
 
 // Status is what `palisade status` reports for this network namespace.
@@ -99,14 +89,14 @@ type Status struct {
 	Agent  *AgentState `json:"agent,omitempty"`
 	// Attach is how the tc programs are attached: "tcx" links, or "tc"
 	// (clsact + cls_bpf filters, kernels before 6.6).
-	Attach      string       `json:"attach,omitempty"`
-	NetnsCookie uint64       `json:"netns_cookie"`
-	PinDir      string       `json:"pin_dir"`
-	AgentPID    int          `json:"agent_pid"`
-	Links       []LinkStatus `json:"links"`
-	Nft         bool         `json:"nft_table"`
-	Enabled     bool         `json:"enabled"`
-	UnixLSM     bool         `json:"unix_enforced"`
+	Attach      string              `json:"attach,omitempty"`
+	NetnsCookie uint64              `json:"netns_cookie"`
+	PinDir      string              `json:"pin_dir"`
+	AgentPID    int                 `json:"agent_pid"`
+	Links       []kernel.LinkStatus `json:"links"`
+	Nft         bool                `json:"nft_table"`
+	Enabled     bool                `json:"enabled"`
+	UnixLSM     bool                `json:"unix_enforced"`
 	// Audit: decisions are reported, nothing is refused.
 	Audit bool `json:"audit"`
 	// Keys are the ids of the cluster keys in force (the first seals);
@@ -117,10 +107,10 @@ type Status struct {
 	// Errors are what breaks users' or Slurm's traffic while the node
 	// enforces: no usable cluster key, config check's ERRORs for the
 	// running configuration. Status exits 1 with them, as with warnings.
-	Errors   []string  `json:"errors,omitempty"`
-	Counters []Counter `json:"counters"`
+	Errors   []string         `json:"errors,omitempty"`
+	Counters []kernel.Counter `json:"counters"`
 	// Kernel is the feature probe of this node's kernel.
-	Kernel *Probe `json:"kernel,omitempty"`
+	Kernel *kernel.Probe `json:"kernel,omitempty"`
 	// Headline is Summary(): status's first line.
 	Headline string `json:"summary"`
 }
@@ -140,16 +130,16 @@ func getStatus(o AgentOptions, probe bool) (*Status, error) {
 			cfg.Agent.PidFile = o.PidFile
 		}
 	}
-	cookie, err := NetnsCookie()
+	cookie, err := kernel.NetnsCookie()
 	if err != nil {
 		return nil, err
 	}
-	s := &Status{Mode: "none", Source: "kernel", NetnsCookie: cookie, AgentPID: ReadPid(cfg.Agent.PidFile), Nft: NftInstalled()}
+	s := &Status{Mode: "none", Source: "kernel", NetnsCookie: cookie, AgentPID: ReadPid(cfg.Agent.PidFile), Nft: kernel.NftInstalled()}
 	if cfgErr != nil {
 		s.Warnings = append(s.Warnings, "configuration invalid (a reload would be refused): "+cfgErr.Error())
 	}
-	fs, _ := findBPFFS(cfg.Agent.BPFFS, s.AgentPID)
-	s.PinDir = PinDir(fs, cookie)
+	fs, _ := kernel.FindBPFFS(cfg.Agent.BPFFS, s.AgentPID)
+	s.PinDir = kernel.PinDir(fs, cookie)
 	// The running agent's pins, whatever bpffs the file names now.
 	pins := s.PinDir
 	if st := liveState(cfg.Agent.PidFile, s.AgentPID); st != nil && st.PinDir != "" {
@@ -158,100 +148,38 @@ func getStatus(o AgentOptions, probe bool) (*Status, error) {
 		// exec` mounts a fresh /sys without that bpffs. Read them through
 		// the agent's root then.
 		if _, err := os.Stat(pins); err != nil && s.AgentPID > 0 {
-			if p := filepath.Join(fmt.Sprintf("/proc/%d/root", s.AgentPID), pins); isBPFFS(p) {
+			if p := filepath.Join(fmt.Sprintf("/proc/%d/root", s.AgentPID), pins); kernel.IsBPFFS(p) {
 				pins = p
 			}
 		}
 	}
-	linkDir := filepath.Join(pins, "links")
-	names := pinnedNames(linkDir)
-	sort.Strings(names)
-	for _, n := range names {
-		l, err := link.LoadPinnedLink(filepath.Join(linkDir, n), nil)
-		if err != nil {
-			s.Warnings = append(s.Warnings, fmt.Sprintf("pinned link %s unreadable: %v", n, err))
-			continue
-		}
-		ls := LinkStatus{Name: n}
-		if info, err := l.Info(); err == nil {
-			ls.Type = linkTypeName(info.Type)
-			ls.ProgID = uint32(info.Program)
-			if p, err := ebpf.NewProgramFromID(info.Program); err == nil {
-				if pi, err := p.Info(); err == nil {
-					ls.Program = pi.Name
-				}
-				p.Close()
-			}
-		}
-		l.Close()
-		s.Links = append(s.Links, ls)
-		if n == lsmHooks[0].link {
-			s.UnixLSM = true
-		}
-	}
-	tcs, _ := ourTCFilters()
-	for _, f := range tcs {
-		s.Links = append(s.Links, LinkStatus{Name: f.linkName(), Type: "tc", Program: f.prog, ProgID: f.progID})
-	}
-	for _, l := range s.Links {
-		switch l.Type {
-		case "tc":
-			s.Attach = "tc"
-		case "tcx":
-			if s.Attach == "" {
-				s.Attach = "tcx"
-			}
-		}
-	}
+	pv := kernel.ReadPins(pins)
+	s.Links, s.Attach, s.UnixLSM = pv.Links, pv.Attach, pv.UnixLSM
+	s.Enabled, s.Audit, s.Keys, s.Counters = pv.Enabled, pv.Audit, pv.Keys, pv.Counters
+	s.Warnings = append(s.Warnings, pv.Warnings...)
 	// The probe loads programs: only root can run it (as a user every
 	// answer would be EPERM).
 	if probe && os.Geteuid() == 0 {
-		if p, err := ProbeKernel(); err == nil {
+		if p, err := kernel.ProbeKernel(); err == nil {
 			s.Kernel = p
 		} else {
 			s.Warnings = append(s.Warnings, "kernel feature probe failed: "+err.Error())
 		}
 	}
-	if m, err := ebpf.LoadPinnedMap(filepath.Join(pins, "settings"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
-		var c uwbpfUwConfig
-		if m.Lookup(uint32(0), &c) == nil {
-			s.Enabled = c.Enabled != 0
-			s.Audit = c.Audit != 0
-		}
-		m.Close()
-	}
-	if m, err := ebpf.LoadPinnedMap(filepath.Join(pins, "keys"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
-		for i := uint32(0); i < 2; i++ {
-			var k uwbpfUwKey
-			if m.Lookup(i, &k) == nil && k.Valid != 0 {
-				s.Keys = append(s.Keys, uint8(k.Id))
-			}
-		}
-		m.Close()
-	}
 	keyFile := cfg.Cluster.KeyFile
 	if keyFile == "" {
 		keyFile = config.DefaultKeyFile
 	}
-	if _, err := LoadKeys(keyFile); err != nil {
+	if _, err := kernel.LoadKeys(keyFile); err != nil {
 		s.KeyError = err.Error()
 	}
-	if m, err := ebpf.LoadPinnedMap(filepath.Join(pins, "counters"), &ebpf.LoadPinOptions{ReadOnly: true}); err == nil {
-		// audit_counters is absent under programs older than it.
-		am, _ := ebpf.LoadPinnedMap(filepath.Join(pins, "audit_counters"), &ebpf.LoadPinOptions{ReadOnly: true})
-		s.Counters, _ = readCounters(m, am)
-		m.Close()
-		if am != nil {
-			am.Close()
-		}
-	}
-	if len(names) > 0 || len(tcs) > 0 {
+	if pv.Attached {
 		s.Mode = "userwall"
 		if s.AgentPID == 0 {
 			s.Warnings = append(s.Warnings, "agent not running: pinned programs enforce the last policy, but addresses, groups and events are not kept up to date")
 		}
 		if !s.Nft {
-			s.Warnings = append(s.Warnings, "nft table "+NftTable+" missing: refusals are silent drops instead of resets (the agent restores it)")
+			s.Warnings = append(s.Warnings, "nft table "+kernel.NftTable+" missing: refusals are silent drops instead of resets (the agent restores it)")
 		}
 		if s.Audit {
 			s.Warnings = append(s.Warnings, "audit mode: refusals are reported, NOT enforced")
@@ -265,7 +193,7 @@ func getStatus(o AgentOptions, probe bool) (*Status, error) {
 	// summary line names the first warning.
 	if s.Mode == "userwall" && s.Source == "kernel" && !s.UnixLSM {
 		why := "BPF LSM programs could not be loaded or attached"
-		if ok, how := LSMActive(); !ok && how != "" && how[0] == '/' {
+		if ok, how := kernel.LSMActive(); !ok && how != "" && how[0] == '/' {
 			why = "the bpf LSM is not enabled (" + how + "); boot with lsm=...,bpf"
 		}
 		s.Warnings = append(s.Warnings, "abstract Unix sockets are NOT isolated: "+why)
@@ -303,50 +231,4 @@ func (s *Status) Summary() string {
 		return fmt.Sprintf("%s, WARNING: %s%s", state, s.Warnings[0], more(len(s.Warnings)-1))
 	}
 	return state + ", no warnings"
-}
-
-func linkTypeName(t link.Type) string {
-	switch t {
-	case link.CgroupType:
-		return "cgroup"
-	case link.TCXType:
-		return "tcx"
-	case link.TracingType:
-		return "lsm"
-	}
-	return fmt.Sprintf("type-%d", t)
-}
-
-// NamespaceGone reports whether the namespace a pin directory belongs to no
-// longer exists: every agent attaches to lo, and lo lives exactly as long as
-// its namespace, so a tcx link on lo whose device is gone (ifindex 0) means
-// the namespace was deleted without `--uninstall`; in tc mode, the program
-// of lo's egress filter (recorded in tc_lo) is freed with the filter.
-func NamespaceGone(pinDir string) bool {
-	l, err := link.LoadPinnedLink(filepath.Join(pinDir, "links", tcxLinkName("eg", "lo")), nil)
-	if err != nil {
-		gone, _ := tcLoGone(pinDir)
-		return gone
-	}
-	defer l.Close()
-	info, err := l.Info()
-	if err != nil || info.TCX() == nil {
-		return false
-	}
-	return info.TCX().Ifindex == 0
-}
-
-// CollectStale removes the pins of namespaces that no longer exist (their
-// programs can never match a socket again but stay loaded while pinned).
-// Live namespaces, this one included, are never touched.
-func CollectStale(bpffs string) []string {
-	var removed []string
-	root := filepath.Join(bpffs, "palisade")
-	for _, n := range pinnedNames(root) {
-		dir := filepath.Join(root, n)
-		if NamespaceGone(dir) && RemovePins(dir) == nil {
-			removed = append(removed, n)
-		}
-	}
-	return removed
 }

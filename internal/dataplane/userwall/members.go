@@ -2,12 +2,8 @@ package userwall
 
 import (
 	"context"
-	"errors"
-	"path/filepath"
 	"slices"
 	"sync/atomic"
-
-	"github.com/cilium/ebpf"
 
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/membership"
@@ -145,62 +141,4 @@ func (a *agent) runMembers(ctx context.Context) (stop func()) {
 		a.members.Run(ctx)
 	}()
 	return func() { cancel(); <-done }
-}
-
-// MemberPair is one (uid, gid) entry of the kernel's membership map.
-type MemberPair struct{ UID, GID uint32 }
-
-// MissingMembers returns the pairs the members map pinned in pinDir lacks.
-func MissingMembers(pinDir string, pairs []MemberPair) ([]MemberPair, error) {
-	m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, "members"), &ebpf.LoadPinOptions{ReadOnly: true})
-	if err != nil {
-		return nil, err
-	}
-	defer m.Close()
-	var missing []MemberPair
-	var v uint8
-	for _, p := range pairs {
-		err := m.Lookup(uwbpfUwMemberKey{Uid: p.UID, Gid: p.GID}, &v)
-		if errors.Is(err, ebpf.ErrKeyNotExist) {
-			missing = append(missing, p)
-		} else if err != nil {
-			return nil, err
-		}
-	}
-	return missing, nil
-}
-
-// CountMembers returns the number of (uid, gid) entries of the members map
-// pinned in pinDir (benchmarks).
-func CountMembers(pinDir string) (int, error) {
-	m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, "members"), &ebpf.LoadPinOptions{ReadOnly: true})
-	if err != nil {
-		return 0, err
-	}
-	defer m.Close()
-	var k uwbpfUwMemberKey
-	var v uint8
-	n := 0
-	it := m.Iterate()
-	for it.Next(&k, &v) {
-		n++
-	}
-	return n, it.Err()
-}
-
-// KnowsUser reports whether the known-users map pinned in pinDir holds uid:
-// the agent has looked the user up, so membership alone decides for him
-// there, and a gid he carries is sealed only if he is a member of it.
-func KnowsUser(pinDir string, uid uint32) (bool, error) {
-	m, err := ebpf.LoadPinnedMap(filepath.Join(pinDir, "known_users"), &ebpf.LoadPinOptions{ReadOnly: true})
-	if err != nil {
-		return false, err
-	}
-	defer m.Close()
-	var v uint8
-	err = m.Lookup(uid, &v)
-	if errors.Is(err, ebpf.ErrKeyNotExist) {
-		return false, nil
-	}
-	return err == nil, err
 }

@@ -2,38 +2,12 @@ package userwall
 
 import (
 	"context"
-	"errors"
 	"fmt"
-
-	"github.com/cilium/ebpf"
 
 	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/portal"
 )
-
-// SocketOwner is the owner record the programs keep for the socket fd
-// (sk_owners): what every check of this socket will use.
-func (d *Dataplane) SocketOwner(fd int) (uid, gid uint32, err error) {
-	var o uwbpfUwOwner
-	if err := d.Map("sk_owners").Lookup(uint32(fd), &o); err != nil {
-		return 0, 0, err
-	}
-	if o.Set == 0 {
-		return 0, 0, errors.New("owner record not set")
-	}
-	return o.Uid, o.Gid, nil
-}
-
-// ExemptConnector reports whether the kernel's exempt connectors hold uid.
-func (d *Dataplane) ExemptConnector(uid uint32) (bool, error) {
-	var v uint8
-	err := d.Map("exempt_conn").Lookup(uid, &v)
-	if errors.Is(err, ebpf.ErrKeyNotExist) {
-		return false, nil
-	}
-	return err == nil, err
-}
 
 func portalSettings(cfg *config.Config) portal.Settings {
 	return portal.Settings{Config: cfg.Portal, Exempt: cfg.Policy.ExemptConnectors}

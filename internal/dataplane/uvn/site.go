@@ -1,6 +1,7 @@
 package uvn
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -11,6 +12,7 @@ import (
 	"github.com/google/nftables"
 	"github.com/google/nftables/binaryutil"
 	"github.com/google/nftables/expr"
+	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/palisade-hpc/palisade/internal/policy"
@@ -262,7 +264,22 @@ func (s *siteSpec) empty() bool { return s.p == nil || len(s.p.Rules) == 0 }
 //	c<N>: one rule per compiled rule (and family): [l4proto] th dport @p<i>
 //	      [saddr @s<i>_4|6] [saddr @trusted4|6] -> accept | drop
 func installSite(s *siteSpec) error {
-	c, err := nftables.New()
+	// A large policy is thousands of messages in one batch (one sendmsg),
+	// each acked: room for both (ENOBUFS would leave the outcome unknown).
+	c, err := nftables.New(nftables.WithSockOptions(func(nc *netlink.Conn) error {
+		rc, err := nc.SyscallConn()
+		if err != nil {
+			return err
+		}
+		var serr error
+		if err := rc.Control(func(fd uintptr) {
+			serr = errors.Join(unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUFFORCE, 16<<20),
+				unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUFFORCE, 64<<20))
+		}); err != nil {
+			return err
+		}
+		return serr
+	}))
 	if err != nil {
 		return err
 	}
@@ -303,37 +320,31 @@ func (s *siteSpec) add(c *nftables.Conn, t *nftables.Table) error {
 			trusted[fam] = set
 		}
 	}
-	// Port sets by content: a rule's ports differ between the paths
-	// (SrunPortRange).
-	portSets := map[string]*nftables.Set{}
-	portsFor := func(rs []policy.PortRange) (*nftables.Set, error) {
+	// Each chain dispatches on the destination port: an interval map from
+	// port classes (the ranges between its rules' port boundaries) to a
+	// sub-chain of only the rules whose ports hold that class, in order.
+	// A new connection then costs two map lookups plus the rules that
+	// cover its port, whatever the number of rules. Sub-chains do not test
+	// ports, so chains share them.
+	subs := map[string]string{}
+	var subErr error
+	sub := func(ms []siteMatch) string {
 		var k strings.Builder
-		for _, r := range rs {
-			k.WriteString(r.String() + ",")
-		}
-		if set, ok := portSets[k.String()]; ok {
-			return set, nil
-		}
-		set, err := addSet(fmt.Sprintf("p%d", len(portSets)), nftables.TypeInetService, portIntervals(rs))
-		portSets[k.String()] = set
-		return set, err
-	}
-	chainName := func(i int) string { return fmt.Sprintf("c%d", i) }
-	for i, ms := range s.chains {
-		ch := c.AddChain(&nftables.Chain{Name: chainName(i), Table: t})
 		for _, m := range ms {
-			ps, err := portsFor(m.Ports)
-			if err != nil {
-				return err
-			}
+			k.WriteString(strconv.Itoa(m.Rule) + ",")
+		}
+		if name, ok := subs[k.String()]; ok {
+			return name
+		}
+		name := fmt.Sprintf("r%d", len(subs))
+		subs[k.String()] = name
+		ch := c.AddChain(&nftables.Chain{Name: name, Table: t})
+		for _, m := range ms {
 			head := []expr.Any{}
 			if m.Proto != 0 {
 				head = append(head, &expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
 					&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{byte(m.Proto)}})
 			}
-			head = append(head,
-				&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2},
-				&expr.Lookup{SourceRegister: 1, SetName: ps.Name, SetID: ps.ID})
 			verdict := []expr.Any{&expr.Counter{}, &expr.Verdict{Kind: expr.VerdictDrop}}
 			if m.Allow {
 				verdict = []expr.Any{&expr.Counter{}, &expr.Verdict{Kind: expr.VerdictAccept}}
@@ -362,7 +373,7 @@ func (s *siteSpec) add(c *nftables.Conn, t *nftables.Table) error {
 					if !ok {
 						var err error
 						if set, err = addSet(fmt.Sprintf("s%d_%d", m.Rule, fam), typ, els); err != nil {
-							return err
+							subErr = err
 						}
 						srcSet[key] = set
 					}
@@ -378,6 +389,30 @@ func (s *siteSpec) add(c *nftables.Conn, t *nftables.Table) error {
 				c.AddRule(&nftables.Rule{Table: t, Chain: ch, Exprs: cat(e, verdict)})
 			}
 		}
+		return name
+	}
+	chainName := func(i int) string { return fmt.Sprintf("c%d", i) }
+	for i, ms := range s.chains {
+		ch := c.AddChain(&nftables.Chain{Name: chainName(i), Table: t})
+		var els []nftables.SetElement
+		for _, cl := range portClasses(ms) {
+			els = append(els, nftables.SetElement{Key: be16(cl.ports.First), VerdictData: &expr.Verdict{Kind: expr.VerdictGoto, Chain: sub(cl.rules)}})
+			if cl.end {
+				els = append(els, nftables.SetElement{Key: be16(cl.ports.Last + 1), IntervalEnd: true})
+			}
+		}
+		if subErr != nil {
+			return subErr
+		}
+		m := &nftables.Set{Table: t, Name: fmt.Sprintf("m%d", i), IsMap: true, Interval: true,
+			KeyType: nftables.TypeInetService, DataType: nftables.TypeVerdict}
+		if err := c.AddSet(m, els); err != nil {
+			return err
+		}
+		c.AddRule(&nftables.Rule{Table: t, Chain: ch, Exprs: []expr.Any{
+			&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2},
+			&expr.Lookup{SourceRegister: 1, SetName: m.Name, SetID: m.ID, DestRegister: 0, IsDestRegSet: true},
+		}})
 	}
 	// Verdict maps: VRF device -> goto its chain (a chain that matches
 	// nothing returns to the base chain's policy, accept).
@@ -457,26 +492,55 @@ func sitePresent() bool {
 	return err == nil
 }
 
-// portIntervals are merged port ranges as interval-set elements.
-func portIntervals(rs []policy.PortRange) []nftables.SetElement {
-	rs = slices.Clone(rs)
-	slices.SortFunc(rs, func(a, b policy.PortRange) int { return int(a.First) - int(b.First) })
-	var merged []policy.PortRange
-	for _, r := range rs {
-		if n := len(merged); n > 0 && int(r.First) <= int(merged[n-1].Last)+1 {
-			merged[n-1].Last = max(merged[n-1].Last, r.Last)
+// portClass is a range of ports that the same rules of a chain cover.
+type portClass struct {
+	ports policy.PortRange
+	rules []siteMatch
+	// end: an interval end element closes it (every class but one
+	// ending at 65535).
+	end bool
+}
+
+// portClasses splits ms's ports at every rule's boundaries and lists, for
+// each class some rule covers, those rules in order (adjacent classes with
+// the same rules merged).
+func portClasses(ms []siteMatch) []portClass {
+	var cuts []int
+	for _, m := range ms {
+		for _, r := range m.Ports {
+			cuts = append(cuts, int(r.First), int(r.Last)+1)
+		}
+	}
+	slices.Sort(cuts)
+	cuts = slices.Compact(cuts)
+	var out []portClass
+	for j := 0; j+1 < len(cuts); j++ {
+		first, last := uint16(cuts[j]), uint16(cuts[j+1]-1)
+		var rules []siteMatch
+		for _, m := range ms {
+			if slices.ContainsFunc(m.Ports, func(r policy.PortRange) bool { return r.Contains(first) }) {
+				rules = append(rules, m)
+			}
+		}
+		if len(rules) == 0 {
 			continue
 		}
-		merged = append(merged, r)
-	}
-	var els []nftables.SetElement
-	for _, r := range merged {
-		els = append(els, nftables.SetElement{Key: be16(r.First)})
-		if r.Last < 65535 {
-			els = append(els, nftables.SetElement{Key: be16(r.Last + 1), IntervalEnd: true})
+		if n := len(out); n > 0 && int(out[n-1].ports.Last)+1 == int(first) && sameRules(out[n-1].rules, rules) {
+			out[n-1].ports.Last = last
+			continue
 		}
+		out = append(out, portClass{ports: policy.PortRange{First: first, Last: last}, rules: rules})
 	}
-	return els
+	for j := range out {
+		// Adjacent intervals too: the kernel takes an end and a start
+		// with one key (and refuses a start that meets an open interval).
+		out[j].end = out[j].ports.Last < 65535
+	}
+	return out
+}
+
+func sameRules(a, b []siteMatch) bool {
+	return slices.EqualFunc(a, b, func(x, y siteMatch) bool { return x.Rule == y.Rule })
 }
 
 // addrIntervals are the prefixes of one family, merged (overlapping and

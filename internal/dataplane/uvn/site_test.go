@@ -173,3 +173,42 @@ func TestSiteSpecShared(t *testing.T) {
 		t.Errorf("100 users, 2 rules: want 2 own chains + none on the callback path, got %d chains, %d own, %d srun", len(s.chains), len(s.own), len(s.srun))
 	}
 }
+
+// TestSitePortClasses: the port classes of a chain hold, for every port,
+// exactly the rules whose ports contain it, in order; their intervals do
+// not overlap.
+func TestSitePortClasses(t *testing.T) {
+	r := rand.New(rand.NewPCG(23, 2))
+	for world := range 100 {
+		p := &policy.Policy{SystemPortMax: 1023}
+		for i := range 1 + r.IntN(12) {
+			p.Rules = append(p.Rules, randomRule(r, i))
+		}
+		ms := compileSite(p, "node1", siteSrun, SiteUser{UID: 2001, Groups: []uint32{2001}}, pathOwn)
+		cls := portClasses(ms)
+		for j := 1; j < len(cls); j++ {
+			if cls[j].ports.First <= cls[j-1].ports.Last {
+				t.Fatalf("world %d: classes overlap: %+v %+v", world, cls[j-1].ports, cls[j].ports)
+			}
+		}
+		for port := 1024; port <= 65535; port++ {
+			var want []string
+			for _, m := range ms {
+				if slices.ContainsFunc(m.Ports, func(pr policy.PortRange) bool { return pr.Contains(uint16(port)) }) {
+					want = append(want, m.Name)
+				}
+			}
+			var got []string
+			for _, c := range cls {
+				if c.ports.Contains(uint16(port)) {
+					for _, m := range c.rules {
+						got = append(got, m.Name)
+					}
+				}
+			}
+			if !slices.Equal(got, want) {
+				t.Fatalf("world %d port %d: class rules %v, want %v", world, port, got, want)
+			}
+		}
+	}
+}

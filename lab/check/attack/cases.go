@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"github.com/palisade-hpc/palisade/lab/check/craft"
 	uwlab "github.com/palisade-hpc/palisade/lab/modes/userwall"
 	"github.com/palisade-hpc/palisade/lab/testbed"
@@ -886,7 +887,7 @@ func (e *Env) waitListed(node testbed.Node, addrs ...netip.Addr) error {
 	for end := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		missing := 0
 		for _, a := range addrs {
-			if ok, err := userwall.ListsLocalAddr(st.PinDir, a); err != nil {
+			if ok, err := kernel.ListsLocalAddr(st.PinDir, a); err != nil {
 				return err
 			} else if !ok {
 				missing++

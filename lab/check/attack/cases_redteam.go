@@ -10,7 +10,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	uwlab "github.com/palisade-hpc/palisade/lab/modes/userwall"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
@@ -83,7 +83,7 @@ func revokedClaimFirstContact() *Case {
 			if err != nil {
 				return err
 			}
-			if known, err := userwall.KnowsUser(pinA, outsiderID); err != nil {
+			if known, err := kernel.KnowsUser(pinA, outsiderID); err != nil {
 				return err
 			} else if known {
 				// An earlier case or run made A look carol up: a new
@@ -116,7 +116,7 @@ func revokedClaimFirstContact() *Case {
 			if err := uwlab.WaitKnown(e.Ctx, e.TB, e.B.Name, outsiderID, true, 10*time.Second); err != nil {
 				return err
 			}
-			if known, err := userwall.KnowsUser(pinA, outsiderID); err != nil || known {
+			if known, err := kernel.KnowsUser(pinA, outsiderID); err != nil || known {
 				return fmt.Errorf("%s looked carol up before her first connection (%v): the case cannot show first contact", e.A.Name, err)
 			}
 			// bob's gid is vouched for by B, and A counts it either way.
@@ -209,9 +209,9 @@ func groupNearMTU(kind string) *Case {
 			}
 			// Payload sizes: the IP and UDP headers plus the stamp's room
 			// fill the MTU exactly (fits), or the room is missing (big).
-			hdr, room := 28, userwall.StampRoom4
+			hdr, room := 28, kernel.StampRoom4
 			if fam == 6 {
-				hdr, room = 48, userwall.StampRoom6
+				hdr, room = 48, kernel.StampRoom6
 			}
 			fit, big := mtu-hdr-room, mtu-hdr
 			s, err := e.Sink(r, e.A.Name, Victim, SinkSpec{Sock: Sock{Proto: "udp", Family: fam, Bind: ap(wild(fam), p)}})

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	uwlab "github.com/palisade-hpc/palisade/lab/modes/userwall"
 )
 
@@ -289,7 +290,7 @@ func connectedUDPTTL() *Case {
 					time.Sleep(50 * time.Millisecond)
 				}
 			}
-			if err := uwlab.StartAgentEnv(e.Ctx, e.TB, e.A, []string{userwall.TestPeerTTLEnv + "=" + itoa(ttl)}); err != nil {
+			if err := uwlab.StartAgentEnv(e.Ctx, e.TB, e.A, []string{kernel.TestPeerTTLEnv + "=" + itoa(ttl)}); err != nil {
 				return err
 			}
 			if err := e.background(r, e.Outside.Name, "root", "ready", "python3", "-c", connServer, "0.0.0.0", itoa(e.Port), itoa(ttl+2)); err != nil {

@@ -393,6 +393,9 @@ type Options struct {
 	// Mode picks the case set: "userwall" (default: Cases) or "uvn"
 	// (UVNCases, in the uvn VM).
 	Mode string
+	// Actors runs each user's steps in one long-lived process per node
+	// (`probe act --serve`) instead of a process per step.
+	Actors bool
 }
 
 // CasesFor is the case set of a mode, or an error for a mode without one.
@@ -428,11 +431,11 @@ func RunSuite(ctx context.Context, tb *testbed.Testbed, opts Options) ([]*Result
 	// cross-node cases without a process start per case.
 	present := map[string]bool{}
 	var acts *actors
-	if opts.Mode == "uvn" {
-		// Every user's command is a login there: one per user and node
-		// for the whole suite, not one per step.
+	if opts.Actors {
 		acts = newActors(ctx)
 		defer acts.close()
+	}
+	if opts.Mode == "uvn" {
 		hold := &Run{}
 		defer func() {
 			for _, s := range hold.sinks {

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"maps"
 	"os"
 	"os/exec"
@@ -360,8 +361,8 @@ func TestUpgradeChangedLayout(t *testing.T) {
 				bin  []byte
 				// the map only N+1 has: pinned at commit, pin removed by N
 				added, dropped string
-			}{{"N → N+1 (changed layout)", variant, uw.LayoutNextMap, ""},
-				{"N+1 → N (downgrade, changed layout)", regular, "", uw.LayoutNextMap}} {
+			}{{"N → N+1 (changed layout)", variant, kernel.LayoutNextMap, ""},
+				{"N+1 → N (downgrade, changed layout)", regular, "", kernel.LayoutNextMap}} {
 				before := status(t, "node1")
 				ids := pinnedMapIDs(t, before.PinDir)
 				var total uint64

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/hex"
 	"fmt"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -34,16 +35,16 @@ func waitKeys(t *testing.T, node string, want []uint8) {
 	}
 }
 
-func newKey(t *testing.T) (uw.Key, string) {
+func newKey(t *testing.T) (kernel.Key, string) {
 	t.Helper()
-	keys, err := uw.ParseKeys(uw.GenerateKey())
+	keys, err := kernel.ParseKeys(kernel.GenerateKey())
 	if err != nil {
 		t.Fatal(err)
 	}
 	return keys[0], hex.EncodeToString(keys[0][:])
 }
 
-func ids(keys ...uw.Key) []uint8 {
+func ids(keys ...kernel.Key) []uint8 {
 	var out []uint8
 	for _, k := range keys {
 		out = append(out, k.ID())
@@ -64,7 +65,7 @@ func TestKeyRotation(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	k1s, err := uw.ParseKeys(orig)
+	k1s, err := kernel.ParseKeys(orig)
 	if err != nil {
 		t.Fatal(err)
 	}

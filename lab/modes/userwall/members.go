@@ -7,7 +7,7 @@ import (
 	"time"
 
 	"github.com/palisade-hpc/palisade/internal/config"
-	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/internal/sys/netns"
 	"github.com/palisade-hpc/palisade/lab/check"
@@ -46,14 +46,14 @@ func SettleCheck(ctx context.Context, tb *testbed.Testbed, cases []*check.Case) 
 // nodeCookie is the netns cookie of a testbed node (its agent's pin dir).
 func nodeCookie(n testbed.Node) (c uint64, err error) {
 	err = netns.DoPath("/run/netns/"+n.NetNS, func() (err error) {
-		c, err = uw.NetnsCookie()
+		c, err = kernel.NetnsCookie()
 		return err
 	})
 	return c, err
 }
 
 // MemberPair is one (uid, gid) entry of the kernel's membership map.
-type MemberPair = uw.MemberPair
+type MemberPair = kernel.MemberPair
 
 // WaitMembers waits until the members map the agent of node loaded holds
 // every pair: the agent's acknowledgement that what it learns from new
@@ -71,10 +71,10 @@ func WaitMembers(ctx context.Context, tb *testbed.Testbed, node string, pairs []
 	if c, err := config.Load(tb.ConfigPath(node)); err == nil {
 		fs = c.Agent.BPFFS
 	}
-	pinDir := uw.PinDir(fs, cookie)
+	pinDir := kernel.PinDir(fs, cookie)
 	deadline := time.Now().Add(timeout)
 	for {
-		missing, err := uw.MissingMembers(pinDir, pairs)
+		missing, err := kernel.MissingMembers(pinDir, pairs)
 		if err == nil && len(missing) == 0 {
 			return nil
 		}
@@ -106,7 +106,7 @@ func NodePinDir(tb *testbed.Testbed, node string) (string, error) {
 	if c, err := config.Load(tb.ConfigPath(node)); err == nil {
 		fs = c.Agent.BPFFS
 	}
-	return uw.PinDir(fs, cookie), nil
+	return kernel.PinDir(fs, cookie), nil
 }
 
 // WaitKnown waits until node's agent has (want) or has not (!want) looked
@@ -118,7 +118,7 @@ func WaitKnown(ctx context.Context, tb *testbed.Testbed, node string, uid uint32
 	}
 	deadline := time.Now().Add(timeout)
 	for {
-		got, err := uw.KnowsUser(pinDir, uid)
+		got, err := kernel.KnowsUser(pinDir, uid)
 		if err == nil && got == want {
 			return nil
 		}

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -204,14 +205,14 @@ func TestTCAttach(t *testing.T) {
 	cookie := strconv.FormatUint(statusOf().NetnsCookie, 10)
 	stop(agent)
 	pins := filepath.Join("/sys/fs/bpf/palisade", cookie)
-	if uw.NamespaceGone(pins) {
+	if kernel.NamespaceGone(pins) {
 		t.Fatal("namespace reported gone while it exists")
 	}
 	exec.Command("ip", "netns", "del", ns).Run()
-	for i := 0; i < 100 && !uw.NamespaceGone(pins); i++ {
+	for i := 0; i < 100 && !kernel.NamespaceGone(pins); i++ {
 		time.Sleep(50 * time.Millisecond)
 	}
-	uw.CollectStale("/sys/fs/bpf")
+	kernel.CollectStale("/sys/fs/bpf")
 	if _, err := os.Stat(pins); !os.IsNotExist(err) {
 		t.Fatalf("stale pins of the deleted tc-mode namespace %s left", cookie)
 	}

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
 
@@ -780,10 +781,10 @@ func TestNoIdentityFromCluster(t *testing.T) {
 		{"node2", "", "tcp", a, 22, "OK*", nil}, // system ports stay open
 	})
 	if !waitEvent(t, "node1", func(e uw.Event) bool {
-		return e.Dst == a+":5171" && e.Rule == uw.RuleUnstamped && e.Connector == nil
+		return e.Dst == a+":5171" && e.Rule == kernel.RuleUnstamped && e.Connector == nil
 	}) {
 		// From a cluster node, a SYN without identity is not "off-cluster".
-		t.Error("no " + uw.RuleUnstamped + " event for the option-less SYN")
+		t.Error("no " + kernel.RuleUnstamped + " event for the option-less SYN")
 	}
 }
 
@@ -856,19 +857,19 @@ func TestCollectStale(t *testing.T) {
 	cmd.Process.Signal(syscall.SIGTERM)
 	<-exited
 	pins := filepath.Join("/sys/fs/bpf/palisade", cookie)
-	if uw.NamespaceGone(pins) {
+	if kernel.NamespaceGone(pins) {
 		t.Fatal("namespace reported gone while it exists")
 	}
 	exec.Command("ip", "netns", "del", ns).Run()
 	// The kernel dismantles a deleted namespace in a work queue of its
 	// own: wait for its loopback to go (the bound only guards a hang; a
 	// fixed 5 s here could end first under load, as the agent's start did).
-	for deadline := time.Now().Add(time.Minute); !uw.NamespaceGone(pins); time.Sleep(50 * time.Millisecond) {
+	for deadline := time.Now().Add(time.Minute); !kernel.NamespaceGone(pins); time.Sleep(50 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatalf("namespace %s (cookie %s) still not gone a minute after ip netns del", ns, cookie)
 		}
 	}
-	removed := uw.CollectStale("/sys/fs/bpf")
+	removed := kernel.CollectStale("/sys/fs/bpf")
 	if _, err := os.Stat(pins); !os.IsNotExist(err) {
 		t.Fatalf("stale pins of deleted namespace %s left (removed %v)", cookie, removed)
 	}
@@ -898,11 +899,11 @@ func TestUninstall(t *testing.T) {
 		if s.Mode != "none" || s.Nft || s.AgentPID != 0 {
 			t.Errorf("%s after uninstall: %+v", n.Name, s)
 		}
-		if _, err := os.Stat(uw.PinDir("/sys/fs/bpf", cookies[i])); !os.IsNotExist(err) {
+		if _, err := os.Stat(kernel.PinDir("/sys/fs/bpf", cookies[i])); !os.IsNotExist(err) {
 			t.Errorf("%s: pin dir left: %v", n.Name, err)
 		}
 		out, _ := exec.Command("ip", "netns", "exec", n.NetNS, "nft", "list", "tables").CombinedOutput()
-		if strings.Contains(string(out), uw.NftTable) {
+		if strings.Contains(string(out), kernel.NftTable) {
 			t.Errorf("%s: nft table left: %s", n.Name, out)
 		}
 	}

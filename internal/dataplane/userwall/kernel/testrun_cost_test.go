@@ -1,4 +1,4 @@
-package userwall
+package kernel
 
 // The exact per-packet cost of the packet programs without traffic: every
 // program of the object that judges packets (tc, cgroup skb; found by type)
@@ -8,7 +8,7 @@ package userwall
 // same type on the same frame is the floor: what the hook and the test run
 // cost by themselves. On demand only (it judges no behaviour):
 //
-//	PALISADE_TESTRUN_COSTS=1 go test -run TestRunCosts -v ./internal/dataplane/userwall
+//	PALISADE_TESTRUN_COSTS=1 go test -run TestRunCosts -v ./internal/dataplane/userwall/kernel
 //
 // PALISADE_TESTRUN_SITE_RULES=0,1000 (the default: 0) runs the table once per
 // number of site rules: random rules none of the canonical packets match,

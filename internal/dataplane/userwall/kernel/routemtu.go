@@ -1,4 +1,4 @@
-package userwall
+package kernel
 
 import (
 	"errors"
@@ -59,21 +59,21 @@ func stampedRoute(dst netip.Prefix, cluster []netip.Prefix) bool {
 	return false
 }
 
-// routeChange is one route whose MTU syncRouteMTU set (or would restore).
-type routeChange struct {
+// RouteChange is one route whose MTU SyncRouteMTU set (or would restore).
+type RouteChange struct {
 	Dst      netip.Prefix
 	Dev      string
 	From, To int
 }
 
-// syncRouteMTU gives every main-table route to a stamped destination through
+// SyncRouteMTU gives every main-table route to a stamped destination through
 // one of the managed devices (lo excepted: it carries tokens, not stamps,
 // where a stamp does not fit) the MTU StampMTU says, unless the route already
 // has one at most that. restore undoes it (uninstall): routes at exactly the
 // MTU the agent gives lose their MTU. l2 maps managed ifindexes to their L2
 // header length.
-func syncRouteMTU(cluster []netip.Prefix, l2 map[int]int, restore bool) ([]routeChange, error) {
-	var changed []routeChange
+func SyncRouteMTU(cluster []netip.Prefix, l2 map[int]int, restore bool) ([]RouteChange, error) {
+	var changed []RouteChange
 	var errs []error
 	for _, fam := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
 		rs, err := nldump.Retry(func() ([]netlink.Route, error) {
@@ -126,7 +126,7 @@ func syncRouteMTU(cluster []netip.Prefix, l2 map[int]int, restore bool) ([]route
 			case restore, r.MTU != 0 && r.MTU <= want:
 				continue
 			}
-			ch := routeChange{Dst: dst, Dev: link.Attrs().Name, From: r.MTU, To: to}
+			ch := RouteChange{Dst: dst, Dev: link.Attrs().Name, From: r.MTU, To: to}
 			nr := r
 			nr.MTU = to
 			if err := netlink.RouteReplace(&nr); err != nil {

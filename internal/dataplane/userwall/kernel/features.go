@@ -1,4 +1,4 @@
-package userwall
+package kernel
 
 import (
 	"errors"
@@ -456,9 +456,9 @@ func probeLSMAttach() error {
 	return l.Close()
 }
 
-// chooseTC decides between tcx links and clsact filters for the tc
+// ChooseTC decides between tcx links and clsact filters for the tc
 // programs, from the configuration (tc_attach) and the probe.
-func chooseTC(mode string, p *Probe) (useTC bool, why string, err error) {
+func ChooseTC(mode string, p *Probe) (useTC bool, why string, err error) {
 	tcx, cls := p.Has(FeatTCX), p.Has(FeatClsact)
 	switch mode {
 	case "tcx":
@@ -468,7 +468,7 @@ func chooseTC(mode string, p *Probe) (useTC bool, why string, err error) {
 		return false, "tc_attach = tcx", nil
 	case "tc":
 		if !cls {
-			return false, "", fmt.Errorf("tc_attach = \"tc\" but clsact/cls_bpf is unavailable: %s; nothing was changed", featureDetail(p, FeatClsact))
+			return false, "", fmt.Errorf("tc_attach = \"tc\" but clsact/cls_bpf is unavailable: %s; nothing was changed", FeatureDetail(p, FeatClsact))
 		}
 		return true, "tc_attach = tc", nil
 	}
@@ -478,14 +478,14 @@ func chooseTC(mode string, p *Probe) (useTC bool, why string, err error) {
 	return true, "no tcx links on this kernel (Linux < 6.6): clsact + cls_bpf", nil
 }
 
-func attachName(tc bool) string {
+func AttachName(tc bool) string {
 	if tc {
 		return "tc"
 	}
 	return "tcx"
 }
 
-func featureDetail(p *Probe, name string) string {
+func FeatureDetail(p *Probe, name string) string {
 	for _, f := range p.Features {
 		if f.Name == name {
 			return f.Detail

@@ -1,4 +1,4 @@
-package userwall
+package kernel
 
 import "github.com/palisade-hpc/palisade/internal/policy"
 
@@ -63,15 +63,15 @@ var stampNames = map[uwbpfUwStamp]string{
 	uwbpfUwStampS_UNTRUSTED_SOURCE: "untrusted-source",
 }
 
-func ruleName(r uint8) string {
+func RuleName(r uint8) string {
 	if n, ok := ruleNames[uwbpfUwRule(r)]; ok {
 		return n
 	}
 	return "unknown"
 }
 
-// ruleAllows mirrors allows() in the C.
-func ruleAllows(r uint8) bool {
+// RuleAllows mirrors allows() in the C.
+func RuleAllows(r uint8) bool {
 	switch uwbpfUwRule(r) {
 	case uwbpfUwRuleR_DENIED, uwbpfUwRuleR_OFFCLUSTER_DENIED, uwbpfUwRuleR_UNCLASSIFIED, uwbpfUwRuleR_COBIND,
 		uwbpfUwRuleR_FOREIGN_SOURCE, uwbpfUwRuleR_UNSTAMPED_FROM_CLUSTER, uwbpfUwRuleR_UNSTAMPABLE,
@@ -81,14 +81,14 @@ func ruleAllows(r uint8) bool {
 	return true
 }
 
-func pathName(p uint8) string {
+func PathName(p uint8) string {
 	if n, ok := pathNames[uwbpfUwPath(p)]; ok {
 		return n
 	}
 	return "unknown"
 }
 
-func stampName(s uint8) string {
+func StampName(s uint8) string {
 	if n, ok := stampNames[uwbpfUwStamp(s)]; ok {
 		return n
 	}

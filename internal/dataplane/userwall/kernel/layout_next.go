@@ -1,6 +1,6 @@
 //go:build palisade_layout_next
 
-package userwall
+package kernel
 
 import (
 	"fmt"

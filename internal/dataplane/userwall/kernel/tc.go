@@ -1,4 +1,4 @@
-package userwall
+package kernel
 
 import (
 	"errors"
@@ -205,8 +205,8 @@ func ourTCFilters() ([]tcFilter, error) {
 	return out, nil
 }
 
-// removeTCFilters deletes our filters on every interface (uninstall).
-func removeTCFilters() error {
+// RemoveTCFilters deletes our filters on every interface (uninstall).
+func RemoveTCFilters() error {
 	fs, err := ourTCFilters()
 	if err != nil {
 		return err

@@ -1,4 +1,4 @@
-package userwall
+package kernel
 
 // The differential test of the data plane: the real eBPF object, loaded
 // without pinning or attaching anything, judges thousands of crafted packets
@@ -188,11 +188,11 @@ type verdict struct {
 func (v verdict) String() string {
 	s := fmt.Sprintf("deliver=%v rule=%s audited=%v", v.deliver, ruleOrNone(v.rule), v.audited)
 	if v.rule != 0 {
-		s += " path=" + pathName(uint8(v.path))
+		s += " path=" + PathName(uint8(v.path))
 	}
 	if e := v.event; e != nil {
 		s += fmt.Sprintf(" event{rule=%s stamp=%s conn=%v cuid=%d cgid=%d luid=%d lgid=%d audit=%d}",
-			ruleName(e.Rule), stampName(e.Stamp), e.HasConnector, e.Cuid, e.Cgid, e.Luid, e.Lgid, e.Audit)
+			RuleName(e.Rule), StampName(e.Stamp), e.HasConnector, e.Cuid, e.Cgid, e.Luid, e.Lgid, e.Audit)
 	}
 	return s
 }
@@ -201,7 +201,7 @@ func ruleOrNone(r uwbpfUwRule) string {
 	if r == 0 {
 		return "none"
 	}
-	return ruleName(uint8(r))
+	return RuleName(uint8(r))
 }
 
 // run judges frame with the receiving socket sock.
@@ -703,10 +703,10 @@ func (w *world) check(c *tcase, got verdict) string {
 	if got.rule != rule {
 		diffs = append(diffs, fmt.Sprintf("rule %s, want %s", ruleOrNone(got.rule), ruleOrNone(rule)))
 	} else if rule != 0 && got.path != path {
-		diffs = append(diffs, fmt.Sprintf("path %s, want %s", pathName(uint8(got.path)), pathName(uint8(path))))
+		diffs = append(diffs, fmt.Sprintf("path %s, want %s", PathName(uint8(got.path)), PathName(uint8(path))))
 	}
 	// Metrics never count a would-be refusal as a refusal.
-	if want := w.audit && rule != 0 && !ruleAllows(uint8(rule)); got.audited != want {
+	if want := w.audit && rule != 0 && !RuleAllows(uint8(rule)); got.audited != want {
 		diffs = append(diffs, fmt.Sprintf("counted in audit_counters %v, want %v", got.audited, want))
 	}
 	e := got.event
@@ -717,13 +717,13 @@ func (w *world) check(c *tcase, got verdict) string {
 		diffs = append(diffs, "an event, want none")
 	case e != nil:
 		if uwbpfUwRule(e.Rule) != rule || uwbpfUwStamp(e.Stamp) != st {
-			diffs = append(diffs, fmt.Sprintf("event rule %s stamp %s, want %s %s", ruleName(e.Rule),
-				stampName(e.Stamp), ruleOrNone(rule), stampName(uint8(st))))
+			diffs = append(diffs, fmt.Sprintf("event rule %s stamp %s, want %s %s", RuleName(e.Rule),
+				StampName(e.Stamp), ruleOrNone(rule), StampName(uint8(st))))
 		}
 		cuid, cgid := c.carried()
 		hasConn := st == uwbpfUwStampS_VALID
 		wantAudit := uint8(0)
-		if w.audit && !ruleAllows(uint8(rule)) {
+		if w.audit && !RuleAllows(uint8(rule)) {
 			wantAudit = 1
 		}
 		if (e.HasConnector == 1) != hasConn || (hasConn && (e.Cuid != cuid || e.Cgid != cgid)) ||
@@ -742,7 +742,7 @@ func (w *world) check(c *tcase, got verdict) string {
 		return ""
 	}
 	return fmt.Sprintf("%s\n    kernel:    %s\n    reference: deliver=%v rule=%s stamp=%s event=%v",
-		strings.Join(diffs, "; "), got, deliver, ruleOrNone(rule), stampName(uint8(st)), event)
+		strings.Join(diffs, "; "), got, deliver, ruleOrNone(rule), StampName(uint8(st)), event)
 }
 
 // Users and groups of the worlds: small sets, so that same-user,
@@ -1056,7 +1056,7 @@ func TestDifferential(t *testing.T) {
 	if seed == 0 {
 		seed = uint64(time.Now().UnixNano())
 	}
-	t.Logf("seed %d (reproduce: go test -run TestDifferential ./internal/dataplane/userwall/ -args -diff.seed=%d)", seed, seed)
+	t.Logf("seed %d (reproduce: go test -run TestDifferential ./internal/dataplane/userwall/kernel -args -diff.seed=%d)", seed, seed)
 	r := rand.New(rand.NewPCG(seed, 0x9e))
 	_, _, foreign := keySet()
 	ws := worlds()

@@ -1,4 +1,4 @@
-package userwall
+package kernel
 
 import (
 	"context"

@@ -1,4 +1,4 @@
-package userwall
+package kernel
 
 import (
 	"sort"
@@ -40,7 +40,7 @@ func readCounterMap(m *ebpf.Map, audit bool) ([]Counter, error) {
 				sum += v
 			}
 			if sum > 0 {
-				out = append(out, Counter{Path: pname, Rule: ruleName(uint8(r)), Allowed: ruleAllows(uint8(r)) && !audit, Audit: audit, Count: sum})
+				out = append(out, Counter{Path: pname, Rule: RuleName(uint8(r)), Allowed: RuleAllows(uint8(r)) && !audit, Audit: audit, Count: sum})
 			}
 		}
 	}

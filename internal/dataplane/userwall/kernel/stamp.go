@@ -1,23 +1,19 @@
-package userwall
+package kernel
 
 import (
 	"bufio"
 	"bytes"
-	"cmp"
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io/fs"
 	"math/bits"
 	"net/netip"
 	"os"
 	"strings"
 	"syscall"
-
-	"github.com/palisade-hpc/palisade/internal/config"
 )
 
 // The identity stamp (version 2) is sealed with SipHash-2-4 keyed by the
@@ -202,22 +198,4 @@ func LoadKeys(path string) ([]Key, error) {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	return keys, nil
-}
-
-// KeyFinding checks the cluster key as the agent loads it: without a usable
-// key no identity from another node is trusted, so every user's cross-node
-// traffic is refused — an ERROR of config check, refused by a reload.
-// (Skipped when the caller may not read it.)
-func KeyFinding(cfg *config.Config) (config.Finding, bool) {
-	if len(cfg.Policy.ClusterSubnets) == 0 {
-		return config.Finding{}, false
-	}
-	path := cmp.Or(cfg.Cluster.KeyFile, config.DefaultKeyFile)
-	_, err := LoadKeys(path)
-	if err == nil || errors.Is(err, fs.ErrPermission) {
-		return config.Finding{}, false
-	}
-	return config.Finding{Severity: config.Problem, Level: config.Problem.String(), Key: "cluster.key_file", Line: cfg.KeyLine("cluster.key_file"),
-		Msg: fmt.Sprintf("%v: identity from other nodes is not trusted, users' cross-node traffic is refused "+
-			"(make one: (umask 077; openssl rand -hex 16 > %s), the same on every node)", err, path)}, true
 }

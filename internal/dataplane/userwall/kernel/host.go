@@ -1,4 +1,4 @@
-package userwall
+package kernel
 
 import (
 	"fmt"
@@ -16,7 +16,7 @@ import (
 // bpf_get_netns_cookie returns for its sockets).
 func NetnsCookie() (uint64, error) { return netns.Cookie() }
 
-func isBPFFS(path string) bool {
+func IsBPFFS(path string) bool {
 	var st unix.Statfs_t
 	return unix.Statfs(path, &st) == nil && uint32(st.Type) == unix.BPF_FS_MAGIC
 }
@@ -28,7 +28,7 @@ func isBPFFS(path string) bool {
 // command finds them, so site units and the testbed start the agent in the
 // host's mount namespace (see docs/userwall.md).
 func BPFFS(dir string) (string, error) {
-	if isBPFFS(dir) {
+	if IsBPFFS(dir) {
 		return dir, nil
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -40,16 +40,16 @@ func BPFFS(dir string) (string, error) {
 	return dir, nil
 }
 
-// findBPFFS locates an existing bpffs for read-only use (status, uninstall):
+// FindBPFFS locates an existing bpffs for read-only use (status, uninstall):
 // dir itself, or dir as the running agent sees it (/proc/PID/root/...) when
 // the caller is in another mount namespace.
-func findBPFFS(dir string, agentPid int) (string, bool) {
-	if isBPFFS(dir) {
+func FindBPFFS(dir string, agentPid int) (string, bool) {
+	if IsBPFFS(dir) {
 		return dir, true
 	}
 	if agentPid > 0 {
 		p := filepath.Join(fmt.Sprintf("/proc/%d/root", agentPid), dir)
-		if isBPFFS(p) {
+		if IsBPFFS(p) {
 			return p, true
 		}
 	}
