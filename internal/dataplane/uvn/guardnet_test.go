@@ -2,12 +2,14 @@ package uvn
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"net/netip"
 	"os"
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
 	vnetns "github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -278,6 +280,9 @@ func TestGuardStrayNetwork(t *testing.T) {
 				t.Errorf("control: alice's connection: read: %v", err)
 			}
 		})
+		if os.Getenv("PALISADE_UVN_GUARD_COST") != "" {
+			guardNetCost(t, coll, as, alice)
+		}
 		// An exempt account is a system service.
 		if err := coll.Maps[guardbpfMapPalUvnExempt].Put(uint32(alice), uint8(1)); err != nil {
 			return err
@@ -287,4 +292,59 @@ func TestGuardStrayNetwork(t *testing.T) {
 		unsolicited("unsolicited")
 		return nil
 	})
+}
+
+// guardNetCost (PALISADE_UVN_GUARD_COST=1) reports what the packet programs
+// cost per run for unconnected UDP to the remote node's echo and back: as
+// root (a system account: no network check) and as alice's stray socket
+// (each datagram out noted among its peers, each reply looked up there).
+func guardNetCost(t *testing.T, coll *ebpf.Collection, as func(int, func()), alice int) {
+	stats, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stats.Close()
+	progs := map[string]*ebpf.Program{"egress": coll.Programs[guardbpfProgPalUvnOut], "ingress": coll.Programs[guardbpfProgPalUvnIn]}
+	for _, who := range []struct {
+		name string
+		uid  int
+	}{{"root", 0}, {"stray user", alice}} {
+		var fd int
+		as(who.uid, func() {
+			fd, err = unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		tv := unix.NsecToTimeval(int64(5 * time.Second))
+		unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
+		before := map[string]*ebpf.ProgramStats{}
+		for name, p := range progs {
+			if before[name], err = p.Stats(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		to := &unix.SockaddrInet4{Port: 29330, Addr: [4]byte{198, 18, 5, 2}}
+		buf := make([]byte, 64)
+		const n = 5000
+		for i := 0; i < n; i++ {
+			if err := unix.Sendto(fd, buf, 0, to); err != nil {
+				t.Fatal(err)
+			}
+			if _, _, err := unix.Recvfrom(fd, buf, 0); err != nil {
+				t.Fatalf("%s: reply %d: %v", who.name, i, err)
+			}
+		}
+		unix.Close(fd)
+		for name, p := range progs {
+			st, err := p.Stats()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if runs := st.RunCount - before[name].RunCount; runs > 0 {
+				t.Log(fmt.Sprintf("%-10s %-8s %6d runs, %5.0f ns per run", who.name, name, runs,
+					float64((st.Runtime-before[name].Runtime).Nanoseconds())/float64(runs)))
+			}
+		}
+	}
 }
