@@ -21,6 +21,7 @@ import (
 
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/portal"
+	"github.com/palisade-hpc/palisade/internal/sys/unixserve"
 )
 
 func portalCommand() *cobra.Command {
@@ -260,32 +261,21 @@ func forwardListener(listen, mode, group string) (net.Listener, func(), error) {
 		if err != nil {
 			return nil, nil, fmt.Errorf("--mode %q: %w", mode, err)
 		}
-		if fi, err := os.Lstat(p); err == nil {
-			if fi.Mode()&os.ModeSocket == 0 {
-				return nil, nil, fmt.Errorf("%s exists and is not a socket", p)
+		gid := -1
+		if group != "" {
+			g, err := identity.GID(identity.System(), group)
+			if err != nil {
+				return nil, nil, fmt.Errorf("--group %s: %w", group, err)
 			}
-			os.Remove(p)
+			gid = int(g)
 		}
-		l, err := net.Listen("unix", p)
+		// Made under a temporary name with its mode and group, then
+		// renamed: never reachable by more than those it is for.
+		l, err := unixserve.Listen(p, os.FileMode(m), gid)
 		if err != nil {
 			return nil, nil, err
 		}
-		cleanup := func() { l.Close() }
-		if err := os.Chmod(p, os.FileMode(m)); err != nil {
-			cleanup()
-			return nil, nil, err
-		}
-		if group != "" {
-			gid, err := identity.GID(identity.System(), group)
-			if err == nil {
-				err = os.Chown(p, -1, int(gid))
-			}
-			if err != nil {
-				cleanup()
-				return nil, nil, fmt.Errorf("--group %s: %w", group, err)
-			}
-		}
-		return l, cleanup, nil
+		return l, func() { l.Close() }, nil
 	}
 	host, _, err := net.SplitHostPort(listen)
 	if err != nil {

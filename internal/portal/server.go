@@ -10,8 +10,6 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"path/filepath"
-	"runtime/debug"
 	"slices"
 	"strconv"
 	"sync"
@@ -19,7 +17,7 @@ import (
 	"time"
 
 	"github.com/palisade-hpc/palisade/internal/identity"
-	"github.com/palisade-hpc/palisade/internal/sys/peercred"
+	"github.com/palisade-hpc/palisade/internal/sys/unixserve"
 	"golang.org/x/sys/unix"
 )
 
@@ -50,18 +48,18 @@ type Server struct {
 	proxyCache atomic.Pointer[proxies]
 	now        func() time.Time
 
-	l    *net.UnixListener
-	path string
-	file os.FileInfo
+	l *unixserve.Listener
 
-	mu         sync.Mutex
-	inflight   map[uint32]int // requests being served per peer uid
-	sessions   map[sessionKey]*session
-	holds      map[uint32]int // held sessions per user
-	relays     int            // delegated connections open
-	userRelays map[uint32]int // … per user
-	gen        uint64
-	ctx        context.Context
+	mu       sync.Mutex
+	inflight map[uint32]int // requests being served per peer uid
+	// userInflight is inflight's sum over users (not the proxies).
+	userInflight int
+	sessions     map[sessionKey]*session
+	holds        map[uint32]int // held sessions per user
+	relays       int            // delegated connections open
+	userRelays   map[uint32]int // … per user
+	gen          uint64
+	ctx          context.Context
 }
 
 type sessionKey struct{ uid, proxy uint32 }
@@ -138,32 +136,14 @@ func (s *Server) proxySet(st *Settings) *proxies {
 	return ps
 }
 
-// Listen creates the socket at path (mode 0666; a stale socket replaced).
+// Listen creates the socket at path (mode 0666: every request is
+// authorised by its sender; a stale socket replaced).
 func (s *Server) Listen(path string) error {
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return err
-	}
-	if fi, err := os.Lstat(path); err == nil && fi.Mode()&os.ModeSocket == 0 {
-		return fmt.Errorf("%s exists and is not a socket", path)
-	}
-	tmp := fmt.Sprintf("%s.%d.tmp", path, os.Getpid())
-	os.Remove(tmp)
-	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: tmp, Net: "unix"})
+	l, err := unixserve.Listen(path, 0o666, -1)
 	if err != nil {
 		return err
 	}
-	l.SetUnlinkOnClose(false)
-	err = os.Chmod(tmp, 0o666) // every request is authorised by its sender
-	if err == nil {
-		err = os.Rename(tmp, path)
-	}
-	if err != nil {
-		l.Close()
-		os.Remove(tmp)
-		return err
-	}
-	s.l, s.path = l, path
-	s.file, _ = os.Lstat(path)
+	s.l = l
 	return nil
 }
 
@@ -172,68 +152,30 @@ func (s *Server) Serve(ctx context.Context) {
 	s.mu.Lock()
 	s.ctx = ctx
 	s.mu.Unlock()
-	sem := make(chan struct{}, maxClients)
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	for {
-		c, err := s.l.AcceptUnix()
-		if err != nil {
-			return
-		}
+	unixserve.Serve(s.l, unixserve.Options{Max: maxClients, Name: "portal", Log: s.log,
 		// Any user may connect: a user who opens connections and sends
 		// nothing holds each for requestTimeout. Slots are bounded per
 		// peer uid before the shared ones, so he cannot starve the
 		// proxies (or other users) of the delegation.
-		cr, err := peercred.Of(c)
-		if err != nil {
-			c.Close()
-			continue
-		}
-		slot := cr.Uid
-		if _, proxy := s.proxyUID(s.settings.Load(), slot); proxy {
-			slot = proxyPeer // the proxies share the whole budget
-		}
-		if !s.take(slot) {
-			c.Close()
-			continue
-		}
-		select {
-		case sem <- struct{}{}:
-		default:
-			s.give(slot)
-			c.Close()
-			continue
-		}
-		wg.Go(func() {
-			released := false
-			release := func() {
-				if !released {
-					released = true
-					<-sem
-					s.give(slot)
-				}
+		Admit: func(peer *unix.Ucred) (func(), bool) {
+			slot := peer.Uid
+			if _, proxy := s.proxyUID(s.settings.Load(), slot); proxy {
+				slot = proxyPeer // the proxies share the whole budget
 			}
-			defer release()
-			defer c.Close()
-			// A bug in one request must not end the agent (and with it
-			// enforcement's upkeep): it fails that request only.
-			defer func() {
-				if p := recover(); p != nil {
-					s.log.Error("portal request failed", "panic", p, "stack", string(debug.Stack()))
-				}
-			}()
-			s.serveConn(ctx, c, release)
-		})
-	}
+			if !s.take(slot) {
+				return nil, false
+			}
+			return func() { s.give(slot) }, true
+		}},
+		// A bug in one request must not end the agent (and with it
+		// enforcement's upkeep): it fails that request only.
+		func(c *net.UnixConn, peer *unix.Ucred, release func()) { s.serveConn(ctx, c, peer, release) })
 }
 
 // Close stops accepting, removes the socket and ends held sessions.
 func (s *Server) Close() {
 	if s.l != nil {
 		s.l.Close()
-		if fi, err := os.Lstat(s.path); err == nil && s.file != nil && os.SameFile(fi, s.file) {
-			os.Remove(s.path)
-		}
 	}
 }
 
@@ -245,14 +187,11 @@ const proxyPeer = ^uint32(0)
 func (s *Server) take(uid uint32) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	users := 0
-	for u, n := range s.inflight {
-		if u != proxyPeer {
-			users += n
+	if uid != proxyPeer {
+		if s.inflight[uid] >= maxPerUID || s.userInflight >= maxUsers {
+			return false
 		}
-	}
-	if uid != proxyPeer && (s.inflight[uid] >= maxPerUID || users >= maxUsers) {
-		return false
+		s.userInflight++
 	}
 	s.inflight[uid]++
 	return true
@@ -262,17 +201,16 @@ func (s *Server) take(uid uint32) bool {
 func (s *Server) give(uid uint32) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if uid != proxyPeer {
+		s.userInflight--
+	}
 	if s.inflight[uid]--; s.inflight[uid] <= 0 {
 		delete(s.inflight, uid)
 	}
 }
 
-func (s *Server) serveConn(ctx context.Context, c *net.UnixConn, release func()) {
+func (s *Server) serveConn(ctx context.Context, c *net.UnixConn, cr *unix.Ucred, release func()) {
 	c.SetDeadline(time.Now().Add(requestTimeout))
-	cr, err := peercred.Of(c)
-	if err != nil {
-		return
-	}
 	r := bufio.NewReaderSize(c, 4096)
 	line, err := r.ReadSlice('\n')
 	if err != nil && !(errors.Is(err, io.EOF) && len(line) > 0) {
@@ -545,18 +483,46 @@ const (
 // proxy never holds the user's socket: with it, it could disconnect it
 // (connect AF_UNSPEC) and connect it again anywhere, or bind and listen on
 // it, as the user, long after her session ended (redteam, session 7).
-func (s *Server) relay(fd int, uid uint32) (int, error) {
+func (s *Server) relay(fd int, uid uint32) (proxyEnd int, err error) {
+	// What is still this function's when it fails, released in one place:
+	// the descriptors and connections not handed on, the relay's count.
+	fds := []int{fd}
+	var conns []net.Conn
+	var done func()
+	defer func() {
+		if err == nil {
+			return
+		}
+		for _, c := range conns {
+			c.Close()
+		}
+		for _, f := range fds {
+			closeFD(f)
+		}
+		if done != nil {
+			done()
+		}
+	}()
+	// fileConn takes its descriptor, whatever it returns.
+	conn := func(fd int, name string) (net.Conn, error) {
+		fds = slices.DeleteFunc(fds, func(f int) bool { return f == fd })
+		c, err := fileConn(fd, name)
+		if err == nil {
+			conns = append(conns, c)
+		}
+		return c, err
+	}
 	s.mu.Lock()
 	if s.relays >= maxRelays || s.userRelays[uid] >= maxRelaysPerUID {
-		s.mu.Unlock()
-		closeFD(fd)
-		return -1, fmt.Errorf("too many delegated connections open (%d of %d in all, %d of %d for uid %d)",
+		err = fmt.Errorf("too many delegated connections open (%d of %d in all, %d of %d for uid %d)",
 			s.relays, maxRelays, s.userRelays[uid], maxRelaysPerUID, uid)
+		s.mu.Unlock()
+		return -1, err
 	}
 	s.relays++
 	s.userRelays[uid]++
 	s.mu.Unlock()
-	done := func() {
+	done = func() {
 		s.mu.Lock()
 		s.relays--
 		if s.userRelays[uid]--; s.userRelays[uid] <= 0 {
@@ -566,22 +532,15 @@ func (s *Server) relay(fd int, uid uint32) (int, error) {
 	}
 	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
-		done()
-		closeFD(fd)
 		return -1, err
 	}
-	up, err := fileConn(fd, "portal-user")
+	fds = append(fds, pair[0], pair[1])
+	up, err := conn(fd, "portal-user")
 	if err != nil {
-		done()
-		closeFD(pair[0])
-		closeFD(pair[1])
 		return -1, err
 	}
-	down, err := fileConn(pair[0], "portal-proxy")
+	down, err := conn(pair[0], "portal-proxy")
 	if err != nil {
-		done()
-		up.Close()
-		closeFD(pair[1])
 		return -1, err
 	}
 	go func() {

@@ -11,7 +11,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -20,13 +19,14 @@ import (
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 	"golang.org/x/time/rate"
 
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
 	"github.com/palisade-hpc/palisade/internal/sys/nldump"
-	"github.com/palisade-hpc/palisade/internal/sys/peercred"
 	"github.com/palisade-hpc/palisade/internal/sys/pktinfo"
+	"github.com/palisade-hpc/palisade/internal/sys/unixserve"
 )
 
 // ServerConfig configures the ident service.
@@ -87,11 +87,10 @@ type Server struct {
 	rtnl   *netlink.Handle
 	ns     netns.NsHandle
 	udp    *net.UDPConn
-	unixL  *net.UnixListener
+	unixL  *unixserve.Listener
 	client Client
 	limit  *rate.Limiter
 
-	sockFile  os.FileInfo // the Unix socket as created, to remove only ours
 	closeOnce sync.Once
 
 	answered, noSocket, badQuery, unpriv, offCluster, rateLimited, unixQ, forwarded, reports, data atomic.Uint64
@@ -157,10 +156,14 @@ func NewServer(cfg ServerConfig) (_ *Server, err error) {
 		}
 	}
 	if !cfg.DisableUnix {
-		if s.unixL, err = listenUnix(cfg.SocketPath, gid); err != nil {
-			return nil, err
+		// Root's and the socket group's only (0600, or 0660 with a group).
+		mode := os.FileMode(0o600)
+		if gid >= 0 {
+			mode = 0o660
 		}
-		s.sockFile, _ = os.Lstat(cfg.SocketPath)
+		if s.unixL, err = unixserve.Listen(cfg.SocketPath, mode, gid); err != nil {
+			return nil, fmt.Errorf("ident: %w", err)
+		}
 	}
 	return s, nil
 }
@@ -173,43 +176,6 @@ func lookupGroup(g string) (int, error) {
 	return int(gid), nil
 }
 
-// listenUnix binds the API socket under a temporary name, sets its owner
-// and mode, then renames it into place, so nobody outside the group can
-// connect in between. A stale socket from a crashed run is replaced; any
-// other file at path is an error.
-func listenUnix(path string, gid int) (*net.UnixListener, error) {
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return nil, fmt.Errorf("ident: %w", err)
-	}
-	if fi, err := os.Lstat(path); err == nil && fi.Mode()&os.ModeSocket == 0 {
-		return nil, fmt.Errorf("ident: %s exists and is not a socket", path)
-	}
-	tmp := fmt.Sprintf("%s.%d.tmp", path, os.Getpid())
-	os.Remove(tmp)
-	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: tmp, Net: "unix"})
-	if err != nil {
-		return nil, fmt.Errorf("ident: %w", err)
-	}
-	l.SetUnlinkOnClose(false)
-	mode := os.FileMode(0o600)
-	if gid >= 0 {
-		mode = 0o660
-		err = os.Chown(tmp, 0, gid)
-	}
-	if err == nil {
-		err = os.Chmod(tmp, mode)
-	}
-	if err == nil {
-		err = os.Rename(tmp, path)
-	}
-	if err != nil {
-		l.Close()
-		os.Remove(tmp)
-		return nil, fmt.Errorf("ident: %w", err)
-	}
-	return l, nil
-}
-
 // Close releases everything NewServer opened, for a server that will not
 // Run (Run closes by itself). It is safe to call more than once.
 func (s *Server) Close() { s.closeOnce.Do(s.close) }
@@ -219,12 +185,7 @@ func (s *Server) close() {
 		s.udp.Close()
 	}
 	if s.unixL != nil {
-		s.unixL.Close()
-		// Remove the socket only if it is still ours: a restarted
-		// service may already have put its own in place.
-		if fi, err := os.Lstat(s.cfg.SocketPath); err == nil && s.sockFile != nil && os.SameFile(fi, s.sockFile) {
-			os.Remove(s.cfg.SocketPath)
-		}
+		s.unixL.Close() // removes the socket if it is still ours
 	}
 	if s.res != nil {
 		s.res.Close()
@@ -393,36 +354,19 @@ func (s *Server) count(a *Answer) *Answer {
 const maxUnixConns = 64
 
 func (s *Server) serveUnix(ctx context.Context) error {
-	sem := make(chan struct{}, maxUnixConns)
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	for {
-		c, err := s.unixL.AcceptUnix()
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
-				return nil
-			}
-			return fmt.Errorf("ident: unix API: %w", err)
-		}
-		select {
-		case sem <- struct{}{}:
-		default:
-			c.Close() // busy: the client sees EOF and may retry
-			continue
-		}
-		wg.Go(func() {
-			defer func() { <-sem }()
-			s.serveUnixConn(ctx, c)
-		})
+	// Busy: the client sees EOF and may retry.
+	err := unixserve.Serve(s.unixL, unixserve.Options{Max: maxUnixConns, Name: "ident unix API", Log: s.log},
+		func(c *net.UnixConn, peer *unix.Ucred, _ func()) { s.serveUnixConn(ctx, c, int(peer.Uid)) })
+	if err != nil {
+		return fmt.Errorf("ident: unix API: %w", err)
 	}
+	return nil
 }
 
 // unixIdle closes an API connection that sends nothing for this long.
 const unixIdle = 30 * time.Second
 
-func (s *Server) serveUnixConn(ctx context.Context, c *net.UnixConn) {
-	defer c.Close()
-	asker := peerUID(c)
+func (s *Server) serveUnixConn(ctx context.Context, c *net.UnixConn, asker int) {
 	stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Now()) })
 	defer stop()
 	r := bufio.NewReaderSize(c, maxQuery+1)
@@ -508,16 +452,6 @@ func isLocalIn(h *netlink.Handle, a netip.Addr) bool {
 		}
 	}
 	return false
-}
-
-// peerUID is the uid of the Unix API client (SO_PEERCRED), for the log;
-// -1 if unknown.
-func peerUID(c *net.UnixConn) int {
-	cr, err := peercred.Of(c)
-	if err != nil {
-		return -1
-	}
-	return int(cr.Uid)
 }
 
 // warnUnprivilegedPorts warns when this node lets ordinary users bind

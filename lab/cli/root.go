@@ -24,6 +24,7 @@ func New() *cobra.Command {
 		vmCommand(),
 		probeCommand(),
 		egressOutsideCommand(),
+		unitExecCommand(),
 	)
 	cli.AddVersion(root)
 	return root

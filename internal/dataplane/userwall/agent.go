@@ -217,6 +217,11 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 	if err := os.WriteFile(pidFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
 		return err
 	}
+	// 0644 whatever the umask (the unit's is 0077): users' `palisade
+	// status` reads it too.
+	if err := os.Chmod(pidFile, 0o644); err != nil {
+		return err
+	}
 	defer func() {
 		if ReadPid(pidFile) == os.Getpid() {
 			os.Remove(pidFile)
@@ -645,6 +650,11 @@ func (a *agent) syncAddrs() error {
 	a.localAddrs.Store(&set)
 	if err := a.dp.SetLocalAddrs(addrs); err != nil {
 		return err
+	}
+	if err := a.dp.SetNodeAddrs(addrs); err != nil {
+		// Fails closed for users only (their wildcard binds that share
+		// a port): never a reason to stop the agent.
+		a.log.Warn("node address list for the bind check incomplete", "err", err)
 	}
 	if err := a.dp.SetBroadcasts(bcast); err != nil {
 		return err

@@ -11,6 +11,7 @@ import (
 	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/policy"
 	ident "github.com/palisade-hpc/palisade/internal/sockowner"
+	"github.com/palisade-hpc/palisade/internal/sys/unixserve"
 )
 
 // flowConfig is what the flow recorder and the flows socket read of the
@@ -78,13 +79,14 @@ func (a *agent) isLocalAddr(x netip.Addr) bool {
 // serveFlows serves the flows socket; the returned func stops it.
 func (a *agent) serveFlows(ctx context.Context) (stop func(), err error) {
 	path := FlowsSocketPath(a.cfg.Agent.PidFile)
-	l, fi, err := listenFlows(path)
+	// Open to every user: who may see what is decided per asker.
+	l, err := unixserve.Listen(path, 0o666, -1)
 	if err != nil {
 		return nil, err
 	}
-	s := &flowServer{rec: a.flows, grants: a.grants, path: path, l: l, file: fi, cfg: a.flowCfg.Load, remoteAsks: rate.NewLimiter(20, 20)}
+	s := &flowServer{rec: a.flows, grants: a.grants, l: l, log: a.log, cfg: a.flowCfg.Load, remoteAsks: rate.NewLimiter(20, 20)}
 	ctx, cancel := context.WithCancel(ctx)
-	return goJoined(func() { s.serve(ctx) }, func() { cancel(); s.close() }, nil), nil
+	return goJoined(func() { s.serve(ctx) }, func() { cancel(); l.Close() }, nil), nil
 }
 
 // close releases the recorder's socket lookups (after run returned).

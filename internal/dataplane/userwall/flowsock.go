@@ -7,20 +7,20 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/netip"
-	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"golang.org/x/time/rate"
 
 	"github.com/palisade-hpc/palisade/internal/policy"
 	ident "github.com/palisade-hpc/palisade/internal/sockowner"
-	"github.com/palisade-hpc/palisade/internal/sys/peercred"
+	"github.com/palisade-hpc/palisade/internal/sys/unixserve"
 )
 
 // The flows socket: the agent's local API for `palisade flows` and
@@ -82,9 +82,8 @@ type flowTarget struct {
 type flowServer struct {
 	rec    *flowRecorder
 	grants *grantStore
-	path   string
-	l      *net.UnixListener
-	file   os.FileInfo
+	l      *unixserve.Listener
+	log    *slog.Logger
 	cfg    func() *flowConfig // the main loop's: [cluster] nodes, ident port, subnets
 	// remoteAsks bounds the requests that go to other nodes (each asks
 	// every node named): a user's loop cannot make this agent flood the
@@ -96,78 +95,15 @@ type flowServer struct {
 // are 424).
 const maxParallelAsks = 64
 
-func listenFlows(path string) (*net.UnixListener, os.FileInfo, error) {
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return nil, nil, err
-	}
-	if fi, err := os.Lstat(path); err == nil && fi.Mode()&os.ModeSocket == 0 {
-		return nil, nil, fmt.Errorf("%s exists and is not a socket", path)
-	}
-	tmp := fmt.Sprintf("%s.%d.tmp", path, os.Getpid())
-	os.Remove(tmp)
-	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: tmp, Net: "unix"})
-	if err != nil {
-		return nil, nil, err
-	}
-	l.SetUnlinkOnClose(false)
-	err = os.Chmod(tmp, 0o666) // who may see what is decided per asker
-	if err == nil {
-		err = os.Rename(tmp, path)
-	}
-	if err != nil {
-		l.Close()
-		os.Remove(tmp)
-		return nil, nil, err
-	}
-	fi, _ := os.Lstat(path)
-	return l, fi, nil
-}
-
 // serve accepts until the listener is closed (at most 16 clients at once).
 func (s *flowServer) serve(ctx context.Context) {
-	sem := make(chan struct{}, 16)
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	for {
-		c, err := s.l.AcceptUnix()
-		if err != nil {
-			return
-		}
-		select {
-		case sem <- struct{}{}:
-		default:
-			c.Close()
-			continue
-		}
-		wg.Go(func() {
-			defer func() { <-sem }()
-			defer c.Close()
-			s.serveConn(ctx, c)
-		})
-	}
+	unixserve.Serve(s.l, unixserve.Options{Max: 16, Name: "flows", Log: s.log}, func(c *net.UnixConn, peer *unix.Ucred, _ func()) {
+		s.serveConn(ctx, c, peer.Uid)
+	})
 }
 
-func (s *flowServer) close() {
-	s.l.Close()
-	if fi, err := os.Lstat(s.path); err == nil && s.file != nil && os.SameFile(fi, s.file) {
-		os.Remove(s.path)
-	}
-}
-
-func askerUID(c *net.UnixConn) (uint32, bool) {
-	cr, err := peercred.Of(c)
-	if err != nil {
-		return 0, false
-	}
-	return cr.Uid, true
-}
-
-func (s *flowServer) serveConn(ctx context.Context, c *net.UnixConn) {
+func (s *flowServer) serveConn(ctx context.Context, c *net.UnixConn, uid uint32) {
 	c.SetDeadline(time.Now().Add(30 * time.Second))
-	uid, ok := askerUID(c)
-	if !ok {
-		return
-	}
 	r := bufio.NewReaderSize(c, 8192)
 	line, err := r.ReadSlice('\n')
 	if err != nil && !(errors.Is(err, io.EOF) && len(line) > 0) {

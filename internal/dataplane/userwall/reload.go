@@ -89,6 +89,11 @@ func (a *agent) setState(update func(*AgentState)) {
 	tmp := path + ".tmp"
 	err := os.WriteFile(tmp, append(b, '\n'), 0o644)
 	if err == nil {
+		// 0644 whatever the umask (the unit's is 0077): users' `palisade
+		// status` reads it.
+		err = os.Chmod(tmp, 0o644)
+	}
+	if err == nil {
 		err = os.Rename(tmp, path)
 	}
 	if err != nil {

@@ -51,6 +51,10 @@ type SinkSpec struct {
 	// Creds, for a sink run as root: the ids it takes before it opens its
 	// socket (a process that kept a group's gid, as sg leaves it).
 	Creds *Creds `json:"creds,omitempty"`
+	// Connect (datagram sockets): connected to this address once bound
+	// (a wildcard socket is then rehashed onto the source address the
+	// route picks, and takes only that peer's datagrams).
+	Connect string `json:"connect,omitempty"`
 }
 
 // SinkLine is one line of sink output: "ready" once bound (with the bound
@@ -136,6 +140,16 @@ func serve(spec SinkSpec, enc *json.Encoder, mu *sync.Mutex, gate <-chan struct{
 	if spec.stream() {
 		if err := unix.Listen(fd, 128); err != nil {
 			emit(SinkLine{Type: "error", Error: at("listen", err).Error(), Errno: Errno(err)})
+			return err
+		}
+	}
+	if spec.Connect != "" && !spec.stream() {
+		sa, err := sockaddr(spec.Sock, spec.Connect)
+		if err == nil {
+			err = connectFD(fd, sa)
+		}
+		if err != nil {
+			emit(SinkLine{Type: "error", Error: at("connect", err).Error(), Errno: Errno(err)})
 			return err
 		}
 	}

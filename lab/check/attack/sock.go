@@ -69,6 +69,10 @@ type Sock struct {
 	// socket whose incoming CPU is the receiving CPU scores one more in
 	// the kernel's UDP lookup (unprivileged).
 	IncomingCPU int `json:"incoming_cpu,omitempty"`
+	// LocalPort narrows the socket's ephemeral range to this one port
+	// (IP_LOCAL_PORT_RANGE, Linux 6.3, unprivileged): the port the kernel
+	// picks at bind(port 0) or autobind.
+	LocalPort int `json:"local_port,omitempty"`
 }
 
 const (
@@ -190,6 +194,12 @@ func (s Sock) open() (int, error) {
 	if s.IncomingCPU > 0 {
 		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_INCOMING_CPU, s.IncomingCPU-1); err != nil {
 			return fail("SO_INCOMING_CPU", err)
+		}
+	}
+	if s.LocalPort > 0 {
+		const ipLocalPortRange = 51
+		if err := unix.SetsockoptInt(fd, unix.IPPROTO_IP, ipLocalPortRange, s.LocalPort|s.LocalPort<<16); err != nil {
+			return fail("IP_LOCAL_PORT_RANGE", err)
 		}
 	}
 	if s.Broadcast {

@@ -83,7 +83,8 @@ func procCaps(t *testing.T, pid int, field string) string {
 }
 
 // TestAgentAsTheUnitRunsIt: the testbed's agents run with exactly the
-// shipped unit's capabilities, no_new_privs and read-only /etc and /usr;
+// shipped unit's capabilities, no_new_privs, read-only /etc and /usr, its
+// system call filter and umask;
 // under them the ident service still sees other users' processes: `who`
 // from another node names the listener's process and group, and root's
 // explain decides (before CAP_SYS_PTRACE was in the unit: "process not
@@ -120,6 +121,10 @@ func TestAgentAsTheUnitRunsIt(t *testing.T) {
 	st, _ := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if !regexp.MustCompile(`(?m)^NoNewPrivs:\s*1$`).Match(st) {
 		t.Errorf("agent runs without no_new_privs")
+	}
+	// The unit's system call filter (2: a seccomp filter) and umask.
+	if !strings.Contains(string(st), "\nSeccomp:\t2\n") || !strings.Contains(string(st), "\nUmask:\t"+u.Umask+"\n") {
+		t.Errorf("agent's seccomp mode and umask (want 2, %s):\n%s\n%s", u.Umask, grepLines(string(st), "Seccomp:"), grepLines(string(st), "Umask:"))
 	}
 	mi, _ := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", pid))
 	for _, d := range []string{"/etc", "/usr"} {

@@ -10,28 +10,27 @@ import (
 	"regexp"
 	"slices"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
 	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 )
 
-// waitKeys reloads node's agent and waits until its status shows exactly
-// the key ids want (the agent's acknowledgement of the new key file).
+// waitKeys reloads node's agent and checks that its status shows exactly
+// the key ids want.
 func waitKeys(t *testing.T, node string, want []uint8) {
 	t.Helper()
-	syscall.Kill(uw.ReadPid(AgentPidFile(tb, node)), syscall.SIGHUP)
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		got := status(t, node).Keys
-		if slices.Equal(got, want) {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: key ids %v after reload, want %v", node, got, want)
-		}
-		time.Sleep(50 * time.Millisecond)
+	// The reload's acknowledgement (the state file, written last), then
+	// the keys: a reload loads them before it acknowledges. Polling the
+	// keys instead returned while the reload was still running when they
+	// were already the wanted ones (the restore), and its acknowledgement
+	// then answered the next test's reload (TestPolicyTooLargeRefused:
+	// "reload applied (generation 6 → 7), want refused").
+	if _, err := signalReload(node); err != nil {
+		t.Fatal(err)
+	}
+	if got := status(t, node).Keys; !slices.Equal(got, want) {
+		t.Fatalf("%s: key ids %v after reload, want %v", node, got, want)
 	}
 }
 

@@ -51,7 +51,11 @@ func nodeCommand(ctx context.Context, tb *testbed.Testbed, n testbed.Node, args 
 		if err != nil {
 			panic("palisade-agent.service: " + err.Error()) // a unit the lab cannot run is a bug of this change
 		}
-		argv = append(argv, u.Prefix()...)
+		prefix, err := u.Prefix(tb.LabBinary)
+		if err != nil {
+			panic("palisade-agent.service: " + err.Error()) // idem: its system call filter cannot be built here
+		}
+		argv = append(argv, prefix...)
 	}
 	argv = append(append(argv, tb.Binary), args...)
 	argv = append(argv, "--config", tb.ConfigPath(n.Name))

@@ -1,21 +1,32 @@
 package userwall
 
 import (
+	"cmp"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
+	"syscall"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/palisade-hpc/palisade/packaging/systemd"
 )
 
 // UnitSandbox is how palisade-agent.service runs the agent, read from the
-// shipped unit: its capability bounding set, NoNewPrivileges= and the paths
-// ProtectSystem= and ProtectHome= make read-only. The agent runs as root
-// (the unit has no User=).
+// shipped unit: its capability bounding set, NoNewPrivileges=, the paths
+// ProtectSystem= and ProtectHome= make read-only, UMask= and the system
+// call filter (SystemCallFilter=, SystemCallErrorNumber=,
+// SystemCallArchitectures=native; seccomp.go). The agent runs as root (the
+// unit has no User=).
 type UnitSandbox struct {
 	Caps       []string // lower-case names without "cap_", as setpriv takes them
 	NoNewPrivs bool
 	ReadOnly   []string
+	Umask      string   // octal, "" = systemd's default 0022
+	Syscalls   []string // SystemCallFilter= allow list (names, @groups); nil = no filter
+	SysErrno   int      // SystemCallErrorNumber= (0: a refused call kills the process)
+	NativeArch bool     // SystemCallArchitectures=native
 }
 
 // AgentUnit parses the shipped agent unit. A setting the lab cannot emulate
@@ -64,13 +75,44 @@ func parseUnit(text string) (UnitSandbox, error) {
 			default:
 				return u, fmt.Errorf("ProtectHome=%s is not emulated", v)
 			}
+		case "UMask":
+			if _, err := strconv.ParseUint(v, 8, 32); err != nil {
+				return u, fmt.Errorf("UMask=%s: want octal", v)
+			}
+			u.Umask = v
+		case "SystemCallFilter":
+			if strings.HasPrefix(v, "~") {
+				return u, fmt.Errorf("SystemCallFilter=~ (a deny list) is not emulated")
+			}
+			if v == "" {
+				u.Syscalls = nil
+				continue
+			}
+			u.Syscalls = append(u.Syscalls, strings.Fields(v)...) // lines add up, as in systemd
+		case "SystemCallErrorNumber":
+			for e := syscall.Errno(1); e < 256 && u.SysErrno == 0; e++ {
+				if unix.ErrnoName(e) == v {
+					u.SysErrno = int(e)
+				}
+			}
+			if u.SysErrno == 0 {
+				return u, fmt.Errorf("SystemCallErrorNumber=%s is not emulated (an errno name)", v)
+			}
+		case "SystemCallArchitectures":
+			if v != "native" {
+				return u, fmt.Errorf("SystemCallArchitectures=%s is not emulated (native is)", v)
+			}
+			u.NativeArch = true
 		case "User", "DynamicUser", "AmbientCapabilities", "ProtectKernelTunables", "ProtectControlGroups",
-			"PrivateTmp", "PrivateDevices", "ReadOnlyPaths", "InaccessiblePaths", "SystemCallFilter", "RestrictAddressFamilies":
+			"PrivateTmp", "PrivateDevices", "ReadOnlyPaths", "InaccessiblePaths", "RestrictAddressFamilies":
 			return u, fmt.Errorf("%s= is not emulated by the lab (lab/modes/userwall/unit.go): add it", k)
 		}
 	}
 	if len(u.Caps) == 0 {
 		return u, fmt.Errorf("the unit has no CapabilityBoundingSet")
+	}
+	if (u.SysErrno != 0 || u.NativeArch) && u.Syscalls == nil {
+		return u, fmt.Errorf("SystemCallErrorNumber= or SystemCallArchitectures= without SystemCallFilter= is not emulated")
 	}
 	slices.Sort(u.Caps)
 	return u, nil
@@ -78,10 +120,11 @@ func parseUnit(text string) (UnitSandbox, error) {
 
 // Prefix is the argv prefix that execs the rest as the unit would: a mount
 // namespace of its own (slave: the host's bpffs and cgroup mounts stay
-// visible) with the protected paths read-only, then setpriv with the
-// bounding set, nothing inheritable and no_new_privs. Root's permitted and
+// visible) with the protected paths read-only and the unit's umask, then
+// setpriv with the bounding set, nothing inheritable and no_new_privs, then
+// (lab: the lab binary) the system call filter. Root's permitted and
 // effective sets after exec are the bounding set, as under systemd.
-func (u UnitSandbox) Prefix() []string {
+func (u UnitSandbox) Prefix(lab string) ([]string, error) {
 	caps := "-all"
 	for _, c := range u.Caps {
 		caps += ",+" + c
@@ -91,6 +134,22 @@ func (u UnitSandbox) Prefix() []string {
 		setpriv = append(setpriv, "--no-new-privs")
 	}
 	setpriv = append(setpriv, "--")
-	script := `ro=$1; shift; for d in $ro; do [ -d "$d" ] || continue; mount --rbind "$d" "$d" && mount -o remount,bind,ro "$d" || exit 1; done; exec "$@"`
-	return append([]string{"unshare", "--mount", "--propagation", "slave", "--", "/bin/sh", "-c", script, "sh", strings.Join(u.ReadOnly, " ")}, setpriv...)
+	if u.Syscalls != nil {
+		allow, err := resolveSyscalls(u.Syscalls)
+		if err != nil {
+			return nil, err
+		}
+		nums := make([]string, len(allow))
+		for i, n := range allow {
+			nums[i] = strconv.FormatUint(uint64(n), 10)
+		}
+		setpriv = append(setpriv, lab, UnitExecCommand, "--allow", strings.Join(nums, ","), "--errno", strconv.Itoa(u.SysErrno), "--")
+	}
+	umask := cmp.Or(u.Umask, "0022")
+	script := `umask ` + umask + `; ro=$1; shift; for d in $ro; do [ -d "$d" ] || continue; mount --rbind "$d" "$d" && mount -o remount,bind,ro "$d" || exit 1; done; exec "$@"`
+	return append([]string{"unshare", "--mount", "--propagation", "slave", "--", "/bin/sh", "-c", script, "sh", strings.Join(u.ReadOnly, " ")}, setpriv...), nil
 }
+
+// UnitExecCommand is the lab's hidden command that applies the filter
+// (UnitExec).
+const UnitExecCommand = "__unit-exec"

@@ -95,6 +95,12 @@ elif mode == 'loop':
 var helper string
 
 func TestMain(m *testing.M) {
+	// TestUnitExec runs this binary as the lab's __unit-exec.
+	if os.Getenv(unitExecEnv) == "1" && len(os.Args) > 1 && os.Args[1] == UnitExecCommand {
+		err := UnitExec(os.Args[2:])
+		fmt.Fprintln(os.Stderr, UnitExecCommand+":", err)
+		os.Exit(126)
+	}
 	testbed.RegisterMode(ModeName, TestbedMode{}) // as cmd/palisade-lab wires it
 	flag.Parse()
 	if os.Geteuid() != 0 || testing.Short() {

@@ -316,6 +316,23 @@ struct {
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 } bcast_addrs SEC(".maps");
 
+/* The node's unicast addresses as a list (local_addrs is a trie, which a
+ * program cannot walk): a user's wildcard bind is checked against another
+ * user's socket on each of them (bind_check). n == 0: not written yet. */
+#define MAX_NODE_ADDRS 128
+struct uw_node_addrs {
+	__u32 n;
+	__u32 _pad;
+	__u8 addr[MAX_NODE_ADDRS][16]; /* IPv6, or IPv4-mapped IPv6 */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct uw_node_addrs);
+} node_addrs SEC(".maps");
+
 /* Bitmap of the ports off-cluster sources may reach: bit p%64 of word p/64. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -1432,6 +1449,81 @@ static __always_inline struct uw_owner *owner_of(struct bpf_sock *sk)
  * earlier one's unicast traffic (a denial of service).
  */
 
+/* Owner (uid) of a socket other than uid's that takes, on one of the
+ * node's addresses (IPv4 ones if want4, IPv6 ones if want6), port's
+ * datagrams from (s4 or s6, sport) — from anyone with a zero source. A
+ * lookup of the wildcard alone finds only wildcard holders, yet bob's
+ * wildcard socket, once connected to X, is rehashed onto the source
+ * address the route picks and outscores alice's socket on that address for
+ * X's datagrams (an exempt service answering her answers him).
+ * (__u32)-1 when the list is missing or too long to check (fail closed);
+ * uid when nobody else does. Ports in network order. */
+static __always_inline __u32 node_holder(struct bpf_sock_addr *ctx, __u32 uid, int want4, int want6, __be32 s4,
+					 const __u32 *s6, __be16 sport, __be16 port)
+{
+	__u32 k = 0;
+	struct uw_node_addrs *l = bpf_map_lookup_elem(&node_addrs, &k);
+	if (!l)
+		return (__u32)-1;
+	__u32 n = l->n;
+	if (n == 0 || n > MAX_NODE_ADDRS)
+		return (__u32)-1;
+	for (__u32 i = 0; i < MAX_NODE_ADDRS; i++) {
+		if (i >= n)
+			break;
+		const __u8 *a = l->addr[i];
+		struct bpf_sock_tuple t = {};
+		struct bpf_sock *sk;
+		if (is_v4mapped(a)) {
+			if (!want4)
+				continue;
+			t.ipv4.saddr = s4;
+			t.ipv4.sport = sport;
+			__builtin_memcpy(&t.ipv4.daddr, a + 12, 4);
+			t.ipv4.dport = port;
+			sk = bpf_sk_lookup_udp(ctx, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
+		} else {
+			if (!want6)
+				continue;
+			__builtin_memcpy(t.ipv6.saddr, s6, 16);
+			t.ipv6.sport = sport;
+			__builtin_memcpy(t.ipv6.daddr, a, 16);
+			t.ipv6.dport = port;
+			sk = bpf_sk_lookup_udp(ctx, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
+		}
+		if (!sk)
+			continue;
+		struct uw_owner *o = owner_of(sk);
+		__u32 who = o ? o->uid : uid;
+		bpf_sk_release(sk);
+		if (who != uid)
+			return who;
+	}
+	return uid;
+}
+
+/* A bind or connect refused for taking another user's port (R_COBIND). */
+static __always_inline int cobind_refused(struct bpf_sock_addr *ctx, struct uw_config *c, __u32 uid, __u32 other,
+					  __u16 port, int v4)
+{
+	tally(c, P_BIND, R_COBIND);
+	struct uw_event e = {};
+	e.cuid = uid;
+	e.luid = other;
+	e.lgid = (__u32)-1;
+	e.dport = port;
+	e.proto = ctx->protocol;
+	e.family = v4 ? 4 : 6;
+	e.rule = R_COBIND;
+	e.path = P_BIND;
+	e.has_connector = 1;
+	e.audit = c->audit != 0;
+	e.pid = bpf_get_current_pid_tgid() >> 32;
+	bpf_get_current_comm(e.comm, sizeof(e.comm));
+	emit(&e);
+	return c->audit ? 1 : 0;
+}
+
 static __always_inline int bind_check(struct bpf_sock_addr *ctx, int v4)
 {
 	if (ctx->type != SOCK_DGRAM)
@@ -1442,13 +1534,24 @@ static __always_inline int bind_check(struct bpf_sock_addr *ctx, int v4)
 	if (!c)
 		return 1;
 	__u16 port = bpf_ntohs(ctx->user_port);
-	if (port == 0 || port <= c->system_port_max)
+	if (port != 0 && port <= c->system_port_max)
 		return 1;
 	struct uw_owner me;
 	task_owner(&me);
 	__u32 uid = me.uid;
 	if (bpf_map_lookup_elem(&exempt_conn, &uid))
 		return 1;
+	if (port == 0) {
+		/* The kernel picks the port, and counts no holder with
+		 * SO_REUSEADDR as in use when this socket has it too: cleared,
+		 * so that the port it picks is nobody's. */
+		int reuse = 0;
+		if (bpf_getsockopt(ctx, 1 /* SOL_SOCKET */, 2 /* SO_REUSEADDR */, &reuse, sizeof(reuse)) || reuse) {
+			reuse = 0;
+			bpf_setsockopt(ctx, 1 /* SOL_SOCKET */, 2 /* SO_REUSEADDR */, &reuse, sizeof(reuse));
+		}
+		return 1;
+	}
 	struct bpf_sock_tuple t = {};
 	struct bpf_sock *sk;
 	__u32 other = uid;
@@ -1492,30 +1595,37 @@ static __always_inline int bind_check(struct bpf_sock_addr *ctx, int v4)
 			sk = bpf_sk_lookup_udp(ctx, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
 		}
 	}
-	if (!sk)
+	if (sk) {
+		struct uw_owner *o = owner_of(sk);
+		other = o ? o->uid : uid;
+		bpf_sk_release(sk);
+		if (other != uid)
+			goto refuse;
+	}
+	/* A wildcard bind that may share the port (SO_REUSEADDR: without it
+	 * the kernel refuses any overlap itself) must not cover another
+	 * user's socket on a specific address of the node. */
+	int want4 = 0, want6 = 0;
+	if (v4) {
+		want4 = ctx->user_ip4 == 0;
+	} else if (ctx->user_ip6[0] == 0 && ctx->user_ip6[1] == 0 && ctx->user_ip6[2] == bpf_htonl(0xffff)) {
+		want4 = ctx->user_ip6[3] == 0; /* ::ffff:0.0.0.0 is IPv4's wildcard */
+	} else if (!(ctx->user_ip6[0] | ctx->user_ip6[1] | ctx->user_ip6[2] | ctx->user_ip6[3])) {
+		want6 = 1;
+		struct udp6_sock *us = ctx->sk ? bpf_skc_to_udp6_sock(ctx->sk) : 0;
+		want4 = us && !BPF_CORE_READ_BITFIELD_PROBED(&us->udp.inet.sk.__sk_common, skc_ipv6only);
+	}
+	if (!want4 && !want6)
 		return 1;
-	struct uw_owner *o = owner_of(sk);
-	other = o ? o->uid : uid;
-	bpf_sk_release(sk);
+	int reuse = 0;
+	if (bpf_getsockopt(ctx, 1 /* SOL_SOCKET */, 2 /* SO_REUSEADDR */, &reuse, sizeof(reuse)) == 0 && !reuse)
+		return 1;
+	__u32 zero6[4] = {};
+	other = node_holder(ctx, uid, want4, want6, 0, zero6, 0, ctx->user_port);
 	if (other == uid)
 		return 1;
 refuse:
-	tally(c, P_BIND, R_COBIND);
-	struct uw_event e = {};
-	e.cuid = uid;
-	e.luid = other;
-	e.lgid = (__u32)-1;
-	e.dport = port;
-	e.proto = ctx->protocol;
-	e.family = v4 ? 4 : 6;
-	e.rule = R_COBIND;
-	e.path = P_BIND;
-	e.has_connector = 1;
-	e.audit = c->audit != 0;
-	e.pid = bpf_get_current_pid_tgid() >> 32;
-	bpf_get_current_comm(e.comm, sizeof(e.comm));
-	emit(&e);
-	return c->audit ? 1 : 0;
+	return cobind_refused(ctx, c, uid, other, port, v4);
 }
 
 SEC("cgroup/bind4")
@@ -1600,9 +1710,102 @@ static __always_inline void note6(struct bpf_sock_addr *ctx)
 	note_peer(ctx, (__u8 *)a, bpf_ntohs(ctx->user_port));
 }
 
+/* A connected datagram socket takes its peer's datagrams from every
+ * unconnected socket on its address and port, and from one connected to
+ * the same peer that was hashed before it. A user's socket bound to port P
+ * may connect to X:Q only if the socket that gets X:Q's datagrams to its
+ * address and P now is its user's or nobody's: bob's wildcard co-bound
+ * over alice's *connected* socket (which no lookup without her peer finds,
+ * so the bind check cannot) does not take her peer's answers. A socket not
+ * yet bound is autobound after this hook: SO_REUSEADDR is cleared first,
+ * so that the kernel never picks a port another user holds with it. */
+static __always_inline int connect_check(struct bpf_sock_addr *ctx, int v4)
+{
+	if (ctx->type != SOCK_DGRAM || !ctx->sk)
+		return 1;
+	if (bpf_get_netns_cookie(ctx) != netns_cookie)
+		return 1;
+	struct uw_config *c = uw_cfg();
+	if (!c)
+		return 1;
+	struct bpf_sock *sk = ctx->sk;
+	__u16 lport = sk->src_port;
+	int reuse = 0;
+	if (lport == 0 && bpf_getsockopt(ctx, 1 /* SOL_SOCKET */, 2 /* SO_REUSEADDR */, &reuse, sizeof(reuse)) == 0 &&
+	    !reuse)
+		return 1; /* the common client: nothing to share, nothing to check */
+	if (lport != 0 && (lport <= c->system_port_max || ctx->protocol == IPPROTO_UDPLITE))
+		return 1;
+	struct uw_owner me;
+	task_owner(&me);
+	__u32 uid = me.uid;
+	if (bpf_map_lookup_elem(&exempt_conn, &uid))
+		return 1;
+	if (lport == 0) {
+		reuse = 0;
+		bpf_setsockopt(ctx, 1 /* SOL_SOCKET */, 2 /* SO_REUSEADDR */, &reuse, sizeof(reuse));
+		return 1;
+	}
+	__u32 x6[4] = {}, l6[4] = {};
+	__be32 x4 = 0, l4 = 0;
+	int fam4 = v4;
+	if (v4) {
+		x4 = ctx->user_ip4;
+		l4 = sk->src_ip4;
+	} else {
+		x6[0] = ctx->user_ip6[0];
+		x6[1] = ctx->user_ip6[1];
+		x6[2] = ctx->user_ip6[2];
+		x6[3] = ctx->user_ip6[3];
+		l6[0] = sk->src_ip6[0];
+		l6[1] = sk->src_ip6[1];
+		l6[2] = sk->src_ip6[2];
+		l6[3] = sk->src_ip6[3];
+		if (x6[0] == 0 && x6[1] == 0 && x6[2] == bpf_htonl(0xffff)) {
+			/* to an IPv4 peer: the IPv4 table, from the IPv4 side
+			 * of the socket's address (:: and ::ffff:0.0.0.0: any) */
+			fam4 = 1;
+			x4 = x6[3];
+			l4 = (l6[0] == 0 && l6[1] == 0 && l6[2] == bpf_htonl(0xffff)) ? l6[3] : 0;
+		}
+	}
+	__be16 lp = bpf_htons(lport);
+	__u32 other = uid;
+	int any = fam4 ? l4 == 0 : !(l6[0] | l6[1] | l6[2] | l6[3]);
+	if (any) {
+		other = node_holder(ctx, uid, fam4, !fam4, x4, x6, ctx->user_port, lp);
+	} else {
+		struct bpf_sock_tuple t = {};
+		struct bpf_sock *h;
+		if (fam4) {
+			t.ipv4.saddr = x4;
+			t.ipv4.sport = ctx->user_port;
+			t.ipv4.daddr = l4;
+			t.ipv4.dport = lp;
+			h = bpf_sk_lookup_udp(ctx, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
+		} else {
+			__builtin_memcpy(t.ipv6.saddr, x6, 16);
+			t.ipv6.sport = ctx->user_port;
+			__builtin_memcpy(t.ipv6.daddr, l6, 16);
+			t.ipv6.dport = lp;
+			h = bpf_sk_lookup_udp(ctx, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
+		}
+		if (h) {
+			struct uw_owner *o = owner_of(h);
+			other = o ? o->uid : uid;
+			bpf_sk_release(h);
+		}
+	}
+	if (other == uid)
+		return 1;
+	return cobind_refused(ctx, c, uid, other, lport, fam4);
+}
+
 SEC("cgroup/connect4")
 int uw_connect4(struct bpf_sock_addr *ctx)
 {
+	if (!connect_check(ctx, 1))
+		return 0;
 	note4(ctx);
 	return 1;
 }
@@ -1610,6 +1813,8 @@ int uw_connect4(struct bpf_sock_addr *ctx)
 SEC("cgroup/connect6")
 int uw_connect6(struct bpf_sock_addr *ctx)
 {
+	if (!connect_check(ctx, 0))
+		return 0;
 	note6(ctx);
 	return 1;
 }

@@ -230,6 +230,35 @@ func (d *Dataplane) SetLocalAddrs(addrs []netip.Addr) error {
 	return syncSized(d, "local_addrs", want)
 }
 
+// SetNodeAddrs writes the node's unicast addresses as the list a user's
+// wildcard bind is checked against (node_addrs: another user's socket on
+// any of them refuses it). More than the list holds is written as an
+// overflow, which the bind check treats as unknown: such binds are refused
+// (fail closed) and the error says so.
+func (d *Dataplane) SetNodeAddrs(addrs []netip.Addr) error {
+	var l uwbpfUwNodeAddrs
+	seen := map[netip.Addr]bool{}
+	var over error
+	for _, a := range addrs {
+		a = a.Unmap().WithZone("")
+		if !a.IsValid() || a.IsUnspecified() || a.IsMulticast() || seen[a] {
+			continue
+		}
+		seen[a] = true
+		if int(l.N) == len(l.Addr) {
+			l.N = uint32(len(l.Addr)) + 1
+			over = fmt.Errorf("the node has more than %d addresses: users' wildcard binds with SO_REUSEADDR are refused", len(l.Addr))
+			break
+		}
+		l.Addr[l.N] = a.As16()
+		l.N++
+	}
+	if err := d.Map("node_addrs").Update(uint32(0), l, ebpf.UpdateAny); err != nil {
+		return err
+	}
+	return over
+}
+
 // SetInterfaceMTUs records the device MTU of each managed interface
 // (if_mtu; others are cleared): a datagram to a broadcast, multicast or
 // link-local destination, whose route keeps that MTU, must leave the

@@ -146,6 +146,13 @@ type uwbpfUwMemberKey struct {
 	Gid uint32
 }
 
+type uwbpfUwNodeAddrs struct {
+	_    structs.HostLayout
+	N    uint32
+	Pad  uint32
+	Addr [128][16]uint8
+}
+
 type uwbpfUwOwner struct {
 	_   structs.HostLayout
 	Uid uint32
@@ -290,6 +297,7 @@ const (
 	uwbpfMapLocalAddrs           = "local_addrs"
 	uwbpfMapLoopSenders          = "loop_senders"
 	uwbpfMapMembers              = "members"
+	uwbpfMapNodeAddrs            = "node_addrs"
 	uwbpfMapOffcPorts            = "offc_ports"
 	uwbpfMapPoliteOk             = "polite_ok"
 	uwbpfMapSettings             = "settings"
@@ -424,6 +432,7 @@ type uwbpfMapSpecs struct {
 	LocalAddrs     *ebpf.MapSpec `ebpf:"local_addrs"`
 	LoopSenders    *ebpf.MapSpec `ebpf:"loop_senders"`
 	Members        *ebpf.MapSpec `ebpf:"members"`
+	NodeAddrs      *ebpf.MapSpec `ebpf:"node_addrs"`
 	OffcPorts      *ebpf.MapSpec `ebpf:"offc_ports"`
 	PoliteOk       *ebpf.MapSpec `ebpf:"polite_ok"`
 	Settings       *ebpf.MapSpec `ebpf:"settings"`
@@ -500,6 +509,7 @@ type uwbpfMaps struct {
 	LocalAddrs     *ebpf.Map `ebpf:"local_addrs"`
 	LoopSenders    *ebpf.Map `ebpf:"loop_senders"`
 	Members        *ebpf.Map `ebpf:"members"`
+	NodeAddrs      *ebpf.Map `ebpf:"node_addrs"`
 	OffcPorts      *ebpf.Map `ebpf:"offc_ports"`
 	PoliteOk       *ebpf.Map `ebpf:"polite_ok"`
 	Settings       *ebpf.Map `ebpf:"settings"`
@@ -541,6 +551,7 @@ func (m *uwbpfMaps) Close() error {
 		m.LocalAddrs,
 		m.LoopSenders,
 		m.Members,
+		m.NodeAddrs,
 		m.OffcPorts,
 		m.PoliteOk,
 		m.Settings,
