@@ -2,7 +2,6 @@ package uvn
 
 import (
 	"context"
-	"fmt"
 	"net"
 	"net/netip"
 	"os"
@@ -342,8 +341,8 @@ func guardNetCost(t *testing.T, coll *ebpf.Collection, as func(int, func()), ali
 				t.Fatal(err)
 			}
 			if runs := st.RunCount - before[name].RunCount; runs > 0 {
-				t.Log(fmt.Sprintf("%-10s %-8s %6d runs, %5.0f ns per run", who.name, name, runs,
-					float64((st.Runtime-before[name].Runtime).Nanoseconds())/float64(runs)))
+				t.Logf("%-10s %-8s %6d runs, %5.0f ns per run", who.name, name, runs,
+					float64((st.Runtime-before[name].Runtime).Nanoseconds())/float64(runs))
 			}
 		}
 	}
