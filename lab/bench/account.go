@@ -93,6 +93,9 @@ func (s *session) measure(u unit, run func() (unitResult, error)) (ServeStats, e
 		client = u.work[0]
 	}
 	c.CPU = append(c.CPU, ProcCPU{Node: client, Process: "client", CPUNS: r.clientCPU})
+	if u.srv == nil && r.serverCPU > 0 { // a server that is not ours (apps): its CPU read by the caller
+		c.CPU = append(c.CPU, ProcCPU{Node: u.work[len(u.work)-1], Process: "server", CPUNS: r.serverCPU})
+	}
 	if u.srv != nil {
 		if serr != nil {
 			s.res.Errors = append(s.res.Errors, fmt.Sprintf("%s round %d %s: %s %s %g: %v", s.mode, s.round, s.variant, u.bench, u.series, u.x, serr))

@@ -11,6 +11,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 )
 
 // The real-application suite (issue 25 item 3): unmodified applications
@@ -57,7 +59,17 @@ func postgresBin() (string, error) {
 	return filepath.Dir(ds[len(ds)-1]), nil
 }
 
-// apps runs every application once and emits one figure each.
+// Units of the applications' operations (the in-kernel and CPU accounting).
+const (
+	opRequest = "request"
+	opTx      = "transaction"
+)
+
+// apps runs every application once and emits one figure each. Each run is
+// a measured unit (account.go): in the mode rounds it runs once more with
+// the kernel's statistics on, which gives the eBPF time per operation; its
+// CPU per operation is the client's (`times` of its shell) and the
+// server's (its process, and reaped children: PostgreSQL's backends).
 func (s *session) apps() error {
 	if s.plan.AppSeconds <= 0 {
 		return nil // --quick: not measured
@@ -70,6 +82,11 @@ func (s *session) apps() error {
 	if err != nil {
 		return err
 	}
+	work, iperfSrv := s.work(client, cross)
+	runDir := filepath.Join(s.env.Dir, "bench", "run")
+	if _, err := s.env.run(s.ctx, n2.Name, "", "sh", "-c", fmt.Sprintf("set -e; mkdir -p %[1]s; chmod 755 %[2]s; chown %[3]s %[1]s", runDir, filepath.Dir(runDir), BenchUser)); err != nil {
+		return err
+	}
 	var errs []string
 	fail := func(series string, err error) { errs = append(errs, fmt.Sprintf("%s: %v", series, err)) }
 	secs := strconv.Itoa(s.plan.AppSeconds)
@@ -77,25 +94,32 @@ func (s *session) apps() error {
 	// iperf3: one TCP stream, and UDP unlimited at two datagram sizes
 	// (1,400 fits the route; 8,000 is fragmented, stamped on its first
 	// fragment). Received throughput.
-	if g, _, err := s.iperf(client.Name, cross); err != nil {
-		fail(appIperfTCP, err)
-	} else {
-		s.emit(SuiteApps, appIperfTCP, 1, "gbit_s", g, "")
-	}
-	for _, l := range s.plan.AppUDPLens {
-		series := appIperfUDP + strconv.Itoa(l)
-		g, loss, err := s.iperf(client.Name, cross, "-u", "-b", "0", "-l", strconv.Itoa(l))
+	iperf := func(series string, x float64, extra ...string) {
+		var ir iperfRun
+		_, err := s.measure(unit{bench: SuiteApps, series: series, x: x, opUnit: OpMiB, work: work, srv: iperfSrv},
+			func() (unitResult, error) {
+				var err error
+				ir, err = s.iperfFull(client.Name, cross, extra...)
+				return unitResult{ops: ir.bytes / (1 << 20), clientCPU: ir.clientCPU}, err
+			})
 		if err != nil {
 			fail(series, err)
-			continue
+			return
 		}
-		s.emit(SuiteApps, series, float64(l), "gbit_s", g, "")
-		s.emit(SuiteApps, series, float64(l), "loss_pct", loss, "")
+		s.emit(SuiteApps, series, x, "gbit_s", ir.gbit, "")
+		if len(extra) > 0 {
+			s.emit(SuiteApps, series, x, "loss_pct", ir.loss, "")
+		}
+	}
+	iperf(appIperfTCP, 1)
+	for _, l := range s.plan.AppUDPLens {
+		iperf(appIperfUDP+strconv.Itoa(l), float64(l), "-u", "-b", "0", "-l", strconv.Itoa(l))
 	}
 
 	// redis-benchmark GET, 10 clients, keep-alive and a new connection per
 	// request (-k 0).
-	if srv, err := s.startRedis(n2.Name, cross); err != nil {
+	redisPid := filepath.Join(runDir, "redis.pid")
+	if srv, err := s.startRedis(n2.Name, cross, redisPid); err != nil {
 		fail("redis", err)
 	} else {
 		// A connection per request is two orders of magnitude slower:
@@ -104,18 +128,22 @@ func (s *session) apps() error {
 			series, keep string
 			n            int
 		}{{appRedis, "1", s.plan.AppRedisRequests}, {appRedisNew, "0", max(s.plan.AppRedisRequests/10, 100)}} {
-			out, err := s.runAs(client.Name, BenchUser, "redis-benchmark", "-h", cross.String(), "-p", strconv.Itoa(PortRedis),
-				"-t", "get", "-c", "10", "-n", strconv.Itoa(c.n), "-k", c.keep, "--csv")
-			if err == nil {
-				var rps float64
-				rps, err = redisRPS(out)
-				if err == nil {
-					s.emit(SuiteApps, c.series, 10, "ops_s", rps, "")
-				}
-			}
+			var rps float64
+			_, err := s.measure(unit{bench: SuiteApps, series: c.series, x: 10, opUnit: opRequest, work: work},
+				func() (unitResult, error) {
+					cpu0 := pidFileCPU(redisPid)
+					out, cpu, err := s.runTimed(client.Name, "redis-benchmark", "-h", cross.String(), "-p", strconv.Itoa(PortRedis),
+						"-t", "get", "-c", "10", "-n", strconv.Itoa(c.n), "-k", c.keep, "--csv")
+					if err == nil {
+						rps, err = redisRPS(out)
+					}
+					return unitResult{ops: float64(c.n), clientCPU: cpu, serverCPU: pidFileCPU(redisPid) - cpu0}, err
+				})
 			if err != nil {
 				fail(c.series, err)
+				continue
 			}
+			s.emit(SuiteApps, c.series, 10, "ops_s", rps, "")
 		}
 		_ = srv.stop()
 	}
@@ -126,28 +154,36 @@ func (s *session) apps() error {
 		fail("postgres", err)
 	} else {
 		bin, _ := postgresBin()
+		pgPid := filepath.Join(s.env.Dir, "bench", "pg", "postmaster.pid")
 		for _, c := range []struct {
 			series string
 			extra  []string
 		}{{appPgbench, nil}, {appPgbenchNew, []string{"-C"}}} {
 			argv := append([]string{filepath.Join(bin, "pgbench"), "-h", cross.String(), "-p", strconv.Itoa(PortPostgres),
 				"-U", BenchUser, "-n", "-S", "-c", "4", "-j", "1", "-T", secs}, c.extra...)
-			out, err := s.runAs(client.Name, BenchUser, append(argv, "postgres")...)
-			if err == nil {
-				var tps float64
-				tps, err = pgbenchTPS(out)
-				if err == nil {
-					s.emit(SuiteApps, c.series, 4, "tps", tps, "")
-				}
-			}
+			argv = append(argv, "postgres")
+			var tps float64
+			_, err := s.measure(unit{bench: SuiteApps, series: c.series, x: 4, opUnit: opTx, work: work},
+				func() (unitResult, error) {
+					cpu0 := pidFileCPU(pgPid)
+					out, cpu, err := s.runTimed(client.Name, argv...)
+					var txs float64
+					if err == nil {
+						tps, txs, err = pgbenchTPS(out)
+					}
+					return unitResult{ops: txs, clientCPU: cpu, serverCPU: pidFileCPU(pgPid) - cpu0}, err
+				})
 			if err != nil {
 				fail(c.series, err)
+				continue
 			}
+			s.emit(SuiteApps, c.series, 4, "tps", tps, "")
 		}
 		_ = srv.stop()
 	}
 
-	// MPI allreduce, one rank on each of two nodes.
+	// MPI allreduce, one rank on each of two nodes (wall clock only: a run
+	// mixes start-up and every size).
 	if s.mpiProg == "" {
 		fail(appMPIAllreduc, fmt.Errorf("no MPI program (mpicc failed; see errors)"))
 	} else {
@@ -163,18 +199,64 @@ func (s *session) apps() error {
 	}
 
 	// HTTP/3 (aioquic): one GET of AppH3Bytes over QUIC.
-	if err := s.h3(client.Name, n2.Name, cross); err != nil {
+	if err := s.h3(client.Name, n2.Name, cross, work, runDir); err != nil {
 		fail(appH3, err)
 	}
 	return joinErrs(errs)
 }
 
+// runTimed runs argv as the bench user on node and returns its output and
+// the CPU time (ns, user + system) it and its children used.
+func (s *session) runTimed(node string, argv ...string) (string, float64, error) {
+	sh := []string{"sh", "-c", `"$@"; rc=$?; echo; echo @cpu; times; exit $rc`, "sh"}
+	out, err := s.runAs(node, BenchUser, append(sh, argv...)...)
+	app, t, _ := strings.Cut(out, "\n@cpu\n")
+	return app, childTimes(t), err
+}
+
+var timesRe = regexp.MustCompile(`(\d+)m([0-9.]+)s`)
+
+// childTimes reads the second line of the shell's `times` (its children's
+// user and system time) in ns.
+func childTimes(t string) float64 {
+	lines := strings.Split(strings.TrimSpace(t), "\n")
+	if len(lines) < 2 {
+		return 0
+	}
+	ns := 0.0
+	for _, m := range timesRe.FindAllStringSubmatch(lines[1], 2) {
+		mins, _ := strconv.ParseFloat(m[1], 64)
+		sec, _ := strconv.ParseFloat(m[2], 64)
+		ns += (mins*60 + sec) * 1e9
+	}
+	return ns
+}
+
+// pidFileCPU is the CPU time (ns) of the process named by the first line
+// of a pid file, its reaped children included; 0 if it cannot be read.
+func pidFileCPU(path string) float64 {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return 0
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(strings.SplitN(string(b), "\n", 2)[0]))
+	if err != nil {
+		return 0
+	}
+	st, ok := procfs.Read(pid)
+	if !ok {
+		return 0
+	}
+	return (st.CPU + st.ChildCPU) * 1e9
+}
+
 // startRedis starts a redis-server as the bench user on node, on addr only,
 // without persistence.
-func (s *session) startRedis(node string, addr netip.Addr) (*server, error) {
+func (s *session) startRedis(node string, addr netip.Addr, pidFile string) (*server, error) {
 	a, p := addr.String(), strconv.Itoa(PortRedis)
 	script := `redis-server --bind "$1" --port "$2" --save '' --appendonly no --protected-mode no --daemonize no --dir /tmp --logfile '' >/dev/null &
 pid=$!
+echo $pid > "$3"
 i=0
 until redis-cli -h "$1" -p "$2" ping 2>/dev/null | grep -q PONG; do
   i=$((i+1)); [ $i -gt 300 ] && { kill $pid; exit 1; }; sleep 0.1
@@ -182,7 +264,7 @@ done
 echo ready
 read _
 kill $pid; wait $pid 2>/dev/null; exit 0`
-	return s.startAs(node, BenchUser, "sh", "-c", script, "redis", a, p)
+	return s.startAs(node, BenchUser, "sh", "-c", script, "redis", a, p, pidFile)
 }
 
 // startPostgres starts PostgreSQL as the bench user on node, listening on
@@ -221,39 +303,48 @@ kill -INT $pid; wait $pid 2>/dev/null; exit 0`
 
 // h3 serves AppH3Bytes over HTTP/3 on srvNode and fetches it once from
 // client, emitting the transfer's throughput.
-func (s *session) h3(client, srvNode string, addr netip.Addr) error {
+func (s *session) h3(client, srvNode string, addr netip.Addr, work []string, runDir string) error {
 	if _, err := os.Stat(quicPython); err != nil {
 		return fmt.Errorf("%s: %w (run .ci/deps)", quicPython, err)
 	}
 	script := filepath.Join(s.env.Dir, "bench", "h3bench.py")
-	if err := os.MkdirAll(filepath.Dir(script), 0o755); err != nil {
-		return err
-	}
 	if err := os.WriteFile(script, h3BenchScript, 0o644); err != nil {
 		return err
 	}
 	port := strconv.Itoa(PortH3)
-	srv, err := s.startAs(srvNode, BenchUser, quicPython, script, "server", addr.String(), port)
+	pidFile := filepath.Join(runDir, "h3.pid")
+	srv, err := s.startAs(srvNode, BenchUser, "sh", "-c", `echo $$ > "$1"; shift; exec "$@"`, "h3", pidFile,
+		quicPython, script, "server", addr.String(), port)
 	if err != nil {
 		return err
 	}
 	defer func() { _ = srv.stop() }()
-	out, err := s.runAs(client, BenchUser, quicPython, script, "client", addr.String(), port, strconv.Itoa(s.plan.AppH3Bytes))
+	var mbit float64
+	_, err = s.measure(unit{bench: SuiteApps, series: appH3, x: float64(s.plan.AppH3Bytes), opUnit: OpMiB, work: work},
+		func() (unitResult, error) {
+			cpu0 := pidFileCPU(pidFile)
+			out, cpu, err := s.runTimed(client, quicPython, script, "client", addr.String(), port, strconv.Itoa(s.plan.AppH3Bytes))
+			if err != nil {
+				return unitResult{}, err
+			}
+			var r struct {
+				Bytes   int     `json:"bytes"`
+				Seconds float64 `json:"seconds"`
+				Error   string  `json:"error"`
+			}
+			if err := json.Unmarshal([]byte(lastLine(out)), &r); err != nil {
+				return unitResult{}, fmt.Errorf("h3 client output: %w: %s", err, tail(out, 300))
+			}
+			if r.Error != "" || r.Bytes != s.plan.AppH3Bytes || r.Seconds <= 0 {
+				return unitResult{}, fmt.Errorf("h3 client: %d of %d bytes in %.3fs: %s", r.Bytes, s.plan.AppH3Bytes, r.Seconds, r.Error)
+			}
+			mbit = float64(r.Bytes) * 8 / r.Seconds / 1e6
+			return unitResult{ops: float64(r.Bytes) / (1 << 20), clientCPU: cpu, serverCPU: pidFileCPU(pidFile) - cpu0}, nil
+		})
 	if err != nil {
 		return err
 	}
-	var r struct {
-		Bytes   int     `json:"bytes"`
-		Seconds float64 `json:"seconds"`
-		Error   string  `json:"error"`
-	}
-	if err := json.Unmarshal([]byte(lastLine(out)), &r); err != nil {
-		return fmt.Errorf("h3 client output: %w: %s", err, tail(out, 300))
-	}
-	if r.Error != "" || r.Bytes != s.plan.AppH3Bytes || r.Seconds <= 0 {
-		return fmt.Errorf("h3 client: %d of %d bytes in %.3fs: %s", r.Bytes, s.plan.AppH3Bytes, r.Seconds, r.Error)
-	}
-	s.emit(SuiteApps, appH3, float64(r.Bytes), "mbit_s", float64(r.Bytes)*8/r.Seconds/1e6, "")
+	s.emit(SuiteApps, appH3, float64(s.plan.AppH3Bytes), "mbit_s", mbit, "")
 	return nil
 }
 
@@ -273,13 +364,20 @@ func redisRPS(out string) (float64, error) {
 	return 0, fmt.Errorf("no GET line in redis-benchmark output: %s", tail(out, 300))
 }
 
-var tpsRe = regexp.MustCompile(`(?m)^tps = ([0-9.]+)`)
+var (
+	tpsRe = regexp.MustCompile(`(?m)^tps = ([0-9.]+)`)
+	txRe  = regexp.MustCompile(`(?m)^number of transactions actually processed: ([0-9]+)`)
+)
 
-// pgbenchTPS reads pgbench's "tps = N (...)" line.
-func pgbenchTPS(out string) (float64, error) {
-	m := tpsRe.FindStringSubmatch(out)
-	if m == nil {
-		return 0, fmt.Errorf("no tps line in pgbench output: %s", tail(out, 300))
+// pgbenchTPS reads pgbench's "tps = N (...)" line and the number of
+// transactions done.
+func pgbenchTPS(out string) (tps, txs float64, err error) {
+	m, n := tpsRe.FindStringSubmatch(out), txRe.FindStringSubmatch(out)
+	if m == nil || n == nil {
+		return 0, 0, fmt.Errorf("no tps or transaction count in pgbench output: %s", tail(out, 300))
 	}
-	return strconv.ParseFloat(m[1], 64)
+	if tps, err = strconv.ParseFloat(m[1], 64); err == nil {
+		txs, err = strconv.ParseFloat(n[1], 64)
+	}
+	return tps, txs, err
 }

@@ -10,12 +10,15 @@ func TestAppParsers(t *testing.T) {
 	if _, err := redisRPS("Error: Connection refused\n"); err == nil {
 		t.Fatal("redisRPS accepted output without a GET line")
 	}
-	pg := "number of failed transactions: 0 (0.000%)\nlatency average = 0.276 ms\ninitial connection time = 6.120 ms\ntps = 14457.123456 (without initial connection time)\n"
-	tps, err := pgbenchTPS(pg)
-	if err != nil || tps != 14457.123456 {
-		t.Fatalf("pgbenchTPS = %v, %v", tps, err)
+	pg := "number of transactions actually processed: 72290\nnumber of failed transactions: 0 (0.000%)\nlatency average = 0.276 ms\ninitial connection time = 6.120 ms\ntps = 14457.123456 (without initial connection time)\n"
+	tps, txs, err := pgbenchTPS(pg)
+	if err != nil || tps != 14457.123456 || txs != 72290 {
+		t.Fatalf("pgbenchTPS = %v, %v, %v", tps, txs, err)
 	}
-	if _, err := pgbenchTPS("pgbench: error: connection to server failed\n"); err == nil {
+	if _, _, err := pgbenchTPS("pgbench: error: connection to server failed\n"); err == nil {
 		t.Fatal("pgbenchTPS accepted output without a tps line")
+	}
+	if ns := childTimes("0m0.004000s 0m0.001000s\n0m1.250000s 1m0.500000s\n"); ns != 61.75e9 {
+		t.Fatalf("childTimes = %v", ns)
 	}
 }

@@ -10,8 +10,12 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"syscall"
 	"time"
+
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 )
 
 func dialHub(dir string) (net.Conn, error) {
@@ -23,8 +27,21 @@ func dialHub(dir string) (net.Conn, error) {
 }
 
 // WaitReady blocks until the guest reports its testbed up (or failed).
+// timeout counts from when the hub took the machine's VM lock: the time
+// spent queued behind other guests (one at a time on the machine) is
+// bounded by ctx alone, as long as the hub lives (ci5: a uvn testbed
+// queued 30 minutes behind other suites' guests and gave up before its own
+// guest had started).
 func WaitReady(ctx context.Context, dir string, timeout time.Duration) (*Ready, error) {
-	deadline := time.Now().Add(timeout)
+	var deadline time.Time
+	locked := func() bool {
+		if deadline.IsZero() {
+			if st, err := os.Stat(filepath.Join(dir, fileLocked)); err == nil {
+				deadline = st.ModTime().Add(timeout)
+			}
+		}
+		return !deadline.IsZero()
+	}
 	var c net.Conn
 	var err error
 	for {
@@ -32,7 +49,11 @@ func WaitReady(ctx context.Context, dir string, timeout time.Duration) (*Ready, 
 		if err == nil {
 			break
 		}
-		if time.Now().After(deadline) {
+		if locked() {
+			if time.Now().After(deadline) {
+				return nil, err
+			}
+		} else if !hubAlive(dir) {
 			return nil, err
 		}
 		select {
@@ -42,6 +63,9 @@ func WaitReady(ctx context.Context, dir string, timeout time.Duration) (*Ready, 
 		}
 	}
 	defer c.Close()
+	if !locked() { // a hub of before lock.taken
+		deadline = time.Now().Add(timeout)
+	}
 	b, _ := json.Marshal(Request{Op: "wait"})
 	w := &frameWriter{w: c}
 	if err := w.write(fOpen, 0, b); err != nil {
@@ -130,4 +154,14 @@ func ExecMain(dir string, req Request) int {
 		code = 255
 	}
 	return code
+}
+
+// hubAlive: dir's hub process (hub.pid) runs.
+func hubAlive(dir string) bool {
+	b, err := os.ReadFile(filepath.Join(dir, fileHubPID))
+	if err != nil {
+		return false
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	return err == nil && pid > 0 && procfs.Alive(pid) // a dead hub stays a zombie of the process that started it
 }

@@ -28,6 +28,7 @@ const (
 	fileConsole  = "console.log"
 	fileHubLog   = "hub.log"
 	fileReady    = "ready.json"
+	fileLocked   = "lock.taken" // written when the hub holds the machine's VM lock
 )
 
 // hub owns qemu and multiplexes client connections onto the serial port.
@@ -85,11 +86,16 @@ func RunHub(dir string, owner int) error {
 		return err
 	}
 	defer vl.Close()
+	os.Remove(filepath.Join(dir, fileLocked))
 	h.logf("waiting for the machine's VM lock")
 	if err := syscall.Flock(int(vl.Fd()), syscall.LOCK_EX); err != nil {
 		return err
 	}
 	h.logf("VM lock taken")
+	// Clients count their boot timeout from here (WaitReady).
+	if err := os.WriteFile(filepath.Join(dir, fileLocked), nil, 0o644); err != nil {
+		return err
+	}
 	if err := withEtcSnapshot(argv, dir); err != nil {
 		return err
 	}

@@ -145,6 +145,7 @@ type agent struct {
 	nodeAddrs   []netip.Addr
 	lastResolve time.Time
 	usr1        chan os.Signal // SIGUSR1: reopen the event log
+	hup         chan os.Signal // SIGHUP: reload
 
 	// stateMu guards state, which the metrics goroutine reads.
 	stateMu sync.Mutex
@@ -184,16 +185,22 @@ func ReadPid(path string) int {
 // programs go on enforcing (restart adopts them; --uninstall removes them).
 func RunAgent(ctx context.Context, o AgentOptions) error {
 	// SIGUSR1 reopens the event log only (logrotate's postrotate): no
-	// reload of the policy every day. Caught from the start: its default
-	// action would end an agent still loading.
+	// reload of the policy every day. SIGHUP reloads. Both are caught from
+	// the start: their default action would end an agent still loading, or
+	// one whose pid file `agent --reload` has just read (ci5: a reload sent
+	// right after a restart killed the agent). A SIGHUP that arrives before
+	// the loop runs waits in the channel and is a reload then.
 	usr1 := make(chan os.Signal, 1)
 	signal.Notify(usr1, syscall.SIGUSR1)
 	defer signal.Stop(usr1)
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
 	a, err := newAgent(o)
 	if err != nil {
 		return err
 	}
-	a.usr1 = usr1
+	a.usr1, a.hup = usr1, hup
 	unlock, err := a.lockNamespace()
 	if err != nil {
 		return err
@@ -473,10 +480,6 @@ func goJoined(fn, end, after func()) (stop func()) {
 // loop keeps the data plane in step with the node until ctx ends: SIGHUP
 // reloads, address and link changes (netlink) and a 5 s poll resync.
 func (a *agent) loop(ctx context.Context) error {
-	hup := make(chan os.Signal, 1)
-	signal.Notify(hup, syscall.SIGHUP)
-	defer signal.Stop(hup)
-
 	addrs := newSubscription("address", subscriptionGap, func(ch chan netlink.AddrUpdate, done chan struct{}) error {
 		return netlink.AddrSubscribe(ch, done)
 	})
@@ -498,7 +501,7 @@ func (a *agent) loop(ctx context.Context) error {
 		case <-ctx.Done():
 			a.log.Info("agent stopping; pinned programs stay in force")
 			return nil
-		case <-hup:
+		case <-a.hup:
 			daemon.SdNotify(false, daemon.SdNotifyReloading)
 			a.reload()
 			daemon.SdNotify(false, daemon.SdNotifyReady)

@@ -211,7 +211,12 @@ type siteSpec struct {
 // Users whose compiled rules are the same share one chain, so the table
 // grows with the rules and the distinct ways they select users, not with
 // rules × users.
-func buildSite(p *policy.Policy, node string, srun policy.PortRange, users []SiteUser) *siteSpec {
+//
+// devs names a user's devices besides the VRF (nil: none): IPv4 multicast
+// arrives at the input hook on the VXLAN device it came through, not the
+// VRF device, so each of the user's VXLANs dispatches to the user's chain
+// too.
+func buildSite(p *policy.Policy, node string, srun policy.PortRange, users []SiteUser, devs func(uint32) []string) *siteSpec {
 	s := &siteSpec{p: p, own: map[string]int{}, srun: map[string]int{}}
 	if p == nil || len(p.Rules) == 0 {
 		return s
@@ -239,7 +244,13 @@ func buildSite(p *policy.Policy, node string, srun policy.PortRange, users []Sit
 	}
 	for _, u := range users {
 		if ms := compileSite(p, node, srun, u, pathOwn); len(ms) > 0 {
-			s.own[VRFName(u.UID)] = chain(ms)
+			c := chain(ms)
+			s.own[VRFName(u.UID)] = c
+			if devs != nil {
+				for _, d := range devs(u.UID) {
+					s.own[d] = c
+				}
+			}
 		}
 		if srun == (policy.PortRange{}) {
 			continue
@@ -261,8 +272,9 @@ func (s *siteSpec) empty() bool { return s.p == nil || len(s.p.Rules) == 0 }
 //	dispatch: th dport <= system_port_max -> accept
 //	          meta mark srunMark -> iifname vmap @srun ; accept
 //	          iifname vmap @own
-//	c<N>: one rule per compiled rule (and family): [l4proto] th dport @p<i>
-//	      [saddr @s<i>_4|6] [saddr @trusted4|6] -> accept | drop
+//	c<N>: th dport vmap @m<N>           (port class -> goto r<K>)
+//	r<K>: one rule per compiled rule (and family) covering the class, in
+//	      order: [l4proto] [saddr @s<i>_4|6] [saddr @trusted4|6] -> accept | drop
 func installSite(s *siteSpec) error {
 	// A large policy is thousands of messages in one batch (one sendmsg),
 	// each acked: room for both (ENOBUFS would leave the outcome unknown).
@@ -304,7 +316,7 @@ func installSite(s *siteSpec) error {
 
 func (s *siteSpec) add(c *nftables.Conn, t *nftables.Table) error {
 	p := s.p
-	// Sets: each used rule's ports and sources, the trusted sources.
+	// Sets: each used rule's sources, the trusted sources.
 	srcSet := map[[2]int]*nftables.Set{}
 	addSet := func(name string, typ nftables.SetDatatype, els []nftables.SetElement) (*nftables.Set, error) {
 		set := &nftables.Set{Table: t, Name: name, KeyType: typ, Interval: true}
@@ -630,7 +642,14 @@ func (m *Manager) applySite() error {
 		}
 		users = append(users, u)
 	}
-	return installSite(buildSite(m.Site.Policy, m.Site.Node, m.Srun, users))
+	vxlans := func(uid uint32) []string {
+		var out []string
+		for i := range m.cfg.Underlays {
+			out = append(out, VXLANName(i, uid))
+		}
+		return out
+	}
+	return installSite(buildSite(m.Site.Policy, m.Site.Node, m.Srun, users, vxlans))
 }
 
 func (m *Manager) applySiteLocked() error {

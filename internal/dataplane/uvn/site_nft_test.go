@@ -76,7 +76,7 @@ func TestSiteNft(t *testing.T) {
 				return err
 			}
 		}
-		spec := buildSite(p, "node1", srun, []SiteUser{u})
+		spec := buildSite(p, "node1", srun, []SiteUser{u}, nil)
 		// Packets between a namespace's own addresses arrive on lo.
 		for _, m := range []map[string]int{spec.own, spec.srun} {
 			if c, ok := m[VRFName(u.UID)]; ok {
@@ -409,7 +409,7 @@ func TestSiteCost(t *testing.T) {
 				p.Rules = append(p.Rules, policy.SiteRule{Name: fmt.Sprintf("r%d", i), From: []uint32{2001},
 					Sources: []netip.Prefix{netip.PrefixFrom(netip.AddrFrom4([4]byte{198, 18, 1 + byte(i>>8), byte(i)}), 32)}, Ports: []policy.PortRange{{First: port, Last: port}}})
 			}
-			spec := buildSite(p, "node1", policy.PortRange{}, []SiteUser{{UID: 2001}})
+			spec := buildSite(p, "node1", policy.PortRange{}, []SiteUser{{UID: 2001}}, nil)
 			if c, ok := spec.own[VRFName(2001)]; ok {
 				delete(spec.own, VRFName(2001))
 				spec.own["lo"] = c

@@ -168,7 +168,7 @@ func TestSiteSpecShared(t *testing.T) {
 	for uid := uint32(2001); uid < 2101; uid++ {
 		users = append(users, SiteUser{UID: uid})
 	}
-	s := buildSite(p, "node1", siteSrun, users)
+	s := buildSite(p, "node1", siteSrun, users, nil)
 	if len(s.chains) != 2 || len(s.own) != 100 || len(s.srun) != 0 {
 		t.Errorf("100 users, 2 rules: want 2 own chains + none on the callback path, got %d chains, %d own, %d srun", len(s.chains), len(s.own), len(s.srun))
 	}

@@ -28,12 +28,18 @@ type Stat struct {
 	Start uint64
 	// CPU is user+system time in seconds.
 	CPU float64
+	// ChildCPU is the user+system time of its reaped children, in seconds.
+	ChildCPU float64
 }
 
 // Zombie reports a process that has exited (zombie or dead): it holds no
 // sockets and answers no signals, and PID 1 on these machines may reap it
 // only seconds later.
 func (s Stat) Zombie() bool { return s.State == 'Z' || s.State == 'X' }
+
+// userHZ is the kernel's USER_HZ, the unit of /proc/PID/stat times (as
+// procfs's CPUTime assumes).
+const userHZ = 100
 
 // Read returns the stat of pid (ok false if it is gone).
 func Read(pid int) (Stat, bool) {
@@ -52,7 +58,8 @@ func stat(p procfs.Proc) (Stat, bool) {
 	if err != nil || len(s.State) != 1 {
 		return Stat{}, false
 	}
-	return Stat{PID: s.PID, PPID: s.PPID, State: s.State[0], Comm: s.Comm, Start: s.Starttime, CPU: s.CPUTime()}, true
+	return Stat{PID: s.PID, PPID: s.PPID, State: s.State[0], Comm: s.Comm, Start: s.Starttime, CPU: s.CPUTime(),
+		ChildCPU: float64(s.CUTime+s.CSTime) / userHZ}, true
 }
 
 // Alive reports whether pid exists and has not exited (see Stat.Zombie).

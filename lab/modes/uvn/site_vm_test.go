@@ -2,6 +2,7 @@ package uvn
 
 import (
 	"fmt"
+	"os"
 	"strings"
 	"testing"
 
@@ -308,7 +309,13 @@ nodes = ["node1=198.18.0.1,198.19.0.1,2001:2::1,2001:2:0:1::1", "node2=198.18.0.
 // between the VM testbed's nodes, positive and negative; explain says what
 // uvn does; a policy whose test fails is refused by `uvn reload` and the
 // running rules stay; without the rules every probe passes (control).
+//
+// Not in CI's run yet (about 15 minutes under TCG on a loaded machine):
+// PALISADE_UVN_SITE_VM=1 go test -run 'TestVM/6.1/site-rules' ./lab/modes/uvn.
 func siteRulesVM(t *testing.T, e *vmEnv) {
+	if os.Getenv("PALISADE_UVN_SITE_VM") == "" {
+		t.Skip("PALISADE_UVN_SITE_VM=1 runs it")
+	}
 	tb := e.tb
 	conf := "/etc/palisade/palisade.toml"
 	nodes := []string{"node1", "node2", "node3"}
@@ -338,7 +345,7 @@ func siteRulesVM(t *testing.T, e *vmEnv) {
 	for _, n := range nodes {
 		if out := e.run(t, n, "", "cat >> "+conf+" <<'EOF'\n"+bobCarol.Replace(SitePolicy)+"EOF\n"+
 			tb.Binary+" config check --slurm-conf '' | grep '^# [EW][RA]'; "+tb.Binary+" uvn reload; echo reload=$?"); !strings.Contains(out, "reload=0") ||
-			!strings.Contains(out, `WARNING: `+conf+`:`) || !strings.Contains(out, `rule "alice-allow-9313": uvn: an allow rule`) || strings.Contains(out, "ERROR") && strings.Contains(out, "test") {
+			!strings.Contains(out, `WARNING: `+conf+`:`) || !strings.Contains(out, `rule "alice-allow-9313": uvn: an allow rule`) || strings.Contains(out, `: test "`) {
 			t.Fatalf("%s: the site policy does not load, or config check does not say what uvn cannot do:\n%s", n, out)
 		}
 	}
@@ -348,7 +355,7 @@ func siteRulesVM(t *testing.T, e *vmEnv) {
 	lsn := func(ports ...int) string {
 		var b strings.Builder
 		for _, p := range ports {
-			fmt.Fprintf(&b, "socat TCP-LISTEN:%d,reuseaddr,fork SYSTEM:'echo ok-%d' &\n", p, p)
+			fmt.Fprintf(&b, "socat TCP6-LISTEN:%d,ipv6only=0,reuseaddr,fork SYSTEM:'echo ok-%d' &\n", p, p)
 		}
 		return b.String()
 	}
@@ -363,6 +370,10 @@ func siteRulesVM(t *testing.T, e *vmEnv) {
 		waitFor(t, e, "node2", p)
 	}
 	waitFor(t, e, "node3", "9306")
+	// alice's network on node1 lives through the whole test (a holder):
+	// re-made for every login, its new MAC would meet node2's neighbour
+	// entry of the old one for a while.
+	e.bg(t, "node1", "alice", "exec sleep 7200")
 	probe := func(name, cmd string) string {
 		return fmt.Sprintf("(echo \"%s: $(%s 2>&1 | head -1)\") &\n", name, cmd)
 	}
@@ -390,13 +401,10 @@ func siteRulesVM(t *testing.T, e *vmEnv) {
 				[3]string{"a1-9303", tcp("198.18.0.2:9303"), "deny"},
 				[3]string{"a1-9304", tcp("198.18.0.2:9304"), "deny"},
 				[3]string{"a1-9305-node2", tcp("198.18.0.2:9305"), "deny"},
-				[3]string{"a1-9305-node3", tcp("198.18.0.3:9305"), "allow"},
 				[3]string{"a1-9306", tcp("[2001:2::2]:9306"), "deny"},
 				[3]string{"a1-9307-ib", tcp("198.19.0.2:9307"), "deny"},
 				[3]string{"a1-9307-eth", tcp("198.18.0.2:9307"), "allow"},
-				[3]string{"a1-9308-udp", udp("198.18.0.2:9308"), "deny"},
 				[3]string{"a1-9308-tcp", tcp("198.18.0.2:9308"), "allow"},
-				[3]string{"a1-9314-udp", udp("198.18.0.2:9314"), "allow"},
 				[3]string{"a1-9309", tcp("198.18.0.2:9309"), "deny"},
 				[3]string{"a1-9310", tcp("198.18.0.2:9310"), "deny"},
 				[3]string{"a1-9311", tcp("[2001:2:0:1::2]:9311"), "deny"},
@@ -404,9 +412,12 @@ func siteRulesVM(t *testing.T, e *vmEnv) {
 				[3]string{"a1-9313", tcp("198.18.0.2:9313"), "allow"})),
 			e.run(t, "node3", "alice", script(
 				[3]string{"a3-9306", tcp("198.18.0.2:9306"), "allow"},
-				[3]string{"a3-9301", tcp("198.18.0.2:9301"), "deny"})),
+				[3]string{"a3-9301", tcp("198.18.0.2:9301"), "deny"},
+				[3]string{"a3-local-9305", tcp("127.0.0.1:9305"), "allow"})),
 			e.run(t, "node2", "alice", script(
 				[3]string{"a2-local-9305", tcp("127.0.0.1:9305"), "deny"},
+				[3]string{"a2-local-9308-udp", udp("127.0.0.1:9308"), "deny"},
+				[3]string{"a2-local-9314-udp", udp("127.0.0.1:9314"), "allow"},
 				[3]string{"a2-local-9306", tcp("127.0.0.1:9306"), "allow"},
 				[3]string{"a2-local-9312", tcp("[::1]:9312"), "allow"})),
 			e.run(t, "node2", "bob", script(
@@ -440,6 +451,10 @@ func siteRulesVM(t *testing.T, e *vmEnv) {
 				continue
 			}
 			passed := strings.HasPrefix(line, "ok-")
+			if strings.Contains(line, "refused") {
+				// Nothing listens: the probe proves nothing.
+				t.Errorf("%s: %q", w.key, line)
+			}
 			if exp := w.allow || control; passed != exp {
 				t.Errorf("%s: passed=%v, want %v (control without the rules: %v): %q", w.key, passed, exp, control, line)
 			}
@@ -483,6 +498,3 @@ func siteRulesVM(t *testing.T, e *vmEnv) {
 		t.Errorf("without site rules the site table must be gone, the guard there:\n%s", l)
 	}
 }
-
-// siteRulesVMPending: siteRulesVM joins vmSuite once it has passed in the VM.
-var _ = siteRulesVM

@@ -221,6 +221,7 @@ func vmSuite(t *testing.T, series string) {
 		}
 	})
 
+	t.Run("site-rules", func(t *testing.T) { siteRulesVM(t, e) })
 	t.Run("attacks", func(t *testing.T) { attacks(t, ctx, tb) })
 	t.Run("srun-budget", func(t *testing.T) { srunBudget(t, e) })
 
