@@ -223,7 +223,7 @@ func writeCopyright(root, binary, out string) (licenses, error) {
 	if len(gpl) == 0 {
 		return nil, fmt.Errorf("no eBPF sources under %s", root)
 	}
-	b.WriteString("Files: " + strings.Join(gpl, "\n ") + "\n internal/dataplane/userwall/bpf/vmlinux.h\n" +
+	b.WriteString("Files: " + strings.Join(gpl, "\n ") + "\n internal/dataplane/include/vmlinux.h\n" +
 		"Copyright: the Palisade developers\nLicense: GPL-2\n" +
 		"Comment: The eBPF programs, compiled into the palisade binary: the kernel\n" +
 		" lets only GPL-compatible programs call the helpers they use. vmlinux.h\n" +

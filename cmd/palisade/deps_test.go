@@ -36,13 +36,12 @@ var rules = []rule{
 	{pkg: "internal/policy", allow: []string{"internal/identity"}},
 	{pkg: "internal/membership", allow: []string{"internal/identity", "internal/sys/..."}},
 	{pkg: "internal/sockowner", allow: []string{"internal/identity", "internal/policy", "internal/sys/..."}},
-	{pkg: "internal/portal", allow: []string{"internal/identity", "internal/policy", "internal/sys/..."}},
+	{pkg: "internal/portal/portalconfig", allow: []string{"internal/policy"}},
+	{pkg: "internal/portal", allow: []string{"internal/identity", "internal/policy", "internal/portal/portalconfig", "internal/sys/..."}},
 	// The configuration composes the planes' sections, never their data
-	// paths. Known exceptions: [uvn]'s section still lives in the uvn
-	// package (its Validate checks a limit bpf2go generates there), and
-	// [portal]'s in the portal package.
+	// paths.
 	{pkg: "internal/config", allow: []string{"internal/policy", "internal/identity",
-		"internal/dataplane/userwall/agentconfig", "internal/dataplane/egress", "internal/dataplane/uvn", "internal/portal"}},
+		"internal/dataplane/userwall/agentconfig", "internal/dataplane/egress", "internal/dataplane/uvn/uvnconfig", "internal/portal/portalconfig"}},
 	// Data planes: each on its own, never another plane.
 	{pkg: "internal/dataplane/userwall/agentconfig", allow: []string{"internal/policy"}},
 	// userwall's kernel side knows no agent and no configuration file.
@@ -50,6 +49,7 @@ var rules = []rule{
 	{pkg: "internal/dataplane/userwall/...", allow: []string{"internal/dataplane/userwall/...", "internal/policy", "internal/config",
 		"internal/identity", "internal/membership", "internal/sockowner", "internal/portal", "internal/sys/...", "internal/version"}},
 	{pkg: "internal/dataplane/uvn/spank"},
+	{pkg: "internal/dataplane/uvn/uvnconfig", allow: []string{"internal/policy"}},
 	{pkg: "internal/dataplane/uvn/...", allow: []string{"internal/dataplane/uvn/...", "internal/policy", "internal/sys/...", "internal/slurmconf"}},
 	{pkg: "internal/dataplane/egress", allow: []string{"internal/policy"}},
 	{pkg: "internal/dataplane/egress/...", allow: []string{"internal/dataplane/egress/...", "internal/policy", "internal/sys/..."}},
@@ -169,6 +169,9 @@ func TestImportRulesCatch(t *testing.T) {
 		{"internal/policy", "internal/config", false},
 		{"internal/config", "internal/dataplane/userwall", false},
 		{"internal/config", "internal/dataplane/egress/gateway", false},
+		{"internal/config", "internal/dataplane/uvn", false},
+		{"internal/config", "internal/portal", false},
+		{"internal/config", "internal/dataplane/uvn/uvnconfig", true},
 		{"internal/dataplane/uvn", "internal/dataplane/userwall", false},
 		{"internal/dataplane/userwall/kernel", "internal/dataplane/userwall", false},
 		{"internal/dataplane/userwall/kernel", "internal/config", false},

@@ -3,7 +3,8 @@
 // the sections. The policy core's tables ([policy], [cluster], [offcluster])
 // are built into a policy.Policy here; every data plane owns its own table's
 // type next to its code ([agent]: dataplane/userwall/agentconfig, [uvn]:
-// dataplane/uvn, [egress]: dataplane/egress) and validates it.
+// dataplane/uvn/uvnconfig, [egress]: dataplane/egress, [portal]:
+// portal/portalconfig) and validates it; none of them is a data path.
 package config
 
 import (
@@ -27,10 +28,10 @@ import (
 
 	"github.com/palisade-hpc/palisade/internal/dataplane/egress"
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/agentconfig"
-	"github.com/palisade-hpc/palisade/internal/dataplane/uvn"
+	"github.com/palisade-hpc/palisade/internal/dataplane/uvn/uvnconfig"
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
-	"github.com/palisade-hpc/palisade/internal/portal"
+	"github.com/palisade-hpc/palisade/internal/portal/portalconfig"
 )
 
 // Config is the whole configuration file, decoded and validated. The [policy],
@@ -70,13 +71,13 @@ type Config struct {
 	// of refusing to start over one name.
 	Unresolved []Finding
 
-	Rules      PolicyConfig       `toml:"policy"`
-	Cluster    ClusterConfig      `toml:"cluster"`
-	OffCluster OffClusterConfig   `toml:"offcluster"`
-	Agent      agentconfig.Config `toml:"agent"`
-	UVN        uvn.Config         `toml:"uvn"`
-	Egress     egress.Config      `toml:"egress"`
-	Portal     portal.Config      `toml:"portal"`
+	Rules      PolicyConfig        `toml:"policy"`
+	Cluster    ClusterConfig       `toml:"cluster"`
+	OffCluster OffClusterConfig    `toml:"offcluster"`
+	Agent      agentconfig.Config  `toml:"agent"`
+	UVN        uvnconfig.Config    `toml:"uvn"`
+	Egress     egress.Config       `toml:"egress"`
+	Portal     portalconfig.Config `toml:"portal"`
 	// SiteRules and Tests are the [[rule]] and [[test]] entries of the file
 	// and of the files [policy] include names, in order.
 	SiteRules []RuleConfig `toml:"rule"`

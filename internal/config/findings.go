@@ -13,7 +13,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/palisade-hpc/palisade/internal/dataplane/uvn"
+	"github.com/palisade-hpc/palisade/internal/dataplane/uvn/uvnconfig"
 	"github.com/palisade-hpc/palisade/internal/identity"
 )
 
@@ -165,7 +165,7 @@ func (c *Config) Findings(o CheckOptions) []Finding {
 		c.slurmFindings(o, add)
 	}
 	if c.UVN.Enable {
-		for _, n := range uvn.SiteNotes(p, c.UVN.MinUID, c.UVN.SrunRange) {
+		for _, n := range uvnconfig.SiteNotes(p, c.UVN.MinUID, c.UVN.SrunRange) {
 			r := &p.Rules[n.Rule]
 			out = append(out, Finding{Severity: Warning, Level: Warning.String(), Key: "rule " + strconv.Quote(r.Name), Line: r.Line, Msg: n.Msg})
 		}

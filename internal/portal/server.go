@@ -330,7 +330,7 @@ func (s *Server) register(uid uint32, req Request) (Response, *session) {
 		}
 		gid, group = g, identity.GroupName(s.res, g)
 	}
-	ttl := st.Config.maxSession()
+	ttl := st.Config.MaxSessionDuration()
 	if req.TTL != "" {
 		d, err := time.ParseDuration(req.TTL)
 		if err != nil || d <= 0 {

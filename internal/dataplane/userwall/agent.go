@@ -117,12 +117,10 @@ type agent struct {
 	// stateWriteErrors counts state files not written (metrics).
 	stateWriteErrors atomic.Uint64
 
-	// Set by newAgent, read-only after: the kernel's features, how the tc
-	// programs attach and why, why the LSM programs are left out.
+	// Set by newAgent, read-only after: the kernel's features and what
+	// enforces on it (how the tc programs attach, whether the LSM ones do).
 	probe *kernel.Probe
-	useTC bool
-	tcWhy string
-	noLSM error
+	enf   kernel.Enforcement
 
 	// Owned by the main loop (RunAgent, reload): ctx of the services,
 	// the metrics server, the ident service's stop, and problems of the
@@ -279,16 +277,8 @@ func newAgent(o AgentOptions) (*agent, error) {
 	if testErr != nil {
 		a.notes = append(a.notes, "policy tests fail (enforced anyway at start; a reload is refused until they pass): "+testErr.Error())
 	}
-	if a.useTC, a.tcWhy, err = kernel.ChooseTC(cfg.Agent.TCAttach, probe); err != nil {
+	if a.enf, err = kernel.Plan(probe, cfg.Agent.TCAttach, cfg.Agent.UnixSockets); err != nil {
 		return nil, err
-	}
-	switch {
-	case !cfg.Agent.UnixSockets:
-		a.noLSM = errors.New("disabled by configuration (unix_sockets = false)")
-	case !probe.Has(kernel.FeatLSMActive) && strings.HasPrefix(kernel.FeatureDetail(probe, kernel.FeatLSMActive), "/"):
-		a.noLSM = fmt.Errorf("the bpf LSM is not enabled (%s); boot with lsm=...,bpf", kernel.FeatureDetail(probe, kernel.FeatLSMActive))
-	case !probe.Has(kernel.FeatLSMAttach):
-		a.noLSM = fmt.Errorf("BPF LSM programs cannot attach on this kernel: %s", kernel.FeatureDetail(probe, kernel.FeatLSMAttach))
 	}
 	return a, nil
 }
@@ -343,7 +333,7 @@ func (a *agent) enforce() error {
 	}
 	_, statErr := os.Stat(filepath.Join(pinDir, "settings"))
 	adopting := statErr == nil
-	if a.dp, err = kernel.Load(pinDir, cookie, a.noLSM); err != nil {
+	if a.dp, err = kernel.Load(pinDir, cookie, a.enf); err != nil {
 		if !adopting {
 			// The loader pins each map as it creates it and does not
 			// unpin them when a later program fails to load.
@@ -351,14 +341,13 @@ func (a *agent) enforce() error {
 		}
 		return err
 	}
-	a.dp.TC = a.useTC
 	if changed := a.dp.Migrating(); changed != nil {
 		a.log.Info("pinned maps have another layout: migrating (new maps staged, links switched in place)", "maps", changed)
 	}
 	a.exempt.changed = make(chan struct{}, 1)
 	a.exempt.setGroups(a.cfg.Policy)
 	a.members = a.newMembers()
-	a.log.Info("tc programs attach with "+kernel.AttachName(a.useTC), "why", a.tcWhy, "kernel", a.probe.Kernel)
+	a.log.Info("tc programs attach with "+kernel.AttachName(a.enf.TC), "why", a.enf.TCWhy, "kernel", a.probe.Kernel)
 	err = a.install(cg)
 	if err == nil && a.dp.Migrating() != nil {
 		err = a.dp.Fault("commit")

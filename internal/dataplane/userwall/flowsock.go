@@ -198,6 +198,33 @@ func (s *flowServer) answerGrant(ctx context.Context, asker uint32, req FlowsReq
 		}
 		names = append(names, hs...)
 	}
+	port := s.cfg().identPort
+	return s.askEach(names, func(t flowTarget) NodeFlows {
+		nf := NodeFlows{Name: t.name}
+		var a GrantAnswer
+		var err error
+		if t.local {
+			a, err = s.grants.handle(asker, *req.Grant)
+		} else {
+			raw, _ := json.Marshal(ForwardedGrant{Asker: asker, Request: *req.Grant})
+			var data json.RawMessage
+			if data, err = (ident.Client{Port: port, Timeout: 2 * time.Second}).Data(ctx, t.addr, ident.KindGrant, raw); err == nil {
+				err = json.Unmarshal(data, &a)
+			}
+		}
+		if err != nil {
+			nf.Error = err.Error()
+		} else {
+			nf.Grant = &a
+		}
+		return nf
+	})
+}
+
+// askEach asks every node named (targets) with ask, at most
+// maxParallelAsks at once; asking other nodes is rate-limited
+// (remoteAsks).
+func (s *flowServer) askEach(names []string, ask func(flowTarget) NodeFlows) FlowsResponse {
 	ts, err := s.targets(names)
 	if err != nil {
 		return FlowsResponse{Error: err.Error()}
@@ -205,7 +232,6 @@ func (s *flowServer) answerGrant(ctx context.Context, asker uint32, req FlowsReq
 	if slices.ContainsFunc(ts, func(t flowTarget) bool { return !t.local }) && !s.remoteAsks.Allow() {
 		return FlowsResponse{Error: "too many requests to other nodes: retry in a second"}
 	}
-	port := s.cfg().identPort
 	out := make([]NodeFlows, len(ts))
 	sem := make(chan struct{}, maxParallelAsks)
 	var wg sync.WaitGroup
@@ -213,24 +239,7 @@ func (s *flowServer) answerGrant(ctx context.Context, asker uint32, req FlowsReq
 		wg.Go(func() {
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			nf := NodeFlows{Name: t.name}
-			var a GrantAnswer
-			var err error
-			if t.local {
-				a, err = s.grants.handle(asker, *req.Grant)
-			} else {
-				raw, _ := json.Marshal(ForwardedGrant{Asker: asker, Request: *req.Grant})
-				var data json.RawMessage
-				if data, err = (ident.Client{Port: port, Timeout: 2 * time.Second}).Data(ctx, t.addr, ident.KindGrant, raw); err == nil {
-					err = json.Unmarshal(data, &a)
-				}
-			}
-			if err != nil {
-				nf.Error = err.Error()
-			} else {
-				nf.Grant = &a
-			}
-			out[i] = nf
+			out[i] = ask(t)
 		})
 	}
 	wg.Wait()
@@ -242,63 +251,45 @@ func (s *flowServer) answer(ctx context.Context, req FlowsRequest) FlowsResponse
 	if req.Kind != ident.KindFlows && req.Kind != ident.KindAudit {
 		return FlowsResponse{Error: fmt.Sprintf("unknown kind %q (want %s or %s)", req.Kind, ident.KindFlows, ident.KindAudit)}
 	}
-	ts, err := s.targets(req.Nodes)
-	if err != nil {
-		return FlowsResponse{Error: err.Error()}
-	}
 	port := s.cfg().identPort
-	remote := slices.ContainsFunc(ts, func(t flowTarget) bool { return !t.local })
-	if remote && !s.remoteAsks.Allow() {
-		return FlowsResponse{Error: "too many requests to other nodes: retry in a second"}
-	}
-	out := make([]NodeFlows, len(ts))
-	sem := make(chan struct{}, maxParallelAsks)
-	var wg sync.WaitGroup
-	for i, t := range ts {
-		wg.Go(func() {
-			sem <- struct{}{}
-			defer func() { <-sem }()
-			nf := NodeFlows{Name: t.name}
-			if t.addr.IsValid() {
-				nf.Addr = t.addr.String()
+	return s.askEach(req.Nodes, func(t flowTarget) NodeFlows {
+		nf := NodeFlows{Name: t.name}
+		if t.addr.IsValid() {
+			nf.Addr = t.addr.String()
+		}
+		var args any
+		if req.Kind == ident.KindFlows {
+			args = FlowQuery{Filter: req.Filter, After: req.Cursors[t.name], Limit: req.Limit}
+		} else {
+			args = AuditQuery{Filter: req.Filter, Limit: req.Limit}
+		}
+		if t.local {
+			switch q := args.(type) {
+			case FlowQuery:
+				a := s.rec.Flows(q, 0)
+				nf.Flows = &a
+			case AuditQuery:
+				a := s.rec.Audit(q, 0)
+				nf.Audit = &a
 			}
-			var args any
+			return nf
+		}
+		raw, _ := json.Marshal(args)
+		data, err := ident.Client{Port: port, Timeout: time.Second}.Data(ctx, t.addr, req.Kind, raw)
+		if err == nil {
 			if req.Kind == ident.KindFlows {
-				args = FlowQuery{Filter: req.Filter, After: req.Cursors[t.name], Limit: req.Limit}
+				nf.Flows = &FlowAnswer{}
+				err = json.Unmarshal(data, nf.Flows)
 			} else {
-				args = AuditQuery{Filter: req.Filter, Limit: req.Limit}
+				nf.Audit = &AuditAnswer{}
+				err = json.Unmarshal(data, nf.Audit)
 			}
-			if t.local {
-				switch q := args.(type) {
-				case FlowQuery:
-					a := s.rec.Flows(q, 0)
-					nf.Flows = &a
-				case AuditQuery:
-					a := s.rec.Audit(q, 0)
-					nf.Audit = &a
-				}
-				out[i] = nf
-				return
-			}
-			raw, _ := json.Marshal(args)
-			data, err := ident.Client{Port: port, Timeout: time.Second}.Data(ctx, t.addr, req.Kind, raw)
-			if err == nil {
-				if req.Kind == ident.KindFlows {
-					nf.Flows = &FlowAnswer{}
-					err = json.Unmarshal(data, nf.Flows)
-				} else {
-					nf.Audit = &AuditAnswer{}
-					err = json.Unmarshal(data, nf.Audit)
-				}
-			}
-			if err != nil {
-				nf.Flows, nf.Audit, nf.Error = nil, nil, err.Error()
-			}
-			out[i] = nf
-		})
-	}
-	wg.Wait()
-	return FlowsResponse{Nodes: out}
+		}
+		if err != nil {
+			nf.Flows, nf.Audit, nf.Error = nil, nil, err.Error()
+		}
+		return nf
+	})
 }
 
 // AskFlows sends req to the agent's flows socket at path and returns its

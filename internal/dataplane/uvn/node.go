@@ -878,7 +878,7 @@ func (c *cgroup2) detachAll(a Attachment) error {
 // attachUnderlay attaches the underlay-port programs (see underlayPrograms)
 // for the IPv4 underlay prefixes.
 func (m *Manager) attachUnderlay(cg *cgroup2, a *Attachment, st *UserState) error {
-	nets := m.cfg.nets4()
+	nets := m.cfg.Nets4()
 	if len(nets) == 0 || len(m.cfg.UnderlayRanges) == 0 {
 		return nil
 	}

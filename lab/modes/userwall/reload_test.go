@@ -82,6 +82,7 @@ func reloadRefused(t *testing.T, node string) string {
 // once the agent has logged its start, where RunAgent has them caught: one
 // while it loads, one as soon as its pid file is there.
 func TestHUPWhileStarting(t *testing.T) {
+	needTestbed(t)
 	n := tb.Nodes[len(tb.Nodes)-1]
 	pidFile := AgentPidFile(tb, n.Name)
 	if pid := uw.ReadPid(pidFile); pid != 0 {

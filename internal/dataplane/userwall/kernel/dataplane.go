@@ -141,9 +141,9 @@ const TestPeerTTLEnv = "PALISADE_TEST_UDP_PEER_TTL"
 
 // Load loads the programs for the namespace with the given cookie, reusing
 // (adopting) maps already pinned in pinDir, so a restarted agent keeps the
-// state and the counters of its predecessor. noLSM, if not nil, says why
-// the LSM programs are left out (configuration, or the feature probe).
-func Load(pinDir string, cookie uint64, noLSM error) (*Dataplane, error) {
+// state and the counters of its predecessor, as e (Plan) says: how the tc
+// programs attach, and whether the LSM programs are left out.
+func Load(pinDir string, cookie uint64, e Enforcement) (*Dataplane, error) {
 	spec, err := loadUwbpf()
 	if err != nil {
 		return nil, err
@@ -175,15 +175,10 @@ func Load(pinDir string, cookie uint64, noLSM error) (*Dataplane, error) {
 	if err := removeStaging(pinDir); err != nil {
 		return nil, fmt.Errorf("remove an interrupted upgrade's pins: %w", err)
 	}
-	d := &Dataplane{PinDir: pinDir, Cookie: cookie, links: map[string]link.Link{}}
+	d := &Dataplane{PinDir: pinDir, Cookie: cookie, TC: e.TC, lsmErr: e.NoLSM, links: map[string]link.Link{}}
 	mig, err := planMigration(spec, pinDir)
 	if err != nil {
 		return nil, err
-	}
-	if noLSM != nil {
-		d.lsmErr = noLSM
-	} else if ok, how := LSMActive(); !ok && !strings.HasPrefix(how, "unknown") {
-		d.lsmErr = fmt.Errorf("the bpf LSM is not enabled (%s); boot with lsm=...,bpf", how)
 	}
 	if d.lsmErr != nil {
 		for _, h := range lsmHooks {

@@ -1,4 +1,7 @@
-package uvn
+// Package uvnconfig is the [uvn] section of the configuration: its types,
+// defaults and checks, apart from the data plane (package uvn) so that the
+// configuration does not import a data plane.
+package uvnconfig
 
 import (
 	"errors"
@@ -86,6 +89,11 @@ const (
 	MaxUnderlays = 36
 	// VNIBits is the VXLAN VNI width.
 	VNIBits = 24
+	// MaxPortRanges and MaxNets4 are the session programs' limits
+	// (enum uvn_limit in bpf/vrf.c): package uvn fails to compile unless
+	// they equal the generated ones.
+	MaxPortRanges = 8
+	MaxNets4      = 64
 )
 
 // SetDefaults fills in defaults before the file's values are decoded.
@@ -174,8 +182,8 @@ func (u *Config) Validate() error {
 		}
 	}
 	// The session programs (bpf/vrf.c) hold this many ranges and prefixes.
-	if len(u.UnderlayRanges) > int(vrfbpfUvnLimitUVN_MAX_PORT_RANGES) {
-		bad("underlay_ports", "", "at most %d ranges", vrfbpfUvnLimitUVN_MAX_PORT_RANGES)
+	if len(u.UnderlayRanges) > MaxPortRanges {
+		bad("underlay_ports", "", "at most %d ranges", MaxPortRanges)
 	}
 	if len(u.Underlays) > MaxUnderlays {
 		bad("underlay", "", "%d underlays; at most %d", len(u.Underlays), MaxUnderlays)
@@ -259,14 +267,14 @@ func (u *Config) Validate() error {
 			ul.PeerAddrs = append(ul.PeerAddrs, a)
 		}
 	}
-	if n := len(u.nets4()); n > int(vrfbpfUvnLimitUVN_MAX_NETS4) {
-		bad("underlay", "", "%d IPv4 prefixes in all; at most %d", n, vrfbpfUvnLimitUVN_MAX_NETS4)
+	if n := len(u.Nets4()); n > MaxNets4 {
+		bad("underlay", "", "%d IPv4 prefixes in all; at most %d", n, MaxNets4)
 	}
 	return errors.Join(errs...)
 }
 
-// nets4 lists the IPv4 prefixes of every underlay (parsed by Validate).
-func (u *Config) nets4() []netip.Prefix {
+// Nets4 lists the IPv4 prefixes of every underlay (parsed by Validate).
+func (u *Config) Nets4() []netip.Prefix {
 	var nets []netip.Prefix
 	for _, ul := range u.Underlays {
 		for _, n := range ul.Nets {
@@ -278,23 +286,23 @@ func (u *Config) nets4() []netip.Prefix {
 	return nets
 }
 
-// maxSrunPorts is the widest srun range: every port of the range may take
+// MaxSrunPorts is the widest srun range: every port of the range may take
 // three entries of the claim map (bpf/srun.c pal_srun_ports: its claim, the
 // claiming socket's, a lingering claim). TestSrunPortsMap checks it against
 // the map's generated spec.
-const maxSrunPorts = 32768
+const MaxSrunPorts = 32768
 
 // CheckSrunRange rejects an srun port range that overlaps underlay_ports:
 // another user's traffic to those ports leaves its VRF through the node's
 // address, so it would reach the range's listeners like Slurm's daemons do.
-// It also rejects a range wider than maxSrunPorts: it could fill the claim
+// It also rejects a range wider than MaxSrunPorts: it could fill the claim
 // map, and srun's binds past that point would be refused.
 func CheckSrunRange(srun policy.PortRange, underlay []policy.PortRange) error {
 	if srun == (policy.PortRange{}) {
 		return nil
 	}
-	if n := int(srun.Last) - int(srun.First) + 1; n > maxSrunPorts {
-		return fmt.Errorf("srun ports %s: %d ports, at most %d (each port may take three entries of a %d-entry claim map)", srun, n, maxSrunPorts, 3*maxSrunPorts)
+	if n := int(srun.Last) - int(srun.First) + 1; n > MaxSrunPorts {
+		return fmt.Errorf("srun ports %s: %d ports, at most %d (each port may take three entries of a %d-entry claim map)", srun, n, MaxSrunPorts, 3*MaxSrunPorts)
 	}
 	for _, r := range underlay {
 		if r.Overlaps(srun) {

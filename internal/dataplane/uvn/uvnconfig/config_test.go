@@ -1,4 +1,4 @@
-package uvn_test
+package uvnconfig_test
 
 import (
 	"fmt"

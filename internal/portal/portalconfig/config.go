@@ -1,15 +1,7 @@
-// Package portal lets a trusted web proxy (Open OnDemand's Apache,
-// JupyterHub's proxy) open connections *as* the user it authenticated, so
-// that the proxy account is never an exempt connector and reaches only what
-// that user may reach. The agent (root) creates the socket with the user's
-// filesystem ids — the identity the kernel and userwall record for a socket
-// (docs/userwall.md, "Identity of each end") — connects it and hands the
-// connected descriptor to the proxy (SCM_RIGHTS). It does so only for an
-// account named in [portal] proxies, only for a user who has a session with
-// that proxy (a process of the user registered it: kernel-authenticated
-// evidence), never for root, system accounts or exempt accounts.
-// docs/portals.md has the design and its threat model.
-package portal
+// Package portalconfig is the [portal] section of the configuration,
+// apart from the delegation itself (package portal) so that the
+// configuration does not import it.
+package portalconfig
 
 import (
 	"errors"
@@ -66,8 +58,8 @@ func (c *Config) Validate() error {
 	return errors.Join(errs...)
 }
 
-// maxSession is MaxSession parsed (validated).
-func (c *Config) maxSession() time.Duration {
+// MaxSessionDuration is MaxSession parsed (validated).
+func (c *Config) MaxSessionDuration() time.Duration {
 	d, err := time.ParseDuration(c.MaxSession)
 	if err != nil || d < time.Second {
 		return 24 * time.Hour
