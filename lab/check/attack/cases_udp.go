@@ -12,8 +12,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
+	"github.com/palisade-hpc/palisade/lab/h3"
 	uwlab "github.com/palisade-hpc/palisade/lab/modes/userwall"
 )
 
@@ -177,29 +177,29 @@ func iperfUDP(fam int) *Case {
 		}}
 }
 
-//go:embed testdata/h3.py
-var h3Script []byte
-
-// quicPython is the Python with aioquic (.ci/deps installs it there).
-const quicPython = "/opt/pal-quic/bin/python"
+// h3Datagram is the case's QUIC maximum datagram: the UDP payload of a
+// full 1,500-byte IPv4 packet.
+const h3Datagram = "1472"
 
 func http3(fam int) *Case {
 	return &Case{Name: fmt.Sprintf("http3-1472-cross-v%d", fam), Class: "legit-app",
 		Why: "HTTP/3 (aioquic) with a 1,472-byte maximum datagram, a 64 KiB response: alice's client gets her server's page; bob's QUIC handshake is refused",
 		Run: func(e *Env, r *Run) error {
-			if _, err := os.Stat(quicPython); err != nil {
-				return fmt.Errorf("%s: %w (run .ci/deps)", quicPython, err)
+			if _, err := os.Stat(h3.Python); err != nil {
+				return fmt.Errorf("%s: %w (run .ci/deps)", h3.Python, err)
 			}
 			script := filepath.Join(e.TB.Dir, "pal-attack-h3.py") // the instance's own: suites run side by side
-			if err := os.WriteFile(script, h3Script, 0o644); err != nil {
+			if err := h3.Write(script); err != nil {
 				return err
 			}
-			if err := e.background(r, e.A.Name, Victim, "ready", quicPython, script, "server", wild(fam).String(), itoa(e.Port)); err != nil {
+			if err := e.background(r, e.A.Name, Victim, "ready", h3.Python, script, "server", wild(fam).String(), itoa(e.Port),
+				"--datagram", h3Datagram, "--lifetime", "60"); err != nil {
 				return err
 			}
 			for _, u := range []string{Attacker, Victim} {
 				nonce := newNonce()
-				out, _ := e.TB.Output(e.Ctx, e.B.Name, asUser(u), quicPython, script, "client", eth(e.A, fam).String(), itoa(e.Port), nonce)
+				out, _ := e.TB.Output(e.Ctx, e.B.Name, asUser(u), h3.Python, script, "client", eth(e.A, fam).String(), itoa(e.Port),
+					"nonce", nonce, "--datagram", h3Datagram, "--timeout", "5")
 				var res struct {
 					OK    bool   `json:"ok"`
 					Bytes int    `json:"bytes"`
@@ -283,12 +283,8 @@ func connectedUDPTTL() *Case {
 		Why: "a connected UDP socket sends with send() (no sendmsg hook runs): its peer's answers must keep coming for as long as it sends (control), and stop once it has been silent longer than the peer lifetime (attack: the late answer)",
 		Run: func(e *Env, r *Run) error {
 			r.Defer(func() { e.restoreAgent(e.A) })
-			pidFile := uwlab.AgentPidFile(e.TB, e.A.Name)
-			if pid := userwall.ReadPid(pidFile); pid != 0 {
-				syscall.Kill(pid, syscall.SIGTERM)
-				for i := 0; i < 100 && userwall.ReadPid(pidFile) != 0; i++ {
-					time.Sleep(50 * time.Millisecond)
-				}
+			if err := uwlab.TermAgent(e.TB, e.A.Name); err != nil {
+				return err
 			}
 			if err := uwlab.StartAgentEnv(e.Ctx, e.TB, e.A, []string{kernel.TestPeerTTLEnv + "=" + itoa(ttl)}); err != nil {
 				return err
