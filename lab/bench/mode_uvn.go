@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"strconv"
+	"strings"
 
 	"github.com/palisade-hpc/palisade/lab/testbed"
 	// The VM testbed (`testbed up --vm`) and its uvn mode live there.
@@ -84,6 +85,20 @@ func (d *uvnDriver) Set(ctx context.Context, env *Env, variant string) error {
 			if _, err := env.run(ctx, n.Name, "", env.Binary, "uvn", verb, "--uid", uid); err != nil {
 				return err
 			}
+		}
+		if variant == Enforced {
+			return nil
+		}
+		// The baseline's processes are stray (setpriv, no login): with any
+		// user's network on the node, the device guard would judge them
+		// (a user's stray listener takes no connection from the network)
+		// and the baseline would not be the path without uvn.
+		out, err := env.run(ctx, n.Name, "", env.Binary, "uvn", "status")
+		if err != nil {
+			return err
+		}
+		if !strings.Contains(out, "node: no node-wide objects") {
+			return fmt.Errorf("baseline on %s: uvn still has node-wide objects (another user's network: the device guard would judge the baseline's stray processes):\n%s", n.Name, out)
 		}
 		return nil
 	})

@@ -230,7 +230,8 @@ func runMode(ctx context.Context, o *Options, plan Plan, d Driver, mode string, 
 			if v == Enforced {
 				procs := d.Processes(ctx, env)
 				fp = startFootprint(procs)
-				if !env.VM && stats.Problem == nil {
+				switch {
+				case !env.VM && stats.Problem == nil:
 					// Accounted in a pass of its own before each measured
 					// unit, with the statistics on and empty programs on
 					// the same hooks: the floor (floor.go, measure).
@@ -238,11 +239,17 @@ func runMode(ctx context.Context, o *Options, plan Plan, d Driver, mode string, 
 						ps.procs, ps.stats = procs, stats
 						s.progs = ps
 					}
+				case env.VM && mode == "uvn":
+					// The guest's programs, read inside the guest.
+					s.progs = newVMProgs(ctx, env)
+					noteOnce(res, "bpf_stats", "uvn: kernel.bpf_stats_enabled in the VM's guest, read on each node by `palisade-lab bench progstats`")
 				}
 			}
 			t0 := time.Now()
 			errs := s.runSuites(suites)
-			s.progs.close()
+			if s.progs != nil {
+				s.progs.close()
+			}
 			if fp != nil {
 				for _, f := range fp.finish() {
 					f.Mode, f.Round = mode, r
@@ -316,7 +323,7 @@ type session struct {
 	iperfRuns int // iperf3 clients run: which server is next
 	// progs are the data plane's eBPF programs (mode rounds; nil if none
 	// or without run-time statistics).
-	progs *progSet
+	progs accounting
 }
 
 func (s *session) emit(bench, series string, x float64, metric string, v float64, note string) {

@@ -118,7 +118,7 @@ A mode whose data plane is not available is reported as skipped.`,
 	report.Flags().String("out", "", "output directory (default: the results file's)")
 	report.Flags().String("merge", "", "keep only the modes --from's own run measured and take the others from this results file (two runs landing one after the other)")
 
-	cmd.AddCommand(report, benchServeCmd(), benchConnCmd(), benchRRCmd(), benchHoldCmd(), benchUVNSetupCmd(), benchUDPCmd())
+	cmd.AddCommand(report, benchServeCmd(), benchConnCmd(), benchRRCmd(), benchHoldCmd(), benchUVNSetupCmd(), benchProgStatsCmd(), benchUDPCmd())
 	return cmd
 }
 
@@ -296,6 +296,15 @@ func benchUVNSetupCmd() *cobra.Command {
 	})
 	cmd.Flags().Uint32Var(&first, "first", bench.UVNScaleUIDBase, "first uid")
 	cmd.Flags().IntVarP(&n, "n", "n", 10, "users")
+	return cmd
+}
+
+func benchProgStatsCmd() *cobra.Command {
+	var set string
+	cmd := nodeCmd("progstats", "uvn: this node's eBPF programs with their run-time statistics (JSON on stdout)", nil, func(*cobra.Command) error {
+		return printJSON(bench.ReadGuestProgs(configPath, set))
+	})
+	cmd.Flags().StringVar(&set, "set-stats", "", "first write this to kernel.bpf_stats_enabled (the previous value is reported)")
 	return cmd
 }
 

@@ -3,8 +3,10 @@ package uvn
 import (
 	"errors"
 	"fmt"
+	"io"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 
 	"github.com/palisade-hpc/palisade/internal/policy"
@@ -64,6 +66,10 @@ func (m *Manager) ensureGuardRoot(ns *NodeState) error {
 		return err
 	}
 	defer coll.Close()
+	// Cluster addresses: where Slurm's callbacks to a stray srun come from.
+	if err := fillSources(coll.Maps[guardbpfMapPalUvnSrc4], coll.Maps[guardbpfMapPalUvnSrc6], m.cfg.Underlays); err != nil {
+		return err
+	}
 	uids, err := m.st.users()
 	if err != nil {
 		return err
@@ -100,6 +106,9 @@ func (m *Manager) ensureGuardRoot(ns *NodeState) error {
 		if i < len(guardAttach) {
 			cg.detachAs("/", id, guardAttach[i].at)
 		}
+	}
+	if err := adoptSockets(coll); err != nil {
+		return err
 	}
 	ids := map[string]*uint32{guardbpfMapPalUvnDevs: &ns.GuardDevs, guardbpfMapPalUvnNames: &ns.GuardNames}
 	for name, p := range ids {
@@ -140,6 +149,29 @@ func loadGuard(cookie uint64, minUID uint32, exempt []uint32, srun policy.PortRa
 		}
 	}
 	return coll, nil
+}
+
+// adoptSockets runs the guard's TCP and UDP socket iterators once in this
+// network namespace, after sock_create is attached: every socket older
+// than the guard gets its birth record (its VRF now, its owner), so that
+// none is judged as another namespace's (a socket made since has one).
+func adoptSockets(coll *ebpf.Collection) error {
+	for _, name := range []string{guardbpfProgPalUvnAdoptTcp, guardbpfProgPalUvnAdoptUdp} {
+		it, err := link.AttachIter(link.IterOptions{Program: coll.Programs[name]})
+		if err != nil {
+			return fmt.Errorf("socket iterator %s: %w", name, err)
+		}
+		rd, err := it.Open()
+		if err == nil {
+			_, err = io.Copy(io.Discard, rd)
+			rd.Close()
+		}
+		it.Close()
+		if err != nil {
+			return fmt.Errorf("socket iterator %s: %w", name, err)
+		}
+	}
+	return nil
 }
 
 // undoGuardRoot detaches one root program (Name says which).

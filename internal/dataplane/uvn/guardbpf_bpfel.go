@@ -38,23 +38,51 @@ type guardbpfGuardOwner struct {
 	Uid uint32
 }
 
+type guardbpfGuardSent struct {
+	_ structs.HostLayout
+	P [8]struct {
+		_      structs.HostLayout
+		Addr   [4]uint32
+		Port   uint16
+		Family uint16
+	}
+	Next uint32
+}
+
+type guardbpfSrunLpm4 struct {
+	_         structs.HostLayout
+	Prefixlen uint32
+	Addr      uint32
+}
+
+type guardbpfSrunLpm6 struct {
+	_         structs.HostLayout
+	Prefixlen uint32
+	Addr      [4]uint32
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	guardbpfMapPalUvnBirth    = "pal_uvn_birth"
-	guardbpfMapPalUvnDevs     = "pal_uvn_devs"
-	guardbpfMapPalUvnExempt   = "pal_uvn_exempt"
-	guardbpfMapPalUvnNames    = "pal_uvn_names"
-	guardbpfProgPalUvnBorn    = "pal_uvn_born"
-	guardbpfProgPalUvnIn      = "pal_uvn_in"
-	guardbpfProgPalUvnOut     = "pal_uvn_out"
-	guardbpfProgPalUvnSockopt = "pal_uvn_sockopt"
-	guardbpfVarGuardLimitBtf  = "guard_limit_btf"
-	guardbpfVarMinUid         = "min_uid"
-	guardbpfVarNetnsCookie    = "netns_cookie"
-	guardbpfVarSrunFirst      = "srun_first"
-	guardbpfVarSrunLast       = "srun_last"
+	guardbpfMapPalUvnBirth     = "pal_uvn_birth"
+	guardbpfMapPalUvnDevs      = "pal_uvn_devs"
+	guardbpfMapPalUvnExempt    = "pal_uvn_exempt"
+	guardbpfMapPalUvnNames     = "pal_uvn_names"
+	guardbpfMapPalUvnSent      = "pal_uvn_sent"
+	guardbpfMapPalUvnSrc4      = "pal_uvn_src4"
+	guardbpfMapPalUvnSrc6      = "pal_uvn_src6"
+	guardbpfProgPalUvnAdoptTcp = "pal_uvn_adopt_tcp"
+	guardbpfProgPalUvnAdoptUdp = "pal_uvn_adopt_udp"
+	guardbpfProgPalUvnBorn     = "pal_uvn_born"
+	guardbpfProgPalUvnIn       = "pal_uvn_in"
+	guardbpfProgPalUvnOut      = "pal_uvn_out"
+	guardbpfProgPalUvnSockopt  = "pal_uvn_sockopt"
+	guardbpfVarGuardLimitBtf   = "guard_limit_btf"
+	guardbpfVarMinUid          = "min_uid"
+	guardbpfVarNetnsCookie     = "netns_cookie"
+	guardbpfVarSrunFirst       = "srun_first"
+	guardbpfVarSrunLast        = "srun_last"
 )
 
 // loadGuardbpf returns the embedded CollectionSpec for guardbpf.
@@ -99,10 +127,12 @@ type guardbpfSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type guardbpfProgramSpecs struct {
-	PalUvnBorn    *ebpf.ProgramSpec `ebpf:"pal_uvn_born"`
-	PalUvnIn      *ebpf.ProgramSpec `ebpf:"pal_uvn_in"`
-	PalUvnOut     *ebpf.ProgramSpec `ebpf:"pal_uvn_out"`
-	PalUvnSockopt *ebpf.ProgramSpec `ebpf:"pal_uvn_sockopt"`
+	PalUvnAdoptTcp *ebpf.ProgramSpec `ebpf:"pal_uvn_adopt_tcp"`
+	PalUvnAdoptUdp *ebpf.ProgramSpec `ebpf:"pal_uvn_adopt_udp"`
+	PalUvnBorn     *ebpf.ProgramSpec `ebpf:"pal_uvn_born"`
+	PalUvnIn       *ebpf.ProgramSpec `ebpf:"pal_uvn_in"`
+	PalUvnOut      *ebpf.ProgramSpec `ebpf:"pal_uvn_out"`
+	PalUvnSockopt  *ebpf.ProgramSpec `ebpf:"pal_uvn_sockopt"`
 }
 
 // guardbpfMapSpecs contains maps before they are loaded into the kernel.
@@ -113,6 +143,9 @@ type guardbpfMapSpecs struct {
 	PalUvnDevs   *ebpf.MapSpec `ebpf:"pal_uvn_devs"`
 	PalUvnExempt *ebpf.MapSpec `ebpf:"pal_uvn_exempt"`
 	PalUvnNames  *ebpf.MapSpec `ebpf:"pal_uvn_names"`
+	PalUvnSent   *ebpf.MapSpec `ebpf:"pal_uvn_sent"`
+	PalUvnSrc4   *ebpf.MapSpec `ebpf:"pal_uvn_src4"`
+	PalUvnSrc6   *ebpf.MapSpec `ebpf:"pal_uvn_src6"`
 }
 
 // guardbpfVariableSpecs contains global variables before they are loaded into the kernel.
@@ -150,6 +183,9 @@ type guardbpfMaps struct {
 	PalUvnDevs   *ebpf.Map `ebpf:"pal_uvn_devs"`
 	PalUvnExempt *ebpf.Map `ebpf:"pal_uvn_exempt"`
 	PalUvnNames  *ebpf.Map `ebpf:"pal_uvn_names"`
+	PalUvnSent   *ebpf.Map `ebpf:"pal_uvn_sent"`
+	PalUvnSrc4   *ebpf.Map `ebpf:"pal_uvn_src4"`
+	PalUvnSrc6   *ebpf.Map `ebpf:"pal_uvn_src6"`
 }
 
 func (m *guardbpfMaps) Close() error {
@@ -158,6 +194,9 @@ func (m *guardbpfMaps) Close() error {
 		m.PalUvnDevs,
 		m.PalUvnExempt,
 		m.PalUvnNames,
+		m.PalUvnSent,
+		m.PalUvnSrc4,
+		m.PalUvnSrc6,
 	)
 }
 
@@ -176,14 +215,18 @@ type guardbpfVariables struct {
 //
 // It can be passed to loadGuardbpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type guardbpfPrograms struct {
-	PalUvnBorn    *ebpf.Program `ebpf:"pal_uvn_born"`
-	PalUvnIn      *ebpf.Program `ebpf:"pal_uvn_in"`
-	PalUvnOut     *ebpf.Program `ebpf:"pal_uvn_out"`
-	PalUvnSockopt *ebpf.Program `ebpf:"pal_uvn_sockopt"`
+	PalUvnAdoptTcp *ebpf.Program `ebpf:"pal_uvn_adopt_tcp"`
+	PalUvnAdoptUdp *ebpf.Program `ebpf:"pal_uvn_adopt_udp"`
+	PalUvnBorn     *ebpf.Program `ebpf:"pal_uvn_born"`
+	PalUvnIn       *ebpf.Program `ebpf:"pal_uvn_in"`
+	PalUvnOut      *ebpf.Program `ebpf:"pal_uvn_out"`
+	PalUvnSockopt  *ebpf.Program `ebpf:"pal_uvn_sockopt"`
 }
 
 func (p *guardbpfPrograms) Close() error {
 	return _GuardbpfClose(
+		p.PalUvnAdoptTcp,
+		p.PalUvnAdoptUdp,
 		p.PalUvnBorn,
 		p.PalUvnIn,
 		p.PalUvnOut,

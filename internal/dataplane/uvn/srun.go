@@ -270,22 +270,28 @@ func undoSrunRelease(id uint32) error {
 // fillSrunSources puts the underlay prefixes (where Slurm's daemons live)
 // into the source tries.
 func fillSrunSources(coll *ebpf.Collection, us []Underlay) error {
+	return fillSources(coll.Maps[srunbpfMapPalSrunSrc4], coll.Maps[srunbpfMapPalSrunSrc6], us)
+}
+
+// fillSources puts the underlay prefixes into an IPv4 and an IPv6 LPM trie
+// keyed {prefixlen, address in network order} (srun.c's and guard.c's).
+func fillSources(m4, m6 *ebpf.Map, us []Underlay) error {
 	for _, u := range us {
 		for _, n := range u.Nets {
 			var err error
 			if n.Addr().Is4() {
 				k := srunbpfSrunLpm4{Prefixlen: uint32(n.Bits()), Addr: nativeAddr4(n.Addr())}
-				err = coll.Maps[srunbpfMapPalSrunSrc4].Put(k, uint8(1))
+				err = m4.Put(k, uint8(1))
 			} else {
 				k := srunbpfSrunLpm6{Prefixlen: uint32(n.Bits())}
 				b := n.Addr().As16()
 				for i := range k.Addr {
 					k.Addr[i] = uint32(b[4*i]) | uint32(b[4*i+1])<<8 | uint32(b[4*i+2])<<16 | uint32(b[4*i+3])<<24
 				}
-				err = coll.Maps[srunbpfMapPalSrunSrc6].Put(k, uint8(1))
+				err = m6.Put(k, uint8(1))
 			}
 			if err != nil {
-				return fmt.Errorf("srun source %s: %w", n, err)
+				return fmt.Errorf("cluster prefix %s: %w", n, err)
 			}
 		}
 	}

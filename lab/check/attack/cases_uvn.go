@@ -50,6 +50,7 @@ func UVNCases() []*Case {
 		add(uvnDeviceOptions(who), uvnMulticastIf(who))
 	}
 	add(uvnStrayListener("tcp"), uvnStrayListener("udp"), uvnStrayToStray("tcp"), uvnStrayToStray("udp"), uvnNAT(strayBob), uvnNAT(Attacker))
+	add(uvnStrayCrossNode("tcp"), uvnStrayCrossNode("udp"), uvnStraySrun())
 	add(uvnBroadcast(Attacker), uvnBroadcast(strayBob))
 	add(uvnSrunPort("nat-source", Attacker), uvnSrunPort("stray", strayBob))
 	add(uvnOffCluster(), uvnInjection())
@@ -362,6 +363,63 @@ func uvnStrayToStray(proto string) *Case {
 				r.Attack(e, s, e.A.Name, strayBob, proto+" → "+dst, spec)
 				r.Control(e, s, e.A.Name, strayAlice, "alice's own stray process, "+proto+" → "+dst, spec)
 			}
+			return nil
+		}}
+}
+
+// uvnStrayCrossNode: alice's stray socket on A (unbound, in the default
+// VRF) from node B and from off the cluster. Nothing on the wire names a
+// packet's sending user, so a user's socket outside any VRF takes from the
+// network only what it asked for (its own connections, replies to its
+// datagrams); only system accounts and root serve the network from the
+// default VRF. The control is alice's session on B, whose packets arrive
+// through her own overlay (her VXLAN: the kernel's record of whose they
+// are).
+func uvnStrayCrossNode(proto string) *Case {
+	return &Case{Name: "uvn-stray-cross-node-" + proto, Class: "stray",
+		Why: "alice's " + proto + " socket started outside any session (unbound, default VRF) on node A: bob's stray process on node B, root there, and the off-cluster host reached it through the underlay, as without Palisade",
+		Run: func(e *Env, r *Run) error {
+			s, err := e.Sink(r, e.A.Name, strayAlice, SinkSpec{Sock: Sock{Proto: proto, Family: 6, Dual: true, Bind: ap(wild(6), e.Port)}})
+			if err != nil {
+				return err
+			}
+			// Her network on both nodes (the control's overlay).
+			for _, n := range []string{e.A.Name, e.B.Name} {
+				if err := e.presence(r, n, Victim); err != nil {
+					return err
+				}
+			}
+			for _, fam := range []int{4, 6} {
+				dst := ap(eth(e.A, fam), e.Port)
+				spec := ActSpec{Sock: sock(proto, fam), Dst: dst, WaitMS: uvnWait()}
+				r.Attack(e, s, e.B.Name, strayBob, "bob's stray process "+proto+" → "+dst, spec)
+				r.Control(e, s, e.B.Name, Victim, "alice's session on B (her overlay) "+proto+" → "+dst, spec)
+			}
+			dst := ap(eth(e.A, 4), e.Port)
+			spec := ActSpec{Sock: sock(proto, 4), Dst: dst, WaitMS: uvnWait()}
+			r.Attack(e, s, e.B.Name, "root", "root on B (no user is named on the wire) "+proto+" → "+dst, spec)
+			r.Attack(e, s, "outside", "root", "the off-cluster host "+proto+" → "+dst, spec)
+			return nil
+		}}
+}
+
+// uvnStraySrun: an srun started outside any session (a cron job's) listens
+// unbound in the default VRF on an SrunPortRange port; Slurm's daemons on
+// other nodes must reach it, nobody else.
+func uvnStraySrun() *Case {
+	return &Case{Name: "uvn-stray-srun-port", Class: "stray",
+		Why: "alice's stray listener on an SrunPortRange port (a cron job's srun): the guard lets new connections from the network into a user's stray socket only there, for Slurm's callbacks — from a cluster node's default VRF, not from bob's stray process nor off the cluster",
+		Run: func(e *Env, r *Run) error {
+			p := srunPortBase + 100 + e.Port%500
+			s, err := e.Sink(r, e.A.Name, strayAlice, SinkSpec{Sock: Sock{Proto: "tcp", Family: 6, Dual: true, Bind: ap(wild(6), p)}})
+			if err != nil {
+				return err
+			}
+			dst := ap(eth(e.A, 4), p)
+			spec := ActSpec{Sock: sock("tcp", 4), Dst: dst, WaitMS: uvnWait()}
+			r.Attack(e, s, e.B.Name, strayBob, "bob's stray process tcp → "+dst, spec)
+			r.Attack(e, s, "outside", "root", "the off-cluster host tcp → "+dst, spec)
+			r.Control(e, s, e.B.Name, "root", "root on B (Slurm's daemons' default VRF) tcp → "+dst, spec)
 			return nil
 		}}
 }

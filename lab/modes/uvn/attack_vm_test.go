@@ -24,7 +24,7 @@ var suiteTotal = regexp.MustCompile(`(?m)^(\d+) passed, (\d+) failed$`)
 func attacks(t *testing.T, ctx context.Context, tb *testbed.Testbed) {
 	t0 := time.Now()
 	var stdout, stderr bytes.Buffer
-	code, err := vm.RelayCheck(ctx, tb, []string{"check", "--attacks", "--mode=uvn", "--quiet"}, &stdout, &stderr)
+	code, err := vm.RelayCheck(ctx, tb, []string{"check", "--attacks", "--mode=uvn", "--actors", "--quiet"}, &stdout, &stderr)
 	if err != nil {
 		t.Fatalf("relay: %v\n%s", err, stderr.String())
 	}

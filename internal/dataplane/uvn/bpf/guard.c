@@ -31,6 +31,17 @@
  *       default VRF's segments to those ports for Slurm's callbacks; and,
  *       within the node, nothing to another user's unbound socket (two
  *       users' stray processes do not meet).
+ *       From the network (a device that is no user's, not lo) a user's
+ *       socket outside any VRF takes only what it asked for: segments of
+ *       its own TCP connections, datagrams of a connected UDP socket or
+ *       from a peer an unconnected one sent to (pal_uvn_sent), ICMP echo
+ *       replies; never a new connection or an unsolicited datagram — no
+ *       identity travels with a packet between nodes, so a user's stray
+ *       listener cannot know who calls (only system accounts and root
+ *       listen in the default VRF). Except Slurm's callbacks to an srun
+ *       started outside any session: SYNs to an SrunPortRange port from a
+ *       cluster address (users' stray sockets send nothing to those
+ *       ports, their sessions nothing through the underlay).
  *   cgroup/setsockopt   pal_uvn_sockopt
  *       Refuses (EPERM) SO_BINDTODEVICE, SO_BINDTOIFINDEX, IP_UNICAST_IF,
  *       IPV6_UNICAST_IF, IP_MULTICAST_IF (ip_mreqn) and IPV6_MULTICAST_IF
@@ -41,6 +52,7 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 #include <bpf/bpf_core_read.h>
+#include "lpm.h"
 
 char LICENSE[] SEC("license") = "GPL";
 
@@ -56,6 +68,7 @@ char LICENSE[] SEC("license") = "GPL";
 #define IPV6_UNICAST_IF 76
 #define PAGE_SIZE 4096
 #define LOOPBACK_IFINDEX 1 /* lo, in every network namespace */
+#define IPPROTO_ICMPV6 58
 
 enum guard_verdict {
 	GUARD_REFUSE = 0,
@@ -78,6 +91,21 @@ struct guard_owner {
 /* Key of pal_uvn_names: a device name, NUL-padded. */
 struct guard_name {
 	char name[GUARD_IFNAMSIZ];
+};
+
+/* A packet's peer: address (IPv4 in addr[0]) and port, network order. */
+struct guard_peer {
+	__u32 addr[4];
+	__u16 port;
+	__u16 family; /* 4 or 6 */
+};
+
+/* The peers an unconnected UDP socket of a user outside any VRF last sent
+ * to through the network: their datagrams are replies. */
+#define GUARD_SENT 8
+struct guard_sent {
+	struct guard_peer p[GUARD_SENT];
+	__u32 next;
 };
 
 struct guard_birth {
@@ -116,6 +144,29 @@ struct {
 	__type(value, struct guard_birth);
 } pal_uvn_birth SEC(".maps");
 
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct guard_sent);
+} pal_uvn_sent SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, 64);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct srun_lpm4);
+	__type(value, __u8);
+} pal_uvn_src4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, 64);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct srun_lpm6);
+	__type(value, __u8);
+} pal_uvn_src6 SEC(".maps");
+
 /* Set at load time. */
 volatile const __u64 netns_cookie; /* this node's network namespace */
 volatile const __u32 min_uid;      /* [uvn] min_uid */
@@ -148,6 +199,43 @@ int pal_uvn_born(struct bpf_sock *sk)
 	if (!bpf_sk_storage_get(&pal_uvn_birth, sk, &b, BPF_SK_STORAGE_GET_F_CREATE))
 		return GUARD_REFUSE;
 	return GUARD_ALLOW;
+}
+
+/* Sockets older than the guard (made before the node's first setup) get
+ * their record from the socket iterators, run once in this namespace when
+ * the programs are attached: the VRF they are in, their owner (sk_uid). A
+ * socket made since has its record already and keeps it. */
+static __always_inline void adopt(struct sock *sk, __u32 uid)
+{
+	struct guard_birth b = {};
+
+	b.vrf = vrf_of(sk->__sk_common.skc_bound_dev_if);
+	b.uid = uid;
+	bpf_sk_storage_get(&pal_uvn_birth, sk, &b, BPF_SK_STORAGE_GET_F_CREATE);
+}
+
+SEC("iter/tcp")
+int pal_uvn_adopt_tcp(struct bpf_iter__tcp *ctx)
+{
+	struct sock_common *skc = ctx->sk_common;
+	struct tcp_sock *tp;
+
+	if (!skc)
+		return 0;
+	tp = bpf_skc_to_tcp_sock(skc); /* full sockets only */
+	if (tp)
+		adopt((struct sock *)tp, ctx->uid);
+	return 0;
+}
+
+SEC("iter/udp")
+int pal_uvn_adopt_udp(struct bpf_iter__udp *ctx)
+{
+	struct udp_sock *us = ctx->udp_sk;
+
+	if (us)
+		adopt((struct sock *)us, ctx->uid);
+	return 0;
 }
 
 /* Whether the uid is a system account's (root, below min_uid, exempt). */
@@ -253,6 +341,112 @@ static __always_inline int to_other_stray(struct __sk_buff *skb, __u32 uid)
 	return other;
 }
 
+/* The packet's source (src) or destination peer; 0 unless it is TCP, UDP or
+ * UDP-Lite over IPv4, or over IPv6 without extension headers. */
+static __always_inline int peer_of(struct __sk_buff *skb, int src, struct guard_peer *p)
+{
+	__u32 off;
+
+	if (skb->protocol == bpf_htons(0x0800)) {
+		__u8 v[20];
+
+		if (bpf_skb_load_bytes(skb, 0, v, sizeof(v)))
+			return 0;
+		if (v[9] != IPPROTO_TCP && v[9] != IPPROTO_UDP && v[9] != IPPROTO_UDPLITE)
+			return 0;
+		off = (v[0] & 0xf) * 4;
+		__builtin_memcpy(&p->addr[0], &v[src ? 12 : 16], 4);
+		p->family = 4;
+	} else if (skb->protocol == bpf_htons(0x86dd)) {
+		__u8 nh;
+
+		if (bpf_skb_load_bytes(skb, 6, &nh, 1) || (nh != IPPROTO_TCP && nh != IPPROTO_UDP && nh != IPPROTO_UDPLITE))
+			return 0;
+		if (bpf_skb_load_bytes(skb, src ? 8 : 24, p->addr, 16))
+			return 0;
+		off = 40;
+		p->family = 6;
+	} else {
+		return 0;
+	}
+	return !bpf_skb_load_bytes(skb, off + (src ? 0 : 2), &p->port, 2);
+}
+
+static __always_inline int same_peer(struct guard_peer *a, struct guard_peer *b)
+{
+	return a->family == b->family && a->port == b->port && a->addr[0] == b->addr[0] &&
+	       a->addr[1] == b->addr[1] && a->addr[2] == b->addr[2] && a->addr[3] == b->addr[3];
+}
+
+/* Whether the peer is in a cluster prefix (a node's address). */
+static __always_inline int from_cluster(struct guard_peer *p)
+{
+	if (p->family == 4) {
+		struct srun_lpm4 k = { .prefixlen = 32, .addr = p->addr[0] };
+
+		return bpf_map_lookup_elem(&pal_uvn_src4, &k) != 0;
+	}
+	struct srun_lpm6 k6 = { .prefixlen = 128 };
+
+	__builtin_memcpy(k6.addr, p->addr, sizeof(k6.addr));
+	return bpf_map_lookup_elem(&pal_uvn_src6, &k6) != 0;
+}
+
+/* Records the destination of a datagram an unconnected UDP socket sends
+ * to the network (its replies may come in). */
+static __always_inline void note_sent(struct __sk_buff *skb, struct bpf_sock *sk)
+{
+	struct guard_peer p = {};
+	struct guard_sent *s;
+	int i;
+
+	if (!peer_of(skb, 0, &p))
+		return;
+	s = bpf_sk_storage_get(&pal_uvn_sent, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!s)
+		return; /* its replies are refused: fails closed */
+	for (i = 0; i < GUARD_SENT; i++)
+		if (same_peer(&s->p[i], &p))
+			return;
+	s->p[s->next % GUARD_SENT] = p;
+	s->next++;
+}
+
+/* Whether a user's socket outside any VRF may take this packet from the
+ * network: only what it asked for. */
+static __always_inline int stray_may_receive(struct __sk_buff *skb, struct bpf_sock *sk)
+{
+	struct guard_peer p = {};
+	struct guard_sent *s;
+	int i;
+
+	switch (sk->protocol) {
+	case IPPROTO_TCP:
+		if (sk->state != BPF_TCP_LISTEN)
+			return 1; /* its own connection (a connect, or accepted) */
+		/* Slurm's callbacks to a stray srun. */
+		return to_srun_port(skb) && peer_of(skb, 1, &p) && from_cluster(&p);
+	case IPPROTO_UDP:
+	case IPPROTO_UDPLITE:
+		if (sk->dst_port)
+			return 1; /* connected: the kernel delivers only its peer's */
+		if (!peer_of(skb, 1, &p))
+			return 0;
+		s = bpf_sk_storage_get(&pal_uvn_sent, sk, 0, 0);
+		if (!s)
+			return 0;
+		for (i = 0; i < GUARD_SENT; i++)
+			if (same_peer(&s->p[i], &p))
+				return 1;
+		return 0;
+	case IPPROTO_ICMP:
+	case IPPROTO_ICMPV6:
+		return 1; /* ping sockets take echo replies only */
+	default:
+		return 0;
+	}
+}
+
 static __always_inline int skb_verdict(struct __sk_buff *skb, int egress)
 {
 	struct bpf_sock *sk = skb->sk;
@@ -286,6 +480,16 @@ static __always_inline int skb_verdict(struct __sk_buff *skb, int egress)
 			return GUARD_REFUSE;
 	}
 	o = bpf_map_lookup_elem(&pal_uvn_devs, &dev);
+	/* The network, into the default VRF: a user's socket there takes only
+	 * what it asked for. */
+	if (!o && cur == 0 && dev != LOOPBACK_IFINDEX && !system_uid(bpf_get_socket_uid(skb))) {
+		if (egress) {
+			if ((sk->protocol == IPPROTO_UDP || sk->protocol == IPPROTO_UDPLITE) && !sk->dst_port)
+				note_sent(skb, sk);
+			return GUARD_ALLOW;
+		}
+		return stray_may_receive(skb, sk) ? GUARD_ALLOW : GUARD_REFUSE;
+	}
 	if (!o || o->vrf == cur)
 		return GUARD_ALLOW;
 	if (cur == 0 && may_cross(skb, o))

@@ -58,6 +58,7 @@
 #include <linux/in.h>
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
+#include "lpm.h"
 
 char LICENSE[] SEC("license") = "GPL";
 
@@ -117,16 +118,6 @@ struct {
 	__type(key, __u32); /* VRF ifindex */
 	__type(value, __u32);
 } pal_srun_count SEC(".maps");
-
-struct srun_lpm4 {
-	__u32 prefixlen;
-	__u32 addr;
-};
-
-struct srun_lpm6 {
-	__u32 prefixlen;
-	__u32 addr[4];
-};
 
 /* Cluster addresses Slurm's daemons connect from (the underlay prefixes). */
 struct {
