@@ -183,6 +183,8 @@ static __always_inline __u32 vrf_of(__u32 ifindex)
 	return o ? o->vrf : 0;
 }
 
+static __always_inline int system_uid(__u32 uid);
+
 SEC("cgroup/sock_create")
 int pal_uvn_born(struct bpf_sock *sk)
 {
@@ -194,6 +196,13 @@ int pal_uvn_born(struct bpf_sock *sk)
 	/* The filesystem uid: what the kernel acts with and records as the
 	 * socket's owner (sk_uid), never the real uid. */
 	b.uid = BPF_CORE_READ(bpf_get_current_task_btf(), cred, fsuid.val);
+	/* MPTCP and inet SMC carry their data on TCP sockets the kernel makes
+	 * itself (sock_create_kern: no sock_create hook, so no binding to a
+	 * session's VRF and no birth record of their own). Users get plain
+	 * TCP: socket() fails with EPERM and programs fall back (Go, which
+	 * listens with MPTCP by default, does). System accounts keep them. */
+	if ((sk->protocol == IPPROTO_MPTCP || sk->protocol == IPPROTO_SMC) && !system_uid(b.uid))
+		return GUARD_REFUSE;
 	/* A socket without its record would escape the checks: refuse it
 	 * (the kernel is out of memory anyway). */
 	if (!bpf_sk_storage_get(&pal_uvn_birth, sk, &b, BPF_SK_STORAGE_GET_F_CREATE))
@@ -236,6 +245,55 @@ int pal_uvn_adopt_udp(struct bpf_iter__udp *ctx)
 	if (us)
 		adopt((struct sock *)us, ctx->uid);
 	return 0;
+}
+
+/* The network namespace cookie of a TCP or IPv6 UDP socket (0: neither). */
+static __always_inline __u64 sk_netns(struct bpf_sock *sk, __u32 *uid)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+	struct udp6_sock *u6;
+	struct sock *s;
+
+	if (tp) {
+		s = &tp->inet_conn.icsk_inet.sk;
+	} else {
+		u6 = bpf_skc_to_udp6_sock(sk);
+		if (!u6)
+			return 0;
+		s = &u6->udp.inet.sk;
+	}
+	*uid = s->sk_uid.val;
+	return s->__sk_common.skc_net.net->net_cookie;
+}
+
+enum late_birth {
+	LATE_OTHER = 0,   /* not judged here: another namespace's, or unknown */
+	LATE_RECORDED = 1,
+	LATE_FAILED = 2,  /* this namespace's, but no record could be made */
+};
+
+/* A socket of this namespace with no birth record was made by the kernel
+ * (sock_create_kern: MPTCP subflows, SMC's TCP socket, an accepted
+ * connection) or before the guard: it gets its record from its first
+ * packet — its owner (sk_uid) and the VRF of its device if that device is
+ * its owner's or the owner is a system account, else the default VRF (a
+ * socket of one user on another user's device then passes nothing). TCP
+ * and IPv6 UDP sockets only: for other kinds the program cannot tell
+ * their namespace (docs/uvn.md, Limits). */
+static __always_inline int late_birth(struct bpf_sock *sk)
+{
+	struct guard_birth b = {};
+	struct guard_owner *o;
+	__u32 dev = sk->bound_dev_if;
+
+	if (sk_netns(sk, &b.uid) != netns_cookie)
+		return LATE_OTHER;
+	o = dev ? bpf_map_lookup_elem(&pal_uvn_devs, &dev) : 0;
+	if (o && (o->uid == b.uid || system_uid(b.uid)))
+		b.vrf = o->vrf;
+	if (!bpf_sk_storage_get(&pal_uvn_birth, sk, &b, BPF_SK_STORAGE_GET_F_CREATE))
+		return LATE_FAILED;
+	return LATE_RECORDED;
 }
 
 /* Whether the uid is a system account's (root, below min_uid, exempt). */
@@ -332,9 +390,9 @@ static __always_inline int to_other_stray(struct __sk_buff *skb, __u32 uid)
 		return 0;
 	if (!peer)
 		return 0;
-	/* No record: an accepted connection (its listener was judged on the
-	 * SYN), or a socket older than uvn. */
 	pb = bpf_sk_storage_get(&pal_uvn_birth, peer, 0, 0);
+	if (!pb && late_birth(peer) == LATE_RECORDED)
+		pb = bpf_sk_storage_get(&pal_uvn_birth, peer, 0, 0);
 	if (pb && pb->vrf == 0 && vrf_of(peer->bound_dev_if) == 0 && pb->uid != uid && !system_uid(pb->uid))
 		other = 1;
 	bpf_sk_release(peer);
@@ -459,12 +517,21 @@ static __always_inline int skb_verdict(struct __sk_buff *skb, int egress)
 	sk = bpf_sk_fullsock(sk);
 	if (!sk)
 		return GUARD_ALLOW;
-	/* No record: another namespace's socket, one made before uvn, or an
-	 * accepted connection (bound by the kernel to the VRF its SYN came
-	 * from; its listener's record was judged on the SYN). */
+	/* No record: another namespace's socket, or one the kernel made
+	 * (an accepted connection, an MPTCP subflow, SMC's TCP socket) or
+	 * made before uvn: recorded now, from what it is. */
 	b = bpf_sk_storage_get(&pal_uvn_birth, sk, 0, 0);
-	if (!b)
-		return GUARD_ALLOW;
+	if (!b) {
+		switch (late_birth(sk)) {
+		case LATE_OTHER:
+			return GUARD_ALLOW;
+		case LATE_FAILED:
+			return GUARD_REFUSE;
+		}
+		b = bpf_sk_storage_get(&pal_uvn_birth, sk, 0, 0);
+		if (!b)
+			return GUARD_REFUSE;
+	}
 	cur = vrf_of(sk->bound_dev_if);
 	if (cur != b->vrf)
 		return GUARD_REFUSE;
@@ -520,20 +587,31 @@ static __always_inline int opt_int(struct bpf_sockopt *ctx, int off, __u32 *v)
 	return 1;
 }
 
+static __always_inline int sockopt_verdict(struct bpf_sockopt *ctx);
+
 SEC("cgroup/setsockopt")
 int pal_uvn_sockopt(struct bpf_sockopt *ctx)
+{
+	/* Options longer than a page reach the program cut short, to their
+	 * first page (which holds every field judged below: the kernel reads
+	 * a device name or an index from the start of the caller's buffer);
+	 * an optlen of 0 lets the kernel use the caller's own buffer. */
+	if (ctx->optlen > PAGE_SIZE) {
+		if (sockopt_verdict(ctx) == GUARD_REFUSE)
+			return GUARD_REFUSE;
+		ctx->optlen = 0;
+		return GUARD_ALLOW;
+	}
+	return sockopt_verdict(ctx);
+}
+
+static __always_inline int sockopt_verdict(struct bpf_sockopt *ctx)
 {
 	struct bpf_sock *sk = ctx->sk;
 	struct guard_owner *o = 0;
 	__u32 idx = 0, cur;
 	int level = ctx->level, name = ctx->optname;
 
-	/* Options longer than a page reach the program cut short; 0 lets
-	 * the kernel use the caller's own buffer (none of ours is that long). */
-	if (ctx->optlen > PAGE_SIZE) {
-		ctx->optlen = 0;
-		return GUARD_ALLOW;
-	}
 	if (!sk || bpf_get_netns_cookie(ctx) != netns_cookie)
 		return GUARD_ALLOW;
 	if (level == SOL_SOCKET && name == SO_BINDTODEVICE) {

@@ -1,0 +1,355 @@
+package uvn
+
+import (
+	"context"
+	"errors"
+	"net"
+	"os"
+	"strconv"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	vnetns "github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+
+	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/sys/netns"
+)
+
+// guardKernTestbed runs fn in a scratch namespace holding "alice's device"
+// paltest2 (198.18.6.1/24, owned by uid 4242 in the guard's maps) beside a
+// default device paltest0 (198.18.5.1/24); behind both, a peer namespace
+// (198.18.5.2 and 198.18.6.2) with a TCP server on 198.18.6.2:29400 that
+// writes "x" to each connection. The guard (min_uid 1000) is loaded and
+// attached to a scratch cgroup the test process is in only while fn runs
+// its attached part: fn gets attach, which does that, and inPeer.
+func guardKernTestbed(t *testing.T, name string, fn func(fi int, attach func(), inPeer func(func() error)) error) {
+	t.Helper()
+	cg, home, path := scratchCgroup(t, name)
+	inScratchNetns(t, []string{"198.18.5.1/24"}, func(int) error {
+		v := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "paltest2"}, PeerName: "paltest3"}
+		if err := netlink.LinkAdd(v); err != nil {
+			return err
+		}
+		foreign, err := netlink.LinkByName("paltest2")
+		if err != nil {
+			return err
+		}
+		if err := netlink.LinkSetUp(foreign); err != nil {
+			return err
+		}
+		fi := foreign.Attrs().Index
+		ad, _ := netlink.ParseAddr("198.18.6.1/24")
+		ad.Flags = unix.IFA_F_NODAD
+		if err := netlink.AddrAdd(foreign, ad); err != nil {
+			return err
+		}
+		var peer vnetns.NsHandle
+		if err := netns.DoNew(func() error {
+			var err error
+			peer, err = vnetns.Get()
+			return err
+		}); err != nil {
+			return err
+		}
+		defer peer.Close()
+		for _, n := range []string{"paltest1", "paltest3"} {
+			l, err := netlink.LinkByName(n)
+			if err != nil {
+				return err
+			}
+			if err := netlink.LinkSetNsFd(l, int(peer)); err != nil {
+				return err
+			}
+		}
+		inPeer := func(fn func() error) {
+			t.Helper()
+			if err := netns.Do(peer, fn); err != nil {
+				t.Fatal(err)
+			}
+		}
+		inPeer(func() error {
+			for n, a := range map[string]string{"paltest1": "198.18.5.2/24", "paltest3": "198.18.6.2/24"} {
+				l, err := netlink.LinkByName(n)
+				if err != nil {
+					return err
+				}
+				ad, _ := netlink.ParseAddr(a)
+				ad.Flags = unix.IFA_F_NODAD
+				if err := netlink.AddrAdd(l, ad); err != nil {
+					return err
+				}
+				if err := netlink.LinkSetUp(l); err != nil {
+					return err
+				}
+			}
+			if lo, err := netlink.LinkByName("lo"); err == nil {
+				netlink.LinkSetUp(lo)
+			}
+			var lc net.ListenConfig
+			lc.SetMultipathTCP(false)
+			ln, err := lc.Listen(context.Background(), "tcp4", "198.18.6.2:29400")
+			if err != nil {
+				return err
+			}
+			t.Cleanup(func() { ln.Close() })
+			go func() {
+				for {
+					c, err := ln.Accept()
+					if err != nil {
+						return
+					}
+					c.Write([]byte("x"))
+					c.Close()
+				}
+			}()
+			return nil
+		})
+		cookie, err := netns.Cookie()
+		if err != nil {
+			return err
+		}
+		coll, err := loadGuard(cookie, 1000, nil, policy.PortRange{First: 61000, Last: 62999})
+		if err != nil {
+			return err
+		}
+		defer coll.Close()
+		o := guardbpfGuardOwner{Vrf: uint32(fi), Uid: 4242}
+		if err := coll.Maps[guardbpfMapPalUvnDevs].Put(uint32(fi), o); err != nil {
+			return err
+		}
+		var kn guardbpfGuardName
+		for i, c := range "paltest2" {
+			kn.Name[i] = int8(c)
+		}
+		if err := coll.Maps[guardbpfMapPalUvnNames].Put(kn, o); err != nil {
+			return err
+		}
+		attached := false
+		attach := func() {
+			t.Helper()
+			if attached {
+				return
+			}
+			for _, a := range guardAttach {
+				if _, err := cg.attachProg(path, coll.Programs[a.prog], a.at); err != nil {
+					t.Fatal(err)
+				}
+			}
+			attached = true
+		}
+		enterCgroup(t, cg, path)
+		defer enterCgroup(t, cg, home)
+		return fn(fi, attach, inPeer)
+	})
+}
+
+// asUID runs f with the thread's filesystem uid set to uid (what the kernel
+// records as a new socket's owner, sk_uid).
+func asUID(uid int, f func()) {
+	unix.Setfsuid(uid)
+	defer unix.Setfsuid(0)
+	f()
+}
+
+// dialRead connects a new socket of family/proto to addr:port and reads a
+// byte (nil: connected and read).
+func dialRead(proto int, addr [4]byte, port int, wait time.Duration) error {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, proto)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	return connectRead(fd, addr, port, wait)
+}
+
+func connectRead(fd int, addr [4]byte, port int, wait time.Duration) error {
+	tv := unix.NsecToTimeval(int64(wait))
+	unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_SNDTIMEO, &tv)
+	unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
+	if err := unix.Connect(fd, &unix.SockaddrInet4{Port: port, Addr: addr}); err != nil {
+		return err
+	}
+	b := make([]byte, 1)
+	n, err := unix.Read(fd, b)
+	if err == nil && n != 1 {
+		err = errors.New("no data")
+	}
+	return err
+}
+
+// TestGuardKernelSockets: sockets the kernel makes on a user's behalf
+// (MPTCP subflows, SMC's TCP socket: sock_create_kern runs no sock_create
+// program, so they had no birth record and passed the guard unchecked —
+// review s9 H1). A user's MPTCP (and inet SMC) socket is refused at
+// socket() (EPERM) in the guard, for stray processes too; an MPTCP socket
+// made before the guard (its subflow has no record) is recorded from its
+// first packet and judged as its owner's: bob's through alice's device is
+// dropped, his listener takes nothing from the network. Controls: root's
+// MPTCP through alice's device (a system account), bob's plain TCP to a
+// default device's peer. A Go program of a user listening with Go's
+// default (MPTCP since Go 1.24) falls back to TCP and serves.
+func TestGuardKernelSockets(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root")
+	}
+	const bob, alice = 5000, 4001
+	foreignPeer, ownPeer := [4]byte{198, 18, 6, 2}, [4]byte{198, 18, 5, 2}
+	guardKernTestbed(t, "gkern", func(fi int, attach func(), inPeer func(func() error)) error {
+		// Made before the guard: bob's MPTCP socket (its first subflow
+		// exists from socket()), and his MPTCP listener.
+		var early, earlyLn int
+		var err error
+		asUID(bob, func() {
+			if early, err = unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, unix.IPPROTO_MPTCP); err != nil {
+				return
+			}
+			if earlyLn, err = unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, unix.IPPROTO_MPTCP); err != nil {
+				return
+			}
+			if err = unix.Bind(earlyLn, &unix.SockaddrInet4{Port: 29410}); err == nil {
+				err = unix.Listen(earlyLn, 8)
+			}
+		})
+		if err != nil {
+			t.Skipf("MPTCP on this kernel: %v", err)
+		}
+		defer unix.Close(early)
+		defer unix.Close(earlyLn)
+		attach()
+
+		// Plain TCP as the baseline: bob's through alice's device is
+		// dropped, to a default device's peer it works.
+		asUID(bob, func() {
+			if err := dialRead(0, foreignPeer, 29400, 2*time.Second); err == nil {
+				t.Errorf("bob's plain TCP through alice's device connected")
+			}
+		})
+		// A user's MPTCP and inet-SMC sockets are refused (socket: EPERM).
+		for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
+			for _, proto := range []int{unix.IPPROTO_MPTCP, 256 /* IPPROTO_SMC */} {
+				var err error
+				asUID(bob, func() {
+					var fd int
+					if fd, err = unix.Socket(fam, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, proto); err == nil {
+						unix.Close(fd)
+					}
+				})
+				switch {
+				case proto == 256 && (errors.Is(err, unix.EPROTONOSUPPORT) || errors.Is(err, unix.EAFNOSUPPORT)):
+					t.Logf("inet SMC: not in this kernel (%v)", err)
+				case !errors.Is(err, unix.EPERM):
+					t.Errorf("bob's socket(family %d, protocol %d): %v, want EPERM", fam, proto, err)
+				}
+			}
+		}
+		// Root (a system account) keeps MPTCP, through any device.
+		if err := dialRead(unix.IPPROTO_MPTCP, foreignPeer, 29400, 20*time.Second); err != nil {
+			t.Errorf("control: root's MPTCP through alice's device: %v", err)
+		}
+		// bob's MPTCP socket older than the guard: its kernel subflow
+		// gets its record from its first packet (owner bob, no VRF).
+		if err := connectRead(early, foreignPeer, 29400, 2*time.Second); err == nil {
+			t.Errorf("bob's MPTCP socket made before the guard connected through alice's device")
+		}
+		// His MPTCP listener older than the guard takes no connection from
+		// the network (a user's socket outside any VRF); root's TCP
+		// listener beside it does (control).
+		rootLn, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(rootLn)
+		if err := unix.Bind(rootLn, &unix.SockaddrInet4{Port: 29411}); err != nil {
+			return err
+		}
+		if err := unix.Listen(rootLn, 8); err != nil {
+			return err
+		}
+		inPeer(func() error {
+			for _, c := range []struct {
+				port int
+				want bool
+			}{{29411, true}, {29410, false}} {
+				wait := 2 * time.Second
+				if c.want {
+					wait = 20 * time.Second
+				}
+				d := net.Dialer{Timeout: wait}
+				d.SetMultipathTCP(false)
+				conn, err := d.Dial("tcp4", "198.18.5.1:"+strconv.Itoa(c.port))
+				if (err == nil) != c.want {
+					t.Errorf("remote connect to :%d (29411 root's TCP listener, 29410 bob's MPTCP listener made before the guard): %v, want connected %v", c.port, err, c.want)
+				}
+				if err == nil {
+					conn.Close()
+				}
+			}
+			return nil
+		})
+
+		// A user's Go server: Go listens with MPTCP by default; refused, it
+		// falls back to TCP and serves alice's own clients.
+		var ln net.Listener
+		asUID(alice, func() { ln, err = net.Listen("tcp4", "127.0.0.1:29420") })
+		if err != nil {
+			t.Fatalf("alice's Go listener (default MPTCP): %v", err)
+		}
+		defer ln.Close()
+		if proto := sockProtocol(t, ln.(*net.TCPListener)); proto != unix.IPPROTO_TCP {
+			t.Errorf("alice's Go listener: protocol %d, want TCP (the fallback)", proto)
+		}
+		rootGo, err := net.Listen("tcp4", "127.0.0.1:29421")
+		if err != nil {
+			return err
+		}
+		defer rootGo.Close()
+		if proto := sockProtocol(t, rootGo.(*net.TCPListener)); proto != unix.IPPROTO_MPTCP {
+			t.Logf("root's Go listener: protocol %d (this Go does not listen with MPTCP by default: the fallback above is not exercised)", proto)
+		}
+		go func() {
+			if c, err := ln.Accept(); err == nil {
+				c.Write([]byte("x"))
+				c.Close()
+			}
+		}()
+		asUID(alice, func() {
+			var c net.Conn
+			if c, err = net.DialTimeout("tcp4", "127.0.0.1:29420", 20*time.Second); err != nil {
+				return
+			}
+			defer c.Close()
+			c.SetReadDeadline(time.Now().Add(20 * time.Second))
+			_, err = c.Read(make([]byte, 1))
+		})
+		if err != nil {
+			t.Errorf("alice's Go client to her Go server: %v", err)
+		}
+		// Control for the baseline: bob's plain TCP to a default device.
+		asUID(bob, func() {
+			if err := dialRead(0, ownPeer, 29400, 2*time.Second); err == nil || !errors.Is(err, unix.ECONNREFUSED) {
+				// 198.18.5.2 has no listener on 29400: refused by the peer
+				// (RST) shows the SYN left.
+				t.Errorf("control: bob's plain TCP to a default device's peer: %v, want ECONNREFUSED (the peer's answer)", err)
+			}
+		})
+		return nil
+	})
+}
+
+// sockProtocol is SO_PROTOCOL of a listener.
+func sockProtocol(t *testing.T, c syscall.Conn) int {
+	t.Helper()
+	rc, err := c.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var p int
+	var serr error
+	if err := rc.Control(func(fd uintptr) { p, serr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_PROTOCOL) }); err != nil || serr != nil {
+		t.Fatal(err, serr)
+	}
+	return p
+}
