@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
 	vnetns "github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -26,6 +27,22 @@ import (
 // attached to a scratch cgroup the test process is in only while fn runs
 // its attached part: fn gets attach, which does that, and inPeer.
 func guardKernTestbed(t *testing.T, name string, fn func(fi int, attach func(), inPeer func(func() error)) error) {
+	guardKernTestbedEnv(t, name, func(k *kernEnv) error { return fn(k.fi, k.attach, k.inPeer) })
+}
+
+// kernEnv is what guardKernTestbedEnv gives its function.
+type kernEnv struct {
+	fi     int
+	attach func()
+	inPeer func(func() error)
+	cg     *cgroup2
+	path   string
+	coll   *ebpf.Collection
+	owner  guardbpfGuardOwner
+	cookie uint64
+}
+
+func guardKernTestbedEnv(t *testing.T, name string, fn func(k *kernEnv) error) {
 	t.Helper()
 	cg, home, path := scratchCgroup(t, name)
 	inScratchNetns(t, []string{"198.18.5.1/24"}, func(int) error {
@@ -142,7 +159,7 @@ func guardKernTestbed(t *testing.T, name string, fn func(fi int, attach func(), 
 		}
 		enterCgroup(t, cg, path)
 		defer enterCgroup(t, cg, home)
-		return fn(fi, attach, inPeer)
+		return fn(&kernEnv{fi: fi, attach: attach, inPeer: inPeer, cg: cg, path: path, coll: coll, owner: o, cookie: cookie})
 	})
 }
 
@@ -352,4 +369,77 @@ func sockProtocol(t *testing.T, c syscall.Conn) int {
 		t.Fatal(err, serr)
 	}
 	return p
+}
+
+// TestGuardReplacementAdopt: a socket bob moved onto alice's device (a
+// failed scoped bind: the kernel keeps the scope's device) passes nothing;
+// when the guard is replaced (ensureGuardRoot's repair: new programs and
+// maps, the socket iterators adopting every socket), the socket iterators
+// must not record the device it was moved to as its birth VRF (review s9
+// L1: it could send through alice's device after the repair). Control:
+// alice's own socket on her device keeps working across the replacement.
+func TestGuardReplacementAdopt(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root")
+	}
+	const bob = 5000
+	guardKernTestbedEnv(t, "gadopt", func(k *kernEnv) error {
+		k.attach()
+		var moved, own int
+		var err error
+		asUID(bob, func() { moved, err = unix.Socket(unix.AF_INET6, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0) })
+		if err != nil {
+			return err
+		}
+		defer unix.Close(moved)
+		unix.Bind(moved, &unix.SockaddrInet6{Addr: [16]byte{0xfe, 0x80, 15: 1}, ZoneId: uint32(k.fi)})
+		if dev, _ := unix.GetsockoptInt(moved, unix.SOL_SOCKET, unix.SO_BINDTOIFINDEX); dev != k.fi {
+			t.Skipf("the failed scoped bind left the socket on device %d, not %d: the kernel changed", dev, k.fi)
+		}
+		asUID(int(k.owner.Uid), func() { own, err = unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0) })
+		if err != nil {
+			return err
+		}
+		defer unix.Close(own)
+		dst6 := &unix.SockaddrInet6{Port: 29440, Addr: [16]byte{10: 0xff, 11: 0xff, 12: 198, 13: 18, 14: 6, 15: 2}}
+		dst4 := &unix.SockaddrInet4{Port: 29440, Addr: [4]byte{198, 18, 6, 2}}
+		if err := unix.Sendto(moved, []byte("e"), 0, dst6); !errors.Is(err, unix.EPERM) {
+			t.Errorf("bob's moved socket through alice's device, first guard: %v, want EPERM", err)
+		}
+		// The replacement: a second guard attached, the first detached,
+		// the iterators run with the new maps.
+		coll2, err := loadGuard(k.cookie, 1000, nil, policy.PortRange{First: 61000, Last: 62999})
+		if err != nil {
+			return err
+		}
+		defer coll2.Close()
+		if err := coll2.Maps[guardbpfMapPalUvnDevs].Put(uint32(k.fi), k.owner); err != nil {
+			return err
+		}
+		for _, a := range guardAttach {
+			if _, err := k.cg.attachProg(k.path, coll2.Programs[a.prog], a.at); err != nil {
+				return err
+			}
+		}
+		for _, a := range guardAttach {
+			info, err := k.coll.Programs[a.prog].Info()
+			if err != nil {
+				return err
+			}
+			id, _ := info.ID()
+			if err := k.cg.detachAs(k.path, uint32(id), a.at); err != nil {
+				return err
+			}
+		}
+		if err := adoptSockets(coll2); err != nil {
+			return err
+		}
+		if err := unix.Sendto(moved, []byte("e"), 0, dst6); !errors.Is(err, unix.EPERM) {
+			t.Errorf("bob's moved socket through alice's device after the guard was replaced: %v, want EPERM", err)
+		}
+		if err := unix.Sendto(own, []byte("e"), 0, dst4); err != nil {
+			t.Errorf("control: alice's socket through her device after the replacement: %v", err)
+		}
+		return nil
+	})
 }

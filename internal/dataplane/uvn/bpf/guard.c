@@ -210,15 +210,23 @@ int pal_uvn_born(struct bpf_sock *sk)
 	return GUARD_ALLOW;
 }
 
-/* Sockets older than the guard (made before the node's first setup) get
- * their record from the socket iterators, run once in this namespace when
- * the programs are attached: the VRF they are in, their owner (sk_uid). A
- * socket made since has its record already and keeps it. */
+/* Sockets older than the guard (made before the node's first setup, or
+ * before a guard that replaced another) get their record from the socket
+ * iterators, run once in this namespace when the programs are attached:
+ * their owner (sk_uid), and the VRF they are in if its device is their
+ * owner's or the owner is a system account — a socket one user moved onto
+ * another user's device (a failed scoped bind) is not made legitimate by
+ * a replacement of the guard: it is recorded in the default VRF and
+ * passes nothing. A socket made since has its record already and keeps it. */
 static __always_inline void adopt(struct sock *sk, __u32 uid)
 {
 	struct guard_birth b = {};
+	struct guard_owner *o;
+	__u32 dev = sk->__sk_common.skc_bound_dev_if;
 
-	b.vrf = vrf_of(sk->__sk_common.skc_bound_dev_if);
+	o = dev ? bpf_map_lookup_elem(&pal_uvn_devs, &dev) : 0;
+	if (o && (o->uid == uid || system_uid(uid)))
+		b.vrf = o->vrf;
 	b.uid = uid;
 	bpf_sk_storage_get(&pal_uvn_birth, sk, &b, BPF_SK_STORAGE_GET_F_CREATE);
 }
