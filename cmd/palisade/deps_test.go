@@ -29,6 +29,9 @@ var rules = []rule{
 	{pkg: "internal/identity"},
 	// The Unix-socket server reads peers through the one peercred.
 	{pkg: "internal/sys/unixserve", allow: []string{"internal/sys/peercred"}},
+	// The cgroup2 root is found in the mount table, read by the one
+	// reader of /proc.
+	{pkg: "internal/sys/cgroup2", allow: []string{"internal/sys/procfs"}},
 	{pkg: "internal/sys/..."},
 	{pkg: "internal/slurmconf"},
 	{pkg: "internal/version"},
@@ -46,6 +49,10 @@ var rules = []rule{
 	{pkg: "internal/dataplane/userwall/agentconfig", allow: []string{"internal/policy"}},
 	// userwall's kernel side knows no agent and no configuration file.
 	{pkg: "internal/dataplane/userwall/kernel", allow: []string{"internal/policy", "internal/identity", "internal/sys/..."}},
+	// Its read side (status, uninstall, signals, the cluster view) is
+	// what the CLI uses without the agent: it never imports the agent.
+	{pkg: "internal/dataplane/userwall/control", allow: []string{"internal/dataplane/userwall/kernel", "internal/config",
+		"internal/sockowner", "internal/sys/..."}},
 	{pkg: "internal/dataplane/userwall/...", allow: []string{"internal/dataplane/userwall/...", "internal/policy", "internal/config",
 		"internal/identity", "internal/membership", "internal/sockowner", "internal/portal", "internal/sys/...", "internal/version"}},
 	{pkg: "internal/dataplane/uvn/spank"},
@@ -166,6 +173,9 @@ func TestImportRulesCatch(t *testing.T) {
 		ok       bool
 	}{
 		{"internal/policy", "internal/identity", true},
+		{"internal/sys/cgroup2", "internal/sys/procfs", true},
+		{"internal/sys/procfs", "internal/sys/cgroup2", false},
+		{"internal/sys/relay", "internal/sys/procfs", false},
 		{"internal/policy", "internal/config", false},
 		{"internal/config", "internal/dataplane/userwall", false},
 		{"internal/config", "internal/dataplane/egress/gateway", false},
@@ -176,6 +186,10 @@ func TestImportRulesCatch(t *testing.T) {
 		{"internal/dataplane/userwall/kernel", "internal/dataplane/userwall", false},
 		{"internal/dataplane/userwall/kernel", "internal/config", false},
 		{"internal/dataplane/userwall", "internal/dataplane/userwall/kernel", true},
+		{"internal/dataplane/userwall", "internal/dataplane/userwall/control", true},
+		{"internal/dataplane/userwall/control", "internal/dataplane/userwall", false},
+		{"internal/dataplane/userwall/control", "internal/dataplane/userwall/kernel", true},
+		{"internal/dataplane/userwall/kernel", "internal/dataplane/userwall/control", false},
 		{"internal/dataplane/egress/gateway", "internal/dataplane/egress/join", true},
 		{"lab/testbed", "lab/modes/userwall", false},
 		{"lab/modes/egress", "internal/dataplane/userwall", false},

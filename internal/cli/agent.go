@@ -9,11 +9,12 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
 )
 
 func agentCommand() *cobra.Command {
 	var (
-		o         userwall.AgentOptions
+		o         control.Options
 		uninstall bool
 		reload    bool
 		reopen    bool
@@ -47,21 +48,21 @@ agent and removes everything it made.`,
 			o.ConfigPath = configPath
 			o.Logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
 			if uninstall {
-				if err := userwall.Uninstall(o); err != nil {
+				if err := control.Uninstall(o); err != nil {
 					return fmt.Errorf("uninstall: %w", err)
 				}
 				fmt.Fprintln(cmd.OutOrStdout(), "userwall removed from this node")
 				return nil
 			}
 			if reopen {
-				if err := userwall.SignalReopen(o); err != nil {
+				if err := control.SignalReopen(o); err != nil {
 					return err
 				}
 				fmt.Fprintln(cmd.OutOrStdout(), "event log reopened")
 				return nil
 			}
 			if reload {
-				if err := userwall.SignalReload(o); err != nil {
+				if err := control.SignalReload(o); err != nil {
 					return err
 				}
 				fmt.Fprintln(cmd.OutOrStdout(), "configuration reloaded")

@@ -63,16 +63,20 @@ func uvnExplain(cfg *config.Config, res identity.Resolver, c policy.Conn) string
 	case c.Port <= p.SystemPortMax:
 		return "ALLOW (system port: system services in the default VRF serve every VRF)"
 	case !inVRF(c.Listener.UID):
-		if inVRF(c.Connector.UID) && p.Trusted(c.Source) {
+		if inVRF(c.Connector.UID) && (p.Trusted(c.Source) || cfg.UVN.NATPrefix.Contains(c.Source.Unmap())) {
 			return site(c.Connector.UID, false, "a default-VRF service, reached from "+name(c.Connector.UID)+"'s VRF: that VRF's rules apply")
 		}
 		return "ALLOW (a default-VRF service serves every VRF)"
-	case !p.Trusted(c.Source):
+	case !p.Trusted(c.Source) && !cfg.UVN.NATPrefix.Contains(c.Source.Unmap()):
 		return "DENY (off-cluster hosts never reach a user's VRF)"
 	case inVRF(c.Connector.UID) && c.Connector.UID != c.Listener.UID:
 		return fmt.Sprintf("DENY (%s's connections never reach %s's VRF: VRFs do not share, whatever a rule allows)", name(c.Connector.UID), name(c.Listener.UID))
 	case inVRF(c.Connector.UID):
+		// Also from the user's NAT address (nat_pool, not a cluster
+		// address): the VRF proves who sends, so the deny rules apply.
 		return site(c.Listener.UID, false, "the user's own VRF")
+	case !p.Trusted(c.Source):
+		return "DENY (a NAT address is a user's own; only that user's VRF sends from it)"
 	case srun != (policy.PortRange{}) && srun.Contains(c.Port) && c.Proto == policy.TCP && c.Source.IsValid():
 		return site(c.Listener.UID, true, "Slurm's callback path from a default VRF into SrunPortRange "+srun.String())
 	}

@@ -52,6 +52,7 @@ ports = ["62990-62999"]
 		return policy.Identity{UID: uid, GID: uid, Groups: append([]uint32{uid}, groups...)}
 	}
 	n1, n3, out := netip.MustParseAddr("198.18.0.1"), netip.MustParseAddr("198.18.0.3"), netip.MustParseAddr("203.0.113.9")
+	nat := netip.MustParseAddr("100.64.0.9")
 	for _, c := range []struct {
 		conn policy.Conn
 		want string
@@ -65,6 +66,11 @@ ports = ["62990-62999"]
 		{policy.Conn{Source: n3, Connector: id(0), Listener: id(2001), Port: 9303, Node: "node2", Proto: policy.TCP}, "DENY (the default VRF reaches alice's listeners only on SrunPortRange"},
 		{policy.Conn{Source: n1, Connector: id(2001, 2100), Listener: id(0), Port: 9302, Node: "node2", Proto: policy.TCP}, "DENY (site rule proj1-9302; a default-VRF service, reached from alice's VRF"},
 		{policy.Conn{Source: n1, Connector: id(2002), Listener: id(0), Port: 9302, Node: "node2", Proto: policy.TCP}, "ALLOW (a default-VRF service, reached from bob's VRF"},
+		// From her own NAT address (review finding: uvn let it pass
+		// while explain said off-cluster): her VRF's deny rules apply.
+		{policy.Conn{Source: nat, Connector: id(2001, 2100), Listener: id(2001), Port: 9302, Node: "node2", Proto: policy.TCP}, "DENY (site rule proj1-9302; the user's own VRF)"},
+		{policy.Conn{Source: nat, Connector: id(2001, 2100), Listener: id(2001), Port: 9303, Node: "node2", Proto: policy.TCP}, "ALLOW (the user's own VRF; no site rule decides it)"},
+		{policy.Conn{Source: nat, Connector: id(2002), Listener: id(2001), Port: 9303, Node: "node2", Proto: policy.TCP}, "DENY (bob's connections never reach alice's VRF"},
 		{policy.Conn{Source: n1, Connector: id(2002), Listener: id(2001), Port: 22, Node: "node2", Proto: policy.TCP}, "ALLOW (system port"},
 	} {
 		if got := uvnExplain(cfg, res, c.conn); !strings.HasPrefix(got, c.want) {

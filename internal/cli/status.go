@@ -9,7 +9,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
 )
 
 // Exit codes of `palisade status` (also with --check and --json).
@@ -55,7 +55,7 @@ drifting or not enforcing.`,
 			if all {
 				return clusterStatus(cmd, pidFile, timeout, asJSON, check)
 			}
-			s, err := userwall.GetStatus(userwall.AgentOptions{ConfigPath: configPath, PidFile: pidFile})
+			s, err := control.GetStatus(control.Options{ConfigPath: configPath, PidFile: pidFile}, true)
 			if err != nil {
 				if enforcing {
 					return &ExitError{statusNotEnforced, "status: " + err.Error()}
@@ -93,7 +93,7 @@ drifting or not enforcing.`,
 
 // clusterStatus is `palisade status --all`.
 func clusterStatus(cmd *cobra.Command, pidFile string, timeout time.Duration, asJSON, check bool) error {
-	cfg, err := (&userwall.AgentOptions{ConfigPath: configPath, PidFile: pidFile}).LoadConfig()
+	cfg, err := (&control.Options{ConfigPath: configPath, PidFile: pidFile}).LoadConfig()
 	if err != nil {
 		return err
 	}
@@ -107,7 +107,7 @@ func clusterStatus(cmd *cobra.Command, pidFile string, timeout time.Duration, as
 		return fmt.Errorf("%s: ident_port = 0 (the UDP ident service is off): no cluster view", cfg.Path)
 	}
 	want := cfg.SharedSHA256()
-	views, err := userwall.ClusterView(cmd.Context(), cfg.Nodes, uint16(cfg.Agent.IdentPort), timeout, want)
+	views, err := control.ClusterView(cmd.Context(), cfg.Nodes, uint16(cfg.Agent.IdentPort), timeout, want)
 	if err != nil {
 		return &ExitError{statusNotEnforced, "status --all: " + err.Error()}
 	}
@@ -118,13 +118,13 @@ func clusterStatus(cmd *cobra.Command, pidFile string, timeout time.Duration, as
 				why = f.Msg
 			}
 		}
-		views = append(views, userwall.NodeView{Name: pn.Name, State: userwall.NodeDown, Error: why})
+		views = append(views, control.NodeView{Name: pn.Name, State: control.NodeDown, Error: why})
 	}
 	code := statusOK
 	for _, v := range views {
 		switch v.State {
-		case userwall.NodeOK:
-		case userwall.NodeWarnings, userwall.NodeErrors, userwall.NodeAudit:
+		case control.NodeOK:
+		case control.NodeWarnings, control.NodeErrors, control.NodeAudit:
 			code = max(code, statusWarnings)
 		default:
 			code = statusNotEnforced
@@ -132,8 +132,8 @@ func clusterStatus(cmd *cobra.Command, pidFile string, timeout time.Duration, as
 	}
 	out := cmd.OutOrStdout()
 	all := struct {
-		SharedSHA string              `json:"shared_sha256"`
-		Nodes     []userwall.NodeView `json:"nodes"`
+		SharedSHA string             `json:"shared_sha256"`
+		Nodes     []control.NodeView `json:"nodes"`
 	}{want, views}
 	return statusOutput(out, check, asJSON, all, func() { printCluster(out, want, views) }, code)
 }
@@ -156,7 +156,7 @@ func statusOutput(out io.Writer, check, asJSON bool, v any, text func(), code in
 	return nil
 }
 
-func printCluster(out io.Writer, want string, views []userwall.NodeView) {
+func printCluster(out io.Writer, want string, views []control.NodeView) {
 	fmt.Fprintf(out, "expected cluster-wide configuration: %.12s (this node's file)\n\n", want)
 	tw := tabwriter.NewWriter(out, 2, 8, 2, ' ', 0)
 	fmt.Fprintln(tw, "NODE\tADDRESS\tSTATE\tMODE\tVERSION\tCONFIG\tSHARED\tGEN\tLAST RELOAD\tWARNINGS")
@@ -204,7 +204,7 @@ func printCluster(out io.Writer, want string, views []userwall.NodeView) {
 	}
 }
 
-func printStatus(out io.Writer, s *userwall.Status, verbose bool) {
+func printStatus(out io.Writer, s *control.Status, verbose bool) {
 	fmt.Fprintf(out, "palisade:    %s\n", s.Headline)
 	mode := s.Mode
 	if s.Mode == "userwall" && s.Audit {

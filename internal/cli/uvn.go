@@ -87,7 +87,8 @@ func uvnManager(cmd *cobra.Command, needEnabled bool) (*uvn.Manager, *config.Con
 		}
 	}
 	host, _ := os.Hostname()
-	m.Site = &uvn.SiteConfig{Policy: cfg.Policy, Node: host, Groups: groupsOfUID(res)}
+	m.Site = &uvn.SiteConfig{Policy: cfg.Policy, Node: host, Groups: groupsOfUID(res),
+		Vet: func() error { _, err := cfg.RunTests(nil); return err }}
 	return m, cfg, nil
 }
 
@@ -111,8 +112,11 @@ func uvnReloadCmd() *cobra.Command {
 this node and replace the nftables table palisade_uvn_site in one transaction
 (docs/uvn.md, "Site rules"). A configuration that is invalid or whose policy
 tests ([[test]]) fail is refused and the running rules stay; so does a
-transaction the kernel refuses. A user's network made later (a login, a job
-step) gets the rules of the configuration it reads.`,
+transaction the kernel refuses. The policy reload applies is the node's
+accepted one (in the state directory): a user's network made later (a login,
+a job step) and every teardown compile it, never the file on disk, so an edit
+applies only through reload. Reload also restores the table if something
+removed it (nft flush ruleset).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			m, cfg, err := uvnManager(cmd, false)

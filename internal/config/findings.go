@@ -165,7 +165,7 @@ func (c *Config) Findings(o CheckOptions) []Finding {
 		c.slurmFindings(o, add)
 	}
 	if c.UVN.Enable {
-		for _, n := range uvnconfig.SiteNotes(p, c.UVN.MinUID, c.UVN.SrunRange) {
+		for _, n := range uvnconfig.SiteNotes(p, c.UVN.MinUID, c.UVN.SrunRange, c.uvnCallers(o)) {
 			r := &p.Rules[n.Rule]
 			out = append(out, Finding{Severity: Warning, Level: Warning.String(), Key: "rule " + strconv.Quote(r.Name), Line: r.Line, Msg: n.Msg})
 		}
@@ -331,3 +331,29 @@ func ReadSlurmAccounts(path string) ([]SlurmAccount, error) {
 // KeyLine is the line of a dotted key in the file (0 if absent), for
 // findings made outside this package.
 func (c *Config) KeyLine(key string) int { return newLocator(c.data).line(key, "") }
+
+// uvnCallers are the accounts that may call back into SrunPortRange besides
+// root and those below min_uid: Slurm's (o.SlurmConf, else [uvn]
+// slurm_conf) and [uvn] exempt_users, as far as they resolve here.
+func (c *Config) uvnCallers(o CheckOptions) []uint32 {
+	var out []uint32
+	for _, u := range c.UVN.ExemptUsers {
+		if uid, err := identity.UID(o.Resolver, string(u)); err == nil {
+			out = append(out, uid)
+		}
+	}
+	path := o.SlurmConf
+	if path == "" {
+		path = c.UVN.SlurmConf
+	}
+	if path == "" {
+		return out
+	}
+	accts, _ := ReadSlurmAccounts(path)
+	for _, a := range accts {
+		if uid, err := identity.UID(o.Resolver, a.User); err == nil {
+			out = append(out, uid)
+		}
+	}
+	return out
+}

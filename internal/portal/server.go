@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/palisade-hpc/palisade/internal/identity"
+	"github.com/palisade-hpc/palisade/internal/sys/relay"
 	"github.com/palisade-hpc/palisade/internal/sys/unixserve"
 	"golang.org/x/sys/unix"
 )
@@ -545,20 +546,7 @@ func (s *Server) relay(fd int, uid uint32) (proxyEnd int, err error) {
 	}
 	go func() {
 		defer done()
-		var wg sync.WaitGroup
-		pipe := func(dst, src net.Conn) {
-			defer wg.Done()
-			io.Copy(dst, src)
-			if cw, ok := dst.(interface{ CloseWrite() error }); ok {
-				cw.CloseWrite() // half-close: the other direction goes on
-			}
-		}
-		wg.Add(2)
-		go pipe(up, down)
-		go pipe(down, up)
-		wg.Wait()
-		up.Close()
-		down.Close()
+		relay.Splice(up, down) // half-closes: the other direction goes on
 	}()
 	return pair[1], nil
 }

@@ -10,11 +10,9 @@ import (
 	"regexp"
 	"slices"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
-	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	userwalllab "github.com/palisade-hpc/palisade/lab/modes/userwall"
 	"github.com/palisade-hpc/palisade/lab/testbed"
@@ -288,15 +286,8 @@ func TestDirectoryUserwall(t *testing.T) {
 		}
 		// node3 forgets whom it looked up.
 		n3, _ := dt.Node("node3")
-		pidFile := userwalllab.AgentPidFile(dt, "node3")
-		if pid := uw.ReadPid(pidFile); pid != 0 {
-			syscall.Kill(pid, syscall.SIGTERM)
-			for i := 0; uw.ReadPid(pidFile) != 0; i++ {
-				if i == 200 {
-					t.Fatal("node3's agent did not stop")
-				}
-				time.Sleep(50 * time.Millisecond) // the pid file goes when it has exited
-			}
+		if err := userwalllab.TermAgent(dt, "node3"); err != nil {
+			t.Fatal(err)
 		}
 		if err := userwalllab.StartAgent(ctx, dt, n3); err != nil {
 			t.Fatal(err)

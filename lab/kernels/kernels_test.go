@@ -23,7 +23,7 @@ import (
 	"testing"
 	"time"
 
-	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
 	"github.com/palisade-hpc/palisade/lab/check"
 	"github.com/palisade-hpc/palisade/lab/check/vmcheck"
 	userwalllab "github.com/palisade-hpc/palisade/lab/modes/userwall"
@@ -100,7 +100,7 @@ func userwallOn(t *testing.T, series string) {
 	// The agent's own view: attach mode, Unix sockets, the probe.
 	// status exits non-zero when it has warnings: the report says which.
 	out, err := tb.Command(ctx, "node1", "", tb.Binary, "status", "--json").Output()
-	var st uw.Status
+	var st control.Status
 	if jerr := json.Unmarshal(out, &st); jerr != nil {
 		t.Fatalf("status on node1: %v (%v)\n%s", jerr, err, out)
 	}

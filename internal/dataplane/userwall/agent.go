@@ -11,7 +11,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -20,6 +19,7 @@ import (
 	"github.com/cilium/ebpf/ringbuf"
 	"github.com/coreos/go-systemd/v22/daemon"
 	"github.com/palisade-hpc/palisade/internal/config"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"github.com/palisade-hpc/palisade/internal/membership"
 	"github.com/palisade-hpc/palisade/internal/policy"
@@ -27,62 +27,9 @@ import (
 	ident "github.com/palisade-hpc/palisade/internal/sockowner"
 	"github.com/palisade-hpc/palisade/internal/sys/cgroup2"
 	"github.com/palisade-hpc/palisade/internal/sys/nldump"
-	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 	"github.com/palisade-hpc/palisade/internal/version"
 	"github.com/vishvananda/netlink"
 )
-
-// AgentOptions configure one agent (one network namespace). Empty override
-// fields take the value of the [agent] table.
-type AgentOptions struct {
-	ConfigPath     string
-	PidFile        string
-	EventLog       string
-	MetricsAddress string
-	IdentSocket    string
-	Logger         *slog.Logger
-}
-
-// LoadConfig loads the configuration and applies the command-line overrides.
-func (o *AgentOptions) LoadConfig() (*config.Config, error) {
-	cfg, err := config.LoadOrDefault(o.ConfigPath)
-	if err != nil {
-		return nil, err
-	}
-	o.applyOverrides(cfg)
-	return cfg, nil
-}
-
-// LoadTestedConfig is LoadConfig, refusing a policy whose [[test]] entries
-// fail: what the agent reloads with (and `agent --reload` checks before
-// signalling), so a change that breaks a site's tests never replaces the
-// running policy.
-func (o *AgentOptions) LoadTestedConfig() (*config.Config, error) {
-	cfg, err := o.LoadConfig()
-	if err != nil {
-		return nil, err
-	}
-	if _, err := cfg.RunTests(nil); err != nil {
-		return nil, fmt.Errorf("policy tests failed:\n%w", err)
-	}
-	return cfg, nil
-}
-
-func (o *AgentOptions) applyOverrides(cfg *config.Config) {
-	a := &cfg.Agent
-	if o.PidFile != "" {
-		a.PidFile = o.PidFile
-	}
-	if o.EventLog != "" {
-		a.EventLog = o.EventLog
-	}
-	if o.MetricsAddress != "" {
-		a.MetricsAddress = o.MetricsAddress
-	}
-	if o.IdentSocket != "" {
-		a.IdentSocket = o.IdentSocket
-	}
-}
 
 // agent is one running agent. Its goroutines: the main loop (RunAgent's
 // loop, reload), which alone writes the fields below unless a field says
@@ -93,7 +40,7 @@ func (o *AgentOptions) applyOverrides(cfg *config.Config) {
 // and never written after (log, opts, pinDir). cfg, attached, keyErr,
 // notes, metrics, ident and stopIdent belong to the main loop.
 type agent struct {
-	opts     AgentOptions
+	opts     control.Options
 	cfg      *config.Config
 	log      *slog.Logger
 	dp       *kernel.Dataplane
@@ -147,41 +94,14 @@ type agent struct {
 
 	// stateMu guards state, which the metrics goroutine reads.
 	stateMu sync.Mutex
-	state   AgentState
-}
-
-// ReadPid returns the pid in a pid file if that process is alive.
-func ReadPid(path string) int {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return 0
-	}
-	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
-	if err != nil || pid <= 0 {
-		return 0
-	}
-	if !procfs.Alive(pid) {
-		return 0
-	}
-	// A stale pid file may name a reused pid: only a palisade agent counts,
-	// so that --uninstall never signals an unrelated process.
-	args := procfs.Cmdline(pid)
-	if len(args) < 2 || !strings.Contains(filepath.Base(args[0]), "palisade") || !slices.Contains(args[1:], "agent") {
-		return 0
-	}
-	// Nor a user's process dressed as one (named "palisade ... agent"),
-	// which could take a crashed agent's pid: the agent runs as root.
-	if uid, ok := procfs.EffectiveUID(pid); !ok || uid != 0 {
-		return 0
-	}
-	return pid
+	state   control.AgentState
 }
 
 // RunAgent installs (or adopts) the data plane of the caller's network
 // namespace and keeps it in step with the configuration and the node until
 // ctx ends or SIGTERM/SIGINT. Leaving does not remove anything: the pinned
 // programs go on enforcing (restart adopts them; --uninstall removes them).
-func RunAgent(ctx context.Context, o AgentOptions) error {
+func RunAgent(ctx context.Context, o control.Options) error {
 	// SIGUSR1 reopens the event log only (logrotate's postrotate): no
 	// reload of the policy every day. SIGHUP reloads. Both are caught from
 	// the start: their default action would end an agent still loading, or
@@ -228,7 +148,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 		return err
 	}
 	defer func() {
-		if ReadPid(pidFile) == os.Getpid() {
+		if control.ReadPid(pidFile) == os.Getpid() {
 			os.Remove(pidFile)
 		}
 	}()
@@ -243,7 +163,7 @@ func RunAgent(ctx context.Context, o AgentOptions) error {
 // newAgent loads the configuration and checks, before anything changes,
 // that the kernel has what the data plane needs (if not: one clear message
 // and nothing touched).
-func newAgent(o AgentOptions) (*agent, error) {
+func newAgent(o control.Options) (*agent, error) {
 	log := o.Logger
 	if log == nil {
 		log = slog.Default()
@@ -299,13 +219,13 @@ func (a *agent) lockNamespace() (unlock func(), err error) {
 	// An agent that is stopping has removed its pid file but still holds
 	// the lock while it joins its services: a restart waits for it (up to
 	// 10 s) instead of failing.
-	for deadline := time.Now().Add(10 * time.Second); err != nil && ReadPid(pidFile) == 0 && time.Now().Before(deadline); {
+	for deadline := time.Now().Add(10 * time.Second); err != nil && control.ReadPid(pidFile) == 0 && time.Now().Before(deadline); {
 		time.Sleep(50 * time.Millisecond)
 		err = syscall.Flock(int(lock.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
 	}
 	if err != nil {
 		lock.Close()
-		return nil, fmt.Errorf("an agent is already running (pid %d, %s)", ReadPid(pidFile), pidFile)
+		return nil, fmt.Errorf("an agent is already running (pid %d, %s)", control.ReadPid(pidFile), pidFile)
 	}
 	return func() { lock.Close() }, nil
 }
@@ -497,7 +417,7 @@ func (a *agent) loop(ctx context.Context) error {
 		case <-a.usr1:
 			a.reopenEvents(a.cfg)
 			a.log.Info("event log reopened", "path", a.cfg.Agent.EventLog)
-			a.setState(func(s *AgentState) { s.LogReopens++; s.Notes = a.notes })
+			a.setState(func(s *control.AgentState) { s.LogReopens++; s.Notes = a.notes })
 		case _, ok := <-addrs.C():
 			a.nodeChanged(addrs, ok && drain(addrs.C()))
 		case _, ok := <-links.C():
@@ -689,7 +609,7 @@ func (a *agent) wantInterfaces() (want map[string]int, l2, mtu map[int]int, err 
 	for _, l := range links {
 		at := l.Attrs()
 		if at.Name == "lo" || len(a.cfg.Agent.Interfaces) == 0 || slices.Contains(a.cfg.Agent.Interfaces, at.Name) {
-			n, ok := l2HeaderLen(at.EncapType)
+			n, ok := kernel.L2HeaderLen(at.EncapType)
 			if !ok {
 				if a.cfg.Agent.Interfaces != nil {
 					a.log.Warn("interface type not supported; its traffic carries no identity", "interface", at.Name, "type", at.EncapType)
@@ -702,19 +622,6 @@ func (a *agent) wantInterfaces() (want map[string]int, l2, mtu map[int]int, err 
 		}
 	}
 	return want, l2, mtu, nil
-}
-
-// l2HeaderLen is the length of the link-layer header the tc programs see.
-func l2HeaderLen(encap string) (int, bool) {
-	switch encap {
-	case "ether", "loopback":
-		return 14, true
-	case "none": // tun, wireguard: the IP header comes first
-		return 0, true
-	case "infiniband": // IPoIB: a 4-byte header (protocol, reserved)
-		return 4, true
-	}
-	return 0, false
 }
 
 func (a *agent) syncInterfaces() error {
@@ -841,5 +748,5 @@ func (a *agent) resolveAgain() {
 	a.members.Refresh()
 	fs := a.findings(a.cfg)
 	a.log.Info("exempt names resolved and applied", "still_unresolved", len(unresolved))
-	a.setState(func(s *AgentState) { s.Findings, s.Unresolved = fs, len(unresolved) })
+	a.setState(func(s *control.AgentState) { s.Findings, s.Unresolved = fs, len(unresolved) })
 }

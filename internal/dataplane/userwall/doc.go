@@ -9,7 +9,9 @@
 // This package is the agent that keeps the kernel side in step with the
 // configuration and the node (RunAgent: the main loop and reload; the
 // services beside it: events, flows, metrics, membership, grants, portal
-// delegation, ident), and the read-side API the CLI uses (GetStatus,
-// Uninstall, ClusterView, AskFlows, ReadState). See docs/userwall.md and
+// delegation, ident), and the flows socket with its client (AskFlows).
+// What the CLI reads or asks of a node without being its agent — status,
+// uninstall, reload signals, the cluster view, the state file — is package
+// control, which this package writes for. See docs/userwall.md and
 // docs/architecture.md.
 package userwall

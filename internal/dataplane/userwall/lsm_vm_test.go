@@ -52,7 +52,9 @@ func TestLSMVM(t *testing.T) {
 	if !vm.Prepared(vm.DefaultKernel) {
 		t.Skipf("no prepared guest kernel in %s (run `palisade-lab vm kernel`)", vm.CacheDir())
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
+	// The VM queue (one guest per machine, other engineers' suites ahead)
+	// counts against it; go test's -timeout bounds the whole run.
+	ctx, cancel := context.WithTimeout(context.Background(), 80*time.Minute)
 	defer cancel()
 	// Not under /tmp: the guest mounts its own tmpfs there and sees the rest
 	// of the host's root read-only at the same paths.
@@ -104,7 +106,7 @@ func TestLSMVM(t *testing.T) {
 			t.Errorf("stop VM: %v", err)
 		}
 	}()
-	rd, err := vm.WaitReady(ctx, vmDir, 20*time.Minute) // another guest may hold the VM lock
+	rd, err := vm.WaitReady(ctx, vmDir, 70*time.Minute) // another guest may hold the VM lock
 	if err != nil {
 		t.Fatalf("VM: %v", err)
 	}
@@ -113,7 +115,11 @@ func TestLSMVM(t *testing.T) {
 	}
 	t.Logf("guest up in %.1f s", time.Since(start).Seconds())
 	var out strings.Builder
-	code, err := vm.Exec(ctx, vmDir, vm.Request{Op: "sh", Argv: []string{"bash", filepath.Join(dir, "lsm_guest.sh"), bin, dir, next}}, nil, &out, &out)
+	// The guest's own work is bounded apart from the queue: a hung guest
+	// must not hold the machine's one VM.
+	gctx, gcancel := context.WithTimeout(ctx, 15*time.Minute)
+	defer gcancel()
+	code, err := vm.Exec(gctx, vmDir, vm.Request{Op: "sh", Argv: []string{"bash", filepath.Join(dir, "lsm_guest.sh"), bin, dir, next}}, nil, &out, &out)
 	t.Logf("guest script (exit %d, %.1f s since boot):\n%s", code, time.Since(start).Seconds(), out.String())
 	if err != nil || code != 0 {
 		t.Fatalf("guest script: exit %d, %v", code, err)

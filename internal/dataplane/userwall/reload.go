@@ -3,89 +3,27 @@ package userwall
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net"
 	"net/http"
 	"os"
-	"slices"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/agentconfig"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
 	"github.com/palisade-hpc/palisade/internal/version"
 )
 
-// AgentState is what a running agent tells everyone about itself, in a
-// world-readable file next to its pid file (StatePath): status for users
-// who may not read the pinned kernel objects, reload acknowledgements for
-// `palisade agent --reload`, and the configuration identity for monitoring.
-type AgentState struct {
-	PID       int       `json:"pid"`
-	Version   string    `json:"version"`
-	Commit    string    `json:"commit"`
-	Started   time.Time `json:"started"`
-	Config    string    `json:"config"`
-	ConfigSHA string    `json:"config_sha256"`
-	// SharedSHA is the hash of the cluster-wide tables of the running
-	// configuration (config.Config.SharedSHA256): equal on every node.
-	SharedSHA string `json:"shared_sha256"`
-	// Generation counts configurations applied since the agent started
-	// (1 = the one it started with); Reloads counts SIGHUPs handled,
-	// applied or refused.
-	Generation uint64 `json:"generation"`
-	Reloads    uint64 `json:"reloads"`
-	// LogReopens counts SIGUSR1s handled: event log reopened (logrotate).
-	LogReopens      uint64    `json:"log_reopens"`
-	LastReload      time.Time `json:"last_reload"`
-	LastReloadError string    `json:"last_reload_error,omitempty"`
-	Audit           bool      `json:"audit"`
-	UnenforcedNodes []string  `json:"unenforced_nodes,omitempty"`
-	UnixLSM         bool      `json:"unix_enforced"`
-	// PinDir is where the agent's programs are pinned (status follows the
-	// running agent, not a bpffs the file may name since).
-	PinDir string `json:"pin_dir"`
-	// Findings are config check's warnings and errors for the running
-	// configuration (Slurm's accounts, risky settings).
-	Findings []config.Finding `json:"findings,omitempty"`
-	// Notes are problems of the running agent (a metrics address not bound).
-	Notes []string `json:"notes,omitempty"`
-	// KeyLoaded: the configured cluster key is in force (else the node
-	// seals with a random key and trusts no other node's identity).
-	KeyLoaded bool `json:"key_loaded"`
-	// Unresolved counts exempt names NSS could not resolve (retried at
-	// every group refresh).
-	Unresolved int `json:"unresolved_names,omitempty"`
-}
-
-// StatePath is the agent state file that belongs to a pid file.
-func StatePath(pidFile string) string {
-	return strings.TrimSuffix(pidFile, ".pid") + ".state.json"
-}
-
-// ReadState reads an agent state file.
-func ReadState(pidFile string) (*AgentState, error) {
-	b, err := os.ReadFile(StatePath(pidFile))
-	if err != nil {
-		return nil, err
-	}
-	var s AgentState
-	if err := json.Unmarshal(b, &s); err != nil {
-		return nil, fmt.Errorf("%s: %w", StatePath(pidFile), err)
-	}
-	return &s, nil
-}
-
 // setState updates the agent's state under its lock and writes the file
 // (atomically: readers never see half of it).
-func (a *agent) setState(update func(*AgentState)) {
+func (a *agent) setState(update func(*control.AgentState)) {
 	a.stateMu.Lock()
 	defer a.stateMu.Unlock()
 	update(&a.state)
 	b, _ := json.MarshalIndent(&a.state, "", "  ")
-	path := StatePath(a.cfg.Agent.PidFile)
+	path := control.StatePath(a.cfg.Agent.PidFile)
 	tmp := path + ".tmp"
 	err := os.WriteFile(tmp, append(b, '\n'), 0o644)
 	if err == nil {
@@ -104,7 +42,7 @@ func (a *agent) setState(update func(*AgentState)) {
 }
 
 // stateSnapshot is a copy of the state (metrics goroutine).
-func (a *agent) stateSnapshot() AgentState {
+func (a *agent) stateSnapshot() control.AgentState {
 	a.stateMu.Lock()
 	defer a.stateMu.Unlock()
 	return a.state
@@ -145,8 +83,8 @@ func (a *agent) logFindings(cfg *config.Config, fs []config.Finding) {
 func (a *agent) initState() {
 	v := version.Get()
 	cfg := a.cfg
-	a.setState(func(s *AgentState) {
-		*s = AgentState{PID: os.Getpid(), Version: v.Version, Commit: v.Commit, Started: time.Now().UTC(),
+	a.setState(func(s *control.AgentState) {
+		*s = control.AgentState{PID: os.Getpid(), Version: v.Version, Commit: v.Commit, Started: time.Now().UTC(),
 			Config: cfg.Path, ConfigSHA: cfg.SHA256, SharedSHA: cfg.SharedSHA256(), Generation: 1, Audit: cfg.Agent.Audit,
 			UnenforcedNodes: cfg.Cluster.UnenforcedNodes, UnixLSM: a.dp.LSMErr() == nil, PinDir: a.pinDir, Findings: a.findings(cfg),
 			Notes: a.notes, KeyLoaded: a.keyErr == nil, Unresolved: len(cfg.Unresolved)}
@@ -188,7 +126,7 @@ func (a *agent) reload() {
 	}
 	// Last, once everything is applied and logged: the state file is the
 	// acknowledgement that `agent --reload` and the tests wait on.
-	a.setState(func(s *AgentState) {
+	a.setState(func(s *control.AgentState) {
 		s.Reloads++
 		s.LastReload = time.Now().UTC()
 		s.LastReloadError = ""
@@ -360,144 +298,4 @@ func (a *agent) stopMetrics() {
 		a.metrics.stop()
 		a.metrics = nil
 	}
-}
-
-// SignalReload asks the namespace's running agent to reload (SIGHUP) and
-// waits for its answer in the state file: nil once the new configuration is
-// applied, the agent's reason when it refused it. The file is checked here
-// first, so that a bad file is refused with its errors before any signal.
-func SignalReload(o AgentOptions) error {
-	cfg, err := o.LoadTestedConfig()
-	if err != nil {
-		return fmt.Errorf("configuration refused, agent not signalled: %w", err)
-	}
-	pid := ReadPid(cfg.Agent.PidFile)
-	if pid == 0 {
-		return fmt.Errorf("no running agent (%s)", cfg.Agent.PidFile)
-	}
-	before, serr := ReadState(cfg.Agent.PidFile)
-	if err := syscall.Kill(pid, syscall.SIGHUP); err != nil {
-		return err
-	}
-	if serr != nil || before.PID != pid {
-		return nil // an agent that does not report reloads
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return errors.New("the agent did not acknowledge the reload within 30 s")
-		case <-tick.C:
-		}
-		s, err := ReadState(cfg.Agent.PidFile)
-		if err != nil || s.Reloads <= before.Reloads {
-			continue
-		}
-		if s.LastReloadError != "" {
-			return fmt.Errorf("the agent refused the configuration: %s", s.LastReloadError)
-		}
-		return nil
-	}
-}
-
-// SignalReopen asks the running agent to reopen its event log (SIGUSR1:
-// after logrotate moved it) and waits for its acknowledgement. Nothing else
-// is reloaded.
-func SignalReopen(o AgentOptions) error {
-	cfg, err := o.LoadConfig()
-	if err != nil {
-		return err
-	}
-	pid := ReadPid(cfg.Agent.PidFile)
-	if pid == 0 {
-		return fmt.Errorf("no running agent (%s)", cfg.Agent.PidFile)
-	}
-	before, serr := ReadState(cfg.Agent.PidFile)
-	if err := syscall.Kill(pid, syscall.SIGUSR1); err != nil {
-		return err
-	}
-	if serr != nil || before.PID != pid {
-		return nil
-	}
-	deadline := time.Now().Add(30 * time.Second)
-	for time.Now().Before(deadline) {
-		if s, err := ReadState(cfg.Agent.PidFile); err == nil && s.LogReopens > before.LogReopens {
-			return nil
-		}
-		time.Sleep(20 * time.Millisecond) // polling the acknowledgement
-	}
-	return errors.New("the agent did not acknowledge within 30 s")
-}
-
-// removeState removes the state file of an uninstalled node.
-func removeState(pidFile string) { os.Remove(StatePath(pidFile)) }
-
-// liveState is the state of the running agent of pidFile (nil if none).
-func liveState(pidFile string, pid int) *AgentState {
-	st, err := ReadState(pidFile)
-	if err != nil || pid == 0 || st.PID != pid {
-		return nil
-	}
-	return st
-}
-
-// addAgentState completes a status with what the running agent reports:
-// version, configuration identity, reloads, audit mode, findings. For a
-// user who may not read the pinned objects (bpffs is root's), the agent's
-// state file is the only source: without it the mode is "unknown", never
-// "none" (which would tell a user on an enforcing node that it is open).
-func (s *Status) addAgentState(cfg *config.Config, cfgOK bool) {
-	st, err := ReadState(cfg.Agent.PidFile)
-	live := err == nil && s.AgentPID != 0 && st.PID == s.AgentPID
-	// A user may not read the pinned objects; root in another mount
-	// namespace (`ip netns exec` mounts a fresh sysfs) does not see them.
-	// Either way the running agent knows: never report "none" for it.
-	if s.Mode != "userwall" && (os.Geteuid() != 0 || live) {
-		s.Source, s.Mode, s.Nft, s.Counters, s.Warnings = "agent", "unknown", false, nil, nil
-		if !cfgOK {
-			s.Warnings = append(s.Warnings, "configuration "+cfg.Path+" invalid (a reload would be refused)")
-		}
-		if !live {
-			s.Warnings = append(s.Warnings, "not root: the kernel's programs are not readable, and no running agent reports its state; run as root to know")
-			return
-		}
-		s.Mode, s.Enabled, s.UnixLSM = "userwall", true, st.UnixLSM
-		if !st.UnixLSM {
-			s.Warnings = append(s.Warnings, "abstract Unix sockets are NOT isolated (the agent could not attach its BPF LSM programs)")
-		}
-	}
-	if !live {
-		return
-	}
-	s.Agent = st
-	if s.Source == "agent" {
-		s.Audit = st.Audit
-		if s.Audit {
-			s.Warnings = append(s.Warnings, "audit mode: refusals are reported, NOT enforced")
-		}
-	}
-	if len(st.UnenforcedNodes) > 0 {
-		s.Warnings = append(s.Warnings, fmt.Sprintf("staged rollout: identity-less traffic from %s is admitted (rule unverified)", strings.Join(st.UnenforcedNodes, ", ")))
-	}
-	if st.LastReloadError != "" {
-		s.Warnings = append(s.Warnings, fmt.Sprintf("the last reload (%s) was refused: %s", st.LastReload.Format(time.RFC3339), st.LastReloadError))
-	}
-	if cfgOK && cfg.Path == st.Config && cfg.SHA256 != st.ConfigSHA {
-		s.Warnings = append(s.Warnings, fmt.Sprintf("%s changed since the agent applied it (running sha256 %.12s, file %.12s): reload to apply", cfg.Path, st.ConfigSHA, cfg.SHA256))
-	}
-	for _, f := range st.Findings {
-		if f.Level == config.Problem.String() {
-			// The key finding says what root's status already says.
-			if f.Key == "cluster.key_file" && slices.ContainsFunc(s.Errors, func(e string) bool { return strings.HasPrefix(e, "no usable cluster key") }) {
-				continue
-			}
-			s.Errors = append(s.Errors, "configuration: "+f.String(st.Config))
-			continue
-		}
-		s.Warnings = append(s.Warnings, "configuration warning: "+f.String(st.Config))
-	}
-	s.Warnings = append(s.Warnings, st.Notes...)
 }

@@ -473,6 +473,14 @@ func (m *Manager) teardownLocked(st *UserState) error {
 }
 
 func (m *Manager) maybeTeardownNode() error {
+	// The users left keep their rules: what the rebuild needs is looked up
+	// before the node lock.
+	var pr *sitePrep
+	if uids, err := m.st.users(); err == nil && len(uids) > 0 && m.Site != nil {
+		if pr, err = m.prepareSite(0, false); err != nil {
+			return err
+		}
+	}
 	unlock, err := m.st.lockNode()
 	if err != nil {
 		return err
@@ -483,8 +491,17 @@ func (m *Manager) maybeTeardownNode() error {
 		return err
 	}
 	if len(uids) > 0 {
-		// The users left keep their rules; the one gone leaves none.
-		return m.applySite()
+		if pr == nil {
+			// Users came meanwhile; their own setup rebuilds too.
+			if m.Site == nil {
+				return nil
+			}
+			pr = &sitePrep{known: map[uint32]groupsEntry{}}
+			if pr.p, err = m.st.readAccepted(); err != nil || pr.p == nil {
+				return err
+			}
+		}
+		return m.applySite(pr)
 	}
 	if err := removeSite(); err != nil {
 		return fmt.Errorf("remove nftables table %s: %w", siteTable, err)

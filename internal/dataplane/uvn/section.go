@@ -23,8 +23,8 @@ type SiteNote = uvnconfig.SiteNote
 
 // SiteNotes is uvnconfig.SiteNotes: the site rules uvn cannot enforce as
 // written.
-func SiteNotes(p *policy.Policy, minUID int64, srun policy.PortRange) []SiteNote {
-	return uvnconfig.SiteNotes(p, minUID, srun)
+func SiteNotes(p *policy.Policy, minUID int64, srun policy.PortRange, callers []uint32) []SiteNote {
+	return uvnconfig.SiteNotes(p, minUID, srun, callers)
 }
 
 // CheckSrunRange is uvnconfig.CheckSrunRange.

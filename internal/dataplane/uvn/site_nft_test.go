@@ -2,15 +2,21 @@ package uvn
 
 import (
 	"context"
+	"encoding/binary"
+	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/netip"
 	"os"
+	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/google/nftables"
 	"golang.org/x/sys/unix"
 
 	"github.com/palisade-hpc/palisade/internal/policy"
@@ -33,6 +39,10 @@ func siteNftPolicy() *policy.Policy {
 			{Name: "deny-port", Ports: pr(5001, 5001)},
 			{Name: "deny-udp-range", Ports: pr(5010, 5012), Proto: policy.UDP},
 			{Name: "deny-tcp-overlapping", Ports: pr(5011, 5013), Proto: policy.TCP}, // adjacent port classes
+			// Wide rules (siteSegments): tested in order between two
+			// runs of the port dispatch.
+			{Name: "allow-ib-tcp-wide", Allow: true, Sources: pf("198.19.0.0/24"), Ports: []policy.PortRange{{First: 5000, Last: 5099}, {First: 7500, Last: 7500}}, Proto: policy.TCP},
+			{Name: "deny-udp-from-198.18.0.7", Sources: pf("198.18.0.7/32"), Proto: policy.UDP}, // no ports
 			{Name: "allow-ib", Allow: true, Sources: pf("198.19.0.0/24"), Ports: pr(5020, 5020)},
 			{Name: "deny-5020", Ports: pr(5020, 5020)},
 			{Name: "deny-from-node1", Sources: pf("198.18.0.1/32", "2001:2::1/128"), Ports: pr(5030, 5030)},
@@ -77,6 +87,13 @@ func TestSiteNft(t *testing.T) {
 			}
 		}
 		spec := buildSite(p, "node1", srun, []SiteUser{u}, nil)
+		var kinds []string
+		for _, sg := range siteSegments(spec.chains[spec.own[VRFName(u.UID)]], p) {
+			kinds = append(kinds, map[bool]string{true: "wide", false: "narrow"}[sg.wide != nil])
+		}
+		if k := strings.Join(kinds, " "); !strings.Contains(k, "narrow wide") || !strings.Contains(k, "wide narrow") {
+			t.Errorf("the own chain's segments: %v, want wide ones between narrow ones", kinds)
+		}
 		// Packets between a namespace's own addresses arrive on lo.
 		for _, m := range []map[string]int{spec.own, spec.srun} {
 			if c, ok := m[VRFName(u.UID)]; ok {
@@ -110,7 +127,7 @@ func TestSiteNft(t *testing.T) {
 					id := policy.Identity{UID: 2001, GID: 2001, Groups: u.Groups, GroupsKnown: true}
 					c := policy.Conn{Source: src, Connector: id, Listener: id, Port: port, Proto: proto, Node: "node1"}
 					k := kase{proto: proto, src: src, port: port}
-					if v := p.Decide(c); !v.Allow && p.SiteRule(v.Rule) != nil {
+					if v := decideOwn(p, c); !v.Allow && p.SiteRule(v.Rule) != nil {
 						k.want = string(v.Rule)
 					}
 					cases = append(cases, k)
@@ -180,7 +197,7 @@ func TestSiteNft(t *testing.T) {
 }
 
 func siteNoted(p *policy.Policy, srun policy.PortRange, name string) bool {
-	for _, n := range SiteNotes(p, 1000, srun) {
+	for _, n := range SiteNotes(p, 1000, srun, nil) {
 		if p.Rules[n.Rule].Name == name && strings.Contains(n.Msg, "Slurm's callbacks") {
 			return true
 		}
@@ -397,6 +414,9 @@ func TestSiteCost(t *testing.T) {
 		// differ by source): the worst case, every rule tested; else each
 		// rule has a port of its own, not the datagrams'.
 		cover := os.Getenv("PALISADE_UVN_SITE_COVER") != ""
+		// portless: every fifth rule has no ports (a wide rule, tested
+		// in order outside the port dispatch: siteSegments).
+		portless := os.Getenv("PALISADE_UVN_SITE_PORTLESS") != ""
 		table := func(n int) error {
 			p := &policy.Policy{SystemPortMax: 1023, ClusterSubnets: []netip.Prefix{netip.MustParsePrefix("198.18.0.0/24")}}
 			for i := range n {
@@ -406,8 +426,12 @@ func TestSiteCost(t *testing.T) {
 				if cover {
 					port = 5999
 				}
-				p.Rules = append(p.Rules, policy.SiteRule{Name: fmt.Sprintf("r%d", i), From: []uint32{2001},
-					Sources: []netip.Prefix{netip.PrefixFrom(netip.AddrFrom4([4]byte{198, 18, 1 + byte(i>>8), byte(i)}), 32)}, Ports: []policy.PortRange{{First: port, Last: port}}})
+				r := policy.SiteRule{Name: fmt.Sprintf("r%d", i), From: []uint32{2001},
+					Sources: []netip.Prefix{netip.PrefixFrom(netip.AddrFrom4([4]byte{198, 18, 1 + byte(i>>8), byte(i)}), 32)}, Ports: []policy.PortRange{{First: port, Last: port}}}
+				if portless && i%5 == 0 {
+					r.Ports = nil
+				}
+				p.Rules = append(p.Rules, r)
 			}
 			spec := buildSite(p, "node1", policy.PortRange{}, []SiteUser{{UID: 2001}}, nil)
 			if c, ok := spec.own[VRFName(2001)]; ok {
@@ -438,8 +462,279 @@ func TestSiteCost(t *testing.T) {
 			}
 		}
 		for _, n := range ns {
-			t.Logf("cover=%v %4d rules: %v per new datagram (sender's CPU, least of %d rounds of %d); +%v over no table",
-				cover, n, best[n], rounds, perRound, best[n]-best[0])
+			t.Logf("cover=%v portless=%v %4d rules: %v per new datagram (sender's CPU, least of %d rounds of %d); +%v over no table",
+				cover, portless, n, best[n], rounds, perRound, best[n]-best[0])
+		}
+		return removeSite()
+	})
+}
+
+// TestSiteAccepted: setup and teardown enforce the policy the node
+// accepted, never an unvetted file (the review's finding: a file that
+// `uvn reload` refused was applied by the next login). A node's first
+// setup accepts a file whose tests pass; a later file reaches the kernel
+// only through ReloadSite, which also restores a removed table.
+func TestSiteAccepted(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root")
+	}
+	deny := func(port uint16) *policy.Policy {
+		return &policy.Policy{SystemPortMax: 1023, Rules: []policy.SiteRule{
+			{Name: fmt.Sprintf("deny-%d", port), Ports: []policy.PortRange{{First: port, Last: port}}}}}
+	}
+	dir := t.TempDir()
+	inScratchNetns(t, nil, func(int) error {
+		m := New(&Config{StateDir: dir}, nil)
+		if err := m.st.saveUser(&UserState{UID: 2001, Complete: true}); err != nil {
+			return err
+		}
+		failing := errors.New("policy tests fail")
+		vetted := 0
+		m.Site = &SiteConfig{Policy: deny(5001), Node: "node1", Vet: func() error { vetted++; return nil }}
+		ports := func() []uint16 {
+			c, err := nftables.New()
+			if err != nil {
+				t.Fatal(err)
+			}
+			set, err := c.GetSetByName(&nftables.Table{Name: siteTable, Family: nftables.TableFamilyINet}, "m0_0")
+			if err != nil {
+				t.Fatalf("table's port map: %v", err)
+			}
+			els, err := c.GetSetElements(set)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out []uint16
+			for _, e := range els {
+				if !e.IntervalEnd {
+					out = append(out, binary.BigEndian.Uint16(e.Key))
+				}
+			}
+			return out
+		}
+		// First setup on the node: the file's tests pass, it is accepted.
+		if err := m.applySiteLocked(0); err != nil {
+			return err
+		}
+		if got := ports(); !slices.Equal(got, []uint16{5001}) || vetted != 1 {
+			t.Errorf("first setup: ports %v (want [5001]), vetted %d times (want 1)", got, vetted)
+		}
+		// The file changes to one whose tests fail (reload refuses it); a
+		// login, a step, a logout: the accepted policy stays in force and
+		// the new file is not even vetted.
+		m.Site = &SiteConfig{Policy: deny(5002), Node: "node1", Vet: func() error { vetted++; return failing }}
+		for range 2 {
+			if err := m.applySiteLocked(0); err != nil {
+				return err
+			}
+		}
+		if got := ports(); !slices.Equal(got, []uint16{5001}) || vetted != 1 {
+			t.Errorf("setup after an edit: ports %v (want the accepted [5001]), vetted %d (want 1)", got, vetted)
+		}
+		// reload (its caller ran the tests) accepts and applies it.
+		if _, err := m.ReloadSite(); err != nil {
+			return err
+		}
+		if got := ports(); !slices.Equal(got, []uint16{5002}) {
+			t.Errorf("after reload: ports %v, want [5002]", got)
+		}
+		m.Site.Policy = deny(5003)
+		if err := m.applySiteLocked(0); err != nil {
+			return err
+		}
+		if got := ports(); !slices.Equal(got, []uint16{5002}) {
+			t.Errorf("setup after reload: ports %v, want the reloaded [5002]", got)
+		}
+		// A table removed behind uvn's back: reload restores it.
+		if err := removeSite(); err != nil {
+			return err
+		}
+		if m.siteIntact() {
+			t.Error("siteIntact with the table removed")
+		}
+		m.Site.Policy = deny(5002)
+		if _, err := m.ReloadSite(); err != nil {
+			return err
+		}
+		if !m.siteIntact() || !slices.Equal(ports(), []uint16{5002}) {
+			t.Error("reload did not restore the removed table")
+		}
+		return removeSite()
+	})
+}
+
+// TestSiteGroupsLookups: a rebuild looks the users' groups up before it
+// takes the node lock (a hanging directory never holds the node's other
+// setups), reuses a lookup younger than SiteGroupsTTL for the users not
+// being set up (one rebuild per setup and teardown used to cost every
+// user's lookups), looks the user being set up and, on reload, everyone up
+// afresh, and never caches a failure (the user stays unknown, which fails
+// closed, and is asked again next time).
+func TestSiteGroupsLookups(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root")
+	}
+	p := &policy.Policy{SystemPortMax: 1023, Rules: []policy.SiteRule{
+		{Name: "allow-g", Allow: true, FromGroups: []uint32{3001}, Ports: []policy.PortRange{{First: 5000, Last: 5000}}},
+		{Name: "deny-g", FromGroups: []uint32{3001}, Ports: []policy.PortRange{{First: 5000, Last: 5001}}}}}
+	dir := t.TempDir()
+	inScratchNetns(t, nil, func(int) error {
+		m := New(&Config{StateDir: dir}, nil)
+		for _, uid := range []uint32{2001, 2002, 2003} {
+			if err := m.st.saveUser(&UserState{UID: uid, Complete: true}); err != nil {
+				return err
+			}
+		}
+		var mu sync.Mutex
+		asked := map[uint32]int{}
+		lockedDuringLookup := false
+		m.Site = &SiteConfig{Policy: p, Node: "node1", Groups: func(uid uint32) ([]uint32, error) {
+			f, err := os.OpenFile(filepath.Join(dir, "node.lock"), os.O_RDWR|os.O_CREATE, 0o600)
+			if err != nil {
+				return nil, err
+			}
+			defer f.Close()
+			if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+				mu.Lock()
+				lockedDuringLookup = true
+				mu.Unlock()
+			}
+			mu.Lock()
+			asked[uid]++
+			mu.Unlock()
+			if uid == 2003 {
+				return nil, errors.New("directory unreachable")
+			}
+			return []uint32{uid, 3001}, nil
+		}}
+		step := func(name string, do func() error, want map[uint32]int) {
+			t.Helper()
+			clear(asked)
+			if err := do(); err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			if !maps.Equal(asked, want) {
+				t.Errorf("%s: looked up %v, want %v", name, asked, want)
+			}
+		}
+		step("first rebuild", func() error { return m.applySiteLocked(0) }, map[uint32]int{2001: 1, 2002: 1, 2003: 1})
+		step("rebuild within the TTL", func() error { return m.applySiteLocked(0) }, map[uint32]int{2003: 1})
+		step("setup of 2001", func() error { return m.applySiteLocked(2001) }, map[uint32]int{2001: 1, 2003: 1})
+		step("reload", func() error { _, err := m.ReloadSite(); return err }, map[uint32]int{2001: 1, 2002: 1, 2003: 1})
+		if lockedDuringLookup {
+			t.Error("groups looked up while the node lock was held")
+		}
+		// 2003's failed lookup fails closed: its chain has the deny on
+		// @3001 and not the allow; 2001's has both.
+		var cache map[uint32]groupsEntry
+		if _, err := readJSON(m.st.groupsPath(), &cache); err != nil || len(cache) != 2 || cache[2003].At != (time.Time{}) {
+			t.Errorf("cache %v (%v): want 2001 and 2002 only", cache, err)
+		}
+		return removeSite()
+	})
+	known := map[uint32]groupsEntry{2001: {Groups: []uint32{2001, 3001}}}
+	for uid, want := range map[uint32][]string{2001: {"allow-g", "deny-g"}, 2003: {"deny-g"}} {
+		e, ok := known[uid]
+		var names []string
+		for _, m := range compileSite(p, "node1", policy.PortRange{}, SiteUser{UID: uid, Groups: e.Groups, GroupsUnknown: !ok}, pathOwn) {
+			names = append(names, m.Name)
+		}
+		if !slices.Equal(names, want) {
+			t.Errorf("uid %d: compiled %v, want %v", uid, names, want)
+		}
+	}
+}
+
+// TestSiteIncremental: a setup or teardown that only changes which devices
+// use which chain changes only those verdict-map elements (the review:
+// the whole table was rebuilt at every login); a policy change replaces
+// the table. A set the test adds to the table tells the two apart: an
+// update keeps it, a replacement drops it.
+func TestSiteIncremental(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root")
+	}
+	pr := []policy.PortRange{{First: 5000, Last: 5000}}
+	dir := t.TempDir()
+	inScratchNetns(t, nil, func(int) error {
+		m := New(&Config{StateDir: dir}, nil)
+		m.Site = &SiteConfig{Policy: &policy.Policy{SystemPortMax: 1023, Rules: []policy.SiteRule{{Name: "deny-5000", Ports: pr}}}, Node: "node1"}
+		c, err := nftables.New()
+		if err != nil {
+			return err
+		}
+		tbl := &nftables.Table{Name: siteTable, Family: nftables.TableFamilyINet}
+		marked := func() bool {
+			_, err := c.GetSetByName(tbl, "paltest")
+			return err == nil
+		}
+		own := func() []string {
+			set, err := c.GetSetByName(tbl, "own")
+			if err != nil {
+				t.Fatal(err)
+			}
+			els, err := c.GetSetElements(set)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out []string
+			for _, e := range els {
+				out = append(out, strings.TrimRight(string(e.Key), "\x00"))
+			}
+			slices.Sort(out)
+			return out
+		}
+		users := func(uids ...uint32) {
+			for _, u := range []uint32{2001, 2002, 2003} {
+				m.st.removeUser(u)
+			}
+			for _, u := range uids {
+				if err := m.st.saveUser(&UserState{UID: u, Complete: true}); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		users(2001, 2002)
+		if err := m.applySiteLocked(0); err != nil {
+			return err
+		}
+		if err := c.AddSet(&nftables.Set{Table: tbl, Name: "paltest", KeyType: nftables.TypeInetService}, nil); err != nil {
+			return err
+		}
+		if err := c.Flush(); err != nil {
+			return err
+		}
+		users(2001, 2002, 2003) // 2003's setup
+		if err := m.applySiteLocked(2003); err != nil {
+			return err
+		}
+		if !marked() || !slices.Equal(own(), []string{"palv2001", "palv2002", "palv2003"}) {
+			t.Errorf("a user's setup: table replaced=%v, own map %v", !marked(), own())
+		}
+		users(2001, 2003) // 2002's teardown
+		if err := m.applySiteLocked(0); err != nil {
+			return err
+		}
+		if !marked() || !slices.Equal(own(), []string{"palv2001", "palv2003"}) {
+			t.Errorf("a user's teardown: table replaced=%v, own map %v", !marked(), own())
+		}
+		// A new policy: the whole table, in one transaction.
+		m.Site.Policy = &policy.Policy{SystemPortMax: 1023, Rules: []policy.SiteRule{{Name: "deny-5000-alice", To: []uint32{2001}, Ports: pr}}}
+		if _, err := m.ReloadSite(); err != nil {
+			return err
+		}
+		if marked() || !slices.Equal(own(), []string{"palv2001"}) {
+			t.Errorf("a reload with another policy: table kept=%v, own map %v", marked(), own())
+		}
+		// Removed behind uvn's back: the next rebuild makes it whole.
+		if err := removeSite(); err != nil {
+			return err
+		}
+		if err := m.applySiteLocked(0); err != nil {
+			return err
+		}
+		if !sitePresent() || !slices.Equal(own(), []string{"palv2001"}) {
+			t.Error("the table removed: not rebuilt")
 		}
 		return removeSite()
 	})

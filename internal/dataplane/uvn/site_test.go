@@ -4,6 +4,7 @@ import (
 	"math/rand/v2"
 	"net/netip"
 	"slices"
+	"strconv"
 	"testing"
 
 	"github.com/palisade-hpc/palisade/internal/policy"
@@ -102,8 +103,8 @@ func TestSiteCompileDecide(t *testing.T) {
 				src := siteSources[r.IntN(len(siteSources))]
 				port := uint16(1020 + r.IntN(14))
 				c := policy.Conn{Source: src, Connector: id, Listener: id, Port: port, Proto: proto, Node: node}
-				check := func(path string, ms []siteMatch, c policy.Conn) {
-					v := p.Decide(c)
+				check := func(path string, ms []siteMatch, c policy.Conn, decide func(policy.Conn) policy.Verdict) {
+					v := decide(c)
 					m := firstSiteMatch(ms, p, c.Proto, c.Port, c.Source)
 					want := ""
 					if p.SiteRule(v.Rule) != nil {
@@ -122,7 +123,7 @@ func TestSiteCompileDecide(t *testing.T) {
 							world, path, node, u, c.Proto, "", c.Port, c.Source, v.Rule, v.Allow, got, p.Rules, ms)
 					}
 				}
-				check("own VRF", own, c)
+				check("own VRF", own, c, func(c policy.Conn) policy.Verdict { return decideOwn(p, c) })
 				// Slurm's callback: a system account, a cluster node's
 				// address or loopback, an SrunPortRange port.
 				c.Connector = policy.Identity{UID: siteSystem[r.IntN(len(siteSystem))], GroupsKnown: true}
@@ -130,7 +131,7 @@ func TestSiteCompileDecide(t *testing.T) {
 				c.Port = siteSrun.First + uint16(r.IntN(int(siteSrun.Last-siteSrun.First)+1))
 				c.Source = []netip.Addr{netip.MustParseAddr("198.18.0.1"), netip.MustParseAddr("198.18.0.3"),
 					netip.MustParseAddr("127.0.0.1"), netip.MustParseAddr("2001:2::3")}[r.IntN(4)]
-				check("srun callback", srun, c)
+				check("srun callback", srun, c, p.Decide)
 			}
 		}
 	}
@@ -138,6 +139,58 @@ func TestSiteCompileDecide(t *testing.T) {
 		t.Errorf("too few site-rule verdicts to mean anything: %v", decided)
 	}
 	t.Logf("site-rule verdicts compared: %d allow, %d deny", decided[true], decided[false])
+}
+
+// decideOwn is policy.Decide for a connection from the listener's own VRF
+// (connector = listener): the VRF proves the identity whatever the source
+// address (the user's NAT address is not a cluster address), so a deny
+// rule matches as for a trusted source; an allow rule matches only where
+// Decide would let it (a trusted source, or an identity-free rule naming
+// the source). A site rule's verdict is reported; otherwise Decide's.
+func decideOwn(p *policy.Policy, c policy.Conn) policy.Verdict {
+	if c.Port <= p.SystemPortMax {
+		return policy.Verdict{Allow: true, Rule: policy.RuleSystemPort}
+	}
+	trusted := p.Trusted(c.Source)
+	for i := range p.Rules {
+		if r := &p.Rules[i]; r.Matches(c, trusted || !r.Allow) {
+			return policy.Verdict{Allow: r.Allow, Rule: policy.Rule(r.Name)}
+		}
+	}
+	return p.Decide(c)
+}
+
+// TestSiteOwnNATSource: a user sending from her own NAT address (not a
+// cluster address) to her own listener is refused by a deny rule, as a
+// trusted source is (the review's finding: it matched no rule that asked
+// for a trusted source and passed). An allow rule still needs a trusted
+// source, so it does not shadow a later deny for her NAT address.
+func TestSiteOwnNATSource(t *testing.T) {
+	pr := []policy.PortRange{{First: 5432, Last: 5432}}
+	p := &policy.Policy{SystemPortMax: 1023, ClusterSubnets: siteSubnets, Rules: []policy.SiteRule{
+		{Name: "allow-alice-5432", Allow: true, From: []uint32{2001}, Ports: pr},
+		{Name: "deny-5432", Ports: pr},
+		{Name: "deny-bob-6000", From: []uint32{2002}, Ports: []policy.PortRange{{First: 6000, Last: 6000}}},
+	}}
+	nat := netip.MustParseAddr("100.64.0.7")
+	for _, c := range []struct {
+		uid  uint32
+		port uint16
+		src  netip.Addr
+		rule string
+	}{
+		{2001, 5432, nat, "deny-5432"},
+		{2001, 5432, netip.MustParseAddr("198.18.0.2"), "allow-alice-5432"},
+		{2002, 5432, nat, "deny-5432"},
+		{2002, 6000, nat, "deny-bob-6000"},
+		{2001, 6000, nat, ""},
+	} {
+		u := SiteUser{UID: c.uid, Groups: []uint32{c.uid}}
+		allow, rule := SiteVerdict(p, "node1", policy.PortRange{}, u, false, policy.TCP, c.port, c.src)
+		if rule != c.rule || (rule != "" && allow != p.SiteRule(policy.Rule(rule)).Allow) {
+			t.Errorf("uid %d -> :%d from %v: got %v by %q, want rule %q", c.uid, c.port, c.src, allow, rule, c.rule)
+		}
+	}
 }
 
 // TestSiteGroupsUnknown: a user whose groups could not be looked up gets
@@ -211,4 +264,107 @@ func TestSitePortClasses(t *testing.T) {
 			}
 		}
 	}
+}
+
+// evalSegments is what the table does with a packet in a chain laid out by
+// siteSegments: wide rules tested in order with their own ports; narrow
+// rules dispatched on the port to its class's rules, falling through to
+// the next segment when none matches.
+func evalSegments(segs []siteSegment, p *policy.Policy, proto policy.Proto, port uint16, src netip.Addr) *siteMatch {
+	if port <= p.SystemPortMax {
+		return nil
+	}
+	for _, seg := range segs {
+		for i := range seg.wide {
+			if seg.wide[i].matches(p, proto, port, src) {
+				return &seg.wide[i]
+			}
+		}
+		for _, cl := range seg.classes {
+			if !cl.ports.Contains(port) {
+				continue
+			}
+			for i := range cl.rules {
+				if cl.rules[i].matches(p, proto, port, src) {
+					return &cl.rules[i]
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// TestSiteSegments: the chain's layout (per block of one verdict, a port
+// dispatch of its narrow rules and its merged wide rules) gives every
+// packet the verdict of the compiled rules in order, on random policies
+// with rules without ports and with wide ranges among port rules.
+func TestSiteSegments(t *testing.T) {
+	r := rand.New(rand.NewPCG(23, 3))
+	kinds := map[string]int{}
+	for world := range 300 {
+		p := &policy.Policy{SystemPortMax: 1023, ClusterSubnets: siteSubnets}
+		for i := range 1 + r.IntN(20) {
+			sr := randomRule(r, i)
+			if r.IntN(5) == 0 {
+				sr.Ports = []policy.PortRange{{First: 1024, Last: uint16(1030 + r.IntN(40))}}
+			}
+			p.Rules = append(p.Rules, sr)
+		}
+		u := SiteUser{UID: 2001, Groups: []uint32{2001, 3001}}
+		for _, path := range []sitePath{pathOwn, pathSrun} {
+			ms := compileSite(p, "node1", siteSrun, u, path)
+			segs := siteSegments(ms, p)
+			for _, sg := range segs {
+				if sg.wide != nil {
+					kinds["wide"]++
+				} else {
+					kinds["narrow"]++
+				}
+			}
+			for range 200 {
+				proto := []policy.Proto{policy.TCP, policy.UDP}[r.IntN(2)]
+				src := siteSources[r.IntN(len(siteSources))]
+				port := uint16(1020 + r.IntN(80))
+				if path == pathSrun {
+					port = siteSrun.First + uint16(r.IntN(120)) - 10
+				}
+				want, got := firstSiteMatch(ms, p, proto, port, src), evalSegments(segs, p, proto, port, src)
+				if (want == nil) != (got == nil) || (want != nil && want.Allow != got.Allow) {
+					t.Fatalf("world %d path %d: %v :%d from %v: in order %+v, segments %+v", world, path, proto, port, src, want, got)
+				}
+			}
+		}
+	}
+	if kinds["wide"] < 100 || kinds["narrow"] < 100 {
+		t.Errorf("too few segments of each kind to mean anything: %v", kinds)
+	}
+}
+
+// TestSiteTableBound: 200 rules without ports and 800 with ports of their
+// own make a table of at most (wideClasses+1)·n·2 nft rules (two address
+// families at most per compiled rule) — it was rules without ports × port
+// classes (~320,000).
+func TestSiteTableBound(t *testing.T) {
+	r := rand.New(rand.NewPCG(23, 4))
+	p := &policy.Policy{SystemPortMax: 1023, ClusterSubnets: siteSubnets}
+	for i := range 1000 {
+		sr := policy.SiteRule{Name: "r" + strconv.Itoa(i), Proto: []policy.Proto{0, policy.TCP, policy.UDP}[r.IntN(3)],
+			Sources: pick(r, sitePrefixes, 1)}
+		if i%5 != 0 {
+			f := uint16(2000 + r.IntN(60000))
+			sr.Ports = []policy.PortRange{{First: f, Last: f + uint16(r.IntN(3))}}
+		}
+		p.Rules = append(p.Rules, sr)
+	}
+	s := buildSite(p, "node1", siteSrun, []SiteUser{{UID: 2001}}, nil)
+	ms := s.chains[s.own[VRFName(2001)]]
+	before := 0
+	for _, cl := range portClasses(ms) {
+		before += len(cl.rules)
+	}
+	got := siteSize(s)
+	if bound := (wideClasses + 1) * len(p.Rules) * 2; got > bound {
+		t.Errorf("table of %d nft rules, bound %d", got, bound)
+	}
+	t.Logf("1000 rules (200 without ports): %d nft rules; the layout before held %d compiled rules in its sub-chains", got, before)
 }

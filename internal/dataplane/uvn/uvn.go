@@ -161,7 +161,7 @@ func (m *Manager) intact(st *UserState, repair bool) bool {
 		}
 		// The site rules' table was removed (or never made): put it
 		// back for every user of the node.
-		if err := m.applySiteLocked(); err != nil {
+		if err := m.applySiteLocked(0); err != nil {
 			m.logf("uvn: site rules: %v", err)
 			return false
 		}
@@ -307,7 +307,7 @@ func (m *Manager) build(st *UserState) error {
 	if err := m.step("site"); err != nil {
 		return err
 	}
-	if err := m.applySiteLocked(); err != nil {
+	if err := m.applySiteLocked(uid); err != nil {
 		return err
 	}
 	if err := m.step("complete"); err != nil {

@@ -5,13 +5,13 @@
 package cgroup2
 
 import (
-	"bufio"
 	"errors"
 	"fmt"
-	"os"
-	"strings"
+	"slices"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 )
 
 // ErrNotMounted: no cgroup2 filesystem in this mount namespace.
@@ -23,7 +23,7 @@ var ErrNotMounted = errors.New("no cgroup v2 hierarchy mounted in this mount nam
 // host's, want this; its absence means the caller runs in a private mount
 // namespace.
 func MountPoint() (string, error) {
-	p, err := mountPoint("/proc/self/mounts", "/sys/fs/cgroup")
+	p, err := mountPoint(0, "/sys/fs/cgroup")
 	if err != nil {
 		return "", err
 	}
@@ -37,7 +37,7 @@ func MountPoint() (string, error) {
 // with a fresh sysfs (`ip netns exec`, a testbed login) has no cgroup mount
 // of its own, yet the kernel's hierarchy may be mounted for the host.
 func InitMountPoint() (string, error) {
-	p, err := mountPoint("/proc/1/mounts", "/sys/fs/cgroup")
+	p, err := mountPoint(1, "/sys/fs/cgroup")
 	if err != nil {
 		return "", err
 	}
@@ -47,28 +47,26 @@ func InitMountPoint() (string, error) {
 	return p, nil
 }
 
-// mountPoint finds the cgroup2 mount in a mounts file.
-func mountPoint(mounts, prefer string) (string, error) {
-	f, err := os.Open(mounts)
+// mountPoint finds the cgroup2 mount in pid's mount namespace (0: the
+// caller's): prefer if it is one, else the first.
+func mountPoint(pid int, prefer string) (string, error) {
+	ps, err := procfs.MountPoints(pid, "cgroup2")
 	if err != nil {
 		return "", err
 	}
-	defer f.Close()
-	found := ""
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fs := strings.Fields(sc.Text())
-		if len(fs) < 3 || fs[2] != "cgroup2" {
-			continue
-		}
-		if fs[1] == prefer {
-			return fs[1], nil
-		}
-		if found == "" {
-			found = fs[1]
-		}
+	return choose(ps, prefer), nil
+}
+
+// choose is prefer if it is one of the mount points, else the first ("":
+// none).
+func choose(points []string, prefer string) string {
+	switch {
+	case len(points) == 0:
+		return ""
+	case slices.Contains(points, prefer):
+		return prefer
 	}
-	return found, sc.Err()
+	return points[0]
 }
 
 // Open returns a directory file descriptor of the hierarchy's root (of the

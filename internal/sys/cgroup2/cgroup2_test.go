@@ -3,32 +3,28 @@ package cgroup2
 import (
 	"errors"
 	"os"
-	"path/filepath"
 	"testing"
 
 	"golang.org/x/sys/unix"
 )
 
-func TestMountPointParse(t *testing.T) {
-	dir := t.TempDir()
-	for _, c := range []struct{ name, mounts, want string }{
-		{"pure v2", "sysfs /sys sysfs rw 0 0\ncgroup2 /sys/fs/cgroup cgroup2 rw,nosuid 0 0\n", "/sys/fs/cgroup"},
-		{"hybrid", "tmpfs /sys/fs/cgroup tmpfs ro 0 0\ncgroup /sys/fs/cgroup/cpu cgroup rw,cpu 0 0\ncgroup2 /sys/fs/cgroup/unified cgroup2 rw 0 0\n", "/sys/fs/cgroup/unified"},
-		{"elsewhere, then preferred", "cgroup2 /mnt/cg cgroup2 rw 0 0\ncgroup2 /sys/fs/cgroup cgroup2 rw 0 0\n", "/sys/fs/cgroup"},
-		{"elsewhere only", "cgroup2 /mnt/cg cgroup2 rw 0 0\n", "/mnt/cg"},
-		{"v1 only", "cgroup /sys/fs/cgroup/cpu cgroup rw,cpu 0 0\n", ""},
-		{"none (ip netns exec)", "sysfs /sys sysfs rw 0 0\n", ""},
+func TestMountPointChoice(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		points []string
+		want   string
+	}{
+		{"pure v2", []string{"/sys/fs/cgroup"}, "/sys/fs/cgroup"},
+		{"hybrid", []string{"/sys/fs/cgroup/unified"}, "/sys/fs/cgroup/unified"},
+		{"elsewhere, then preferred", []string{"/mnt/cg", "/sys/fs/cgroup"}, "/sys/fs/cgroup"},
+		{"elsewhere only", []string{"/mnt/cg"}, "/mnt/cg"},
+		{"none (v1 only, ip netns exec)", nil, ""},
 	} {
-		p := filepath.Join(dir, "mounts")
-		if err := os.WriteFile(p, []byte(c.mounts), 0o600); err != nil {
-			t.Fatal(err)
-		}
-		got, err := mountPoint(p, "/sys/fs/cgroup")
-		if err != nil || got != c.want {
-			t.Errorf("%s: %q %v, want %q", c.name, got, err, c.want)
+		if got := choose(c.points, "/sys/fs/cgroup"); got != c.want {
+			t.Errorf("%s: %q, want %q", c.name, got, c.want)
 		}
 	}
-	if _, err := mountPoint(filepath.Join(dir, "absent"), "/sys/fs/cgroup"); err == nil {
+	if _, err := mountPoint(1<<30, "/sys/fs/cgroup"); err == nil {
 		t.Error("an unreadable mount table is not an error")
 	}
 }

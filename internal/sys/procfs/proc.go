@@ -337,3 +337,26 @@ func Environ(pid int) []string {
 	}
 	return env
 }
+
+// MountPoints are the mount points of the filesystems of type fstype in
+// pid's mount namespace (0: the caller's), in its mount table's order
+// (/proc/PID/mountinfo).
+func MountPoints(pid int, fstype string) ([]string, error) {
+	var ms []*procfs.MountInfo
+	var err error
+	if pid == 0 {
+		ms, err = procfs.GetMounts()
+	} else {
+		ms, err = procfs.GetProcMounts(pid)
+	}
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, m := range ms {
+		if m.FSType == fstype {
+			out = append(out, m.MountPoint)
+		}
+	}
+	return out, nil
+}

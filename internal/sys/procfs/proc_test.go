@@ -256,3 +256,15 @@ func TestPIDsNetNSSocketInodes(t *testing.T) {
 		t.Errorf("SocketInodes of no process: %v", got)
 	}
 }
+
+// TestMountPoints: this process's mount table has /proc, a proc
+// filesystem; no filesystem type "palnone".
+func TestMountPoints(t *testing.T) {
+	ps, err := MountPoints(0, "proc")
+	if err != nil || !slices.Contains(ps, "/proc") {
+		t.Fatalf("proc mounts %q %v, want /proc among them", ps, err)
+	}
+	if ps, err := MountPoints(os.Getpid(), "palnone"); err != nil || len(ps) != 0 {
+		t.Errorf("palnone mounts %q %v, want none", ps, err)
+	}
+}

@@ -12,7 +12,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"github.com/palisade-hpc/palisade/lab/check/craft"
 	uwlab "github.com/palisade-hpc/palisade/lab/modes/userwall"
@@ -371,7 +371,7 @@ func newAddressAgentStopped() *Case {
 			if err != nil {
 				return err
 			}
-			pid := userwall.ReadPid(uwlab.AgentPidFile(e.TB, e.A.Name))
+			pid := control.ReadPid(uwlab.AgentPidFile(e.TB, e.A.Name))
 			if pid == 0 {
 				return fmt.Errorf("no agent runs on %s", e.A.Name)
 			}
@@ -618,14 +618,11 @@ func spoofSYN(fam int) *Case {
 // that flushed or killed things.
 func (e *Env) restoreAgent(node testbed.Node) error {
 	if _, err := e.Root(node.Name, "nft", "list", "table", "inet", "palisade_userwall"); err == nil &&
-		userwall.ReadPid(uwlab.AgentPidFile(e.TB, node.Name)) != 0 {
+		control.ReadPid(uwlab.AgentPidFile(e.TB, node.Name)) != 0 {
 		return nil
 	}
-	if pid := userwall.ReadPid(uwlab.AgentPidFile(e.TB, node.Name)); pid != 0 {
-		syscall.Kill(pid, syscall.SIGTERM)
-		for i := 0; i < 100 && userwall.ReadPid(uwlab.AgentPidFile(e.TB, node.Name)) != 0; i++ {
-			time.Sleep(50 * time.Millisecond)
-		}
+	if err := uwlab.TermAgent(e.TB, node.Name); err != nil {
+		return err
 	}
 	return uwlab.StartAgent(e.Ctx, e.TB, node)
 }
@@ -670,14 +667,11 @@ func agentKill(sig syscall.Signal) *Case {
 				return err
 			}
 			r.Defer(func() { e.restoreAgent(e.A) })
-			pidFile := uwlab.AgentPidFile(e.TB, e.A.Name)
-			pid := userwall.ReadPid(pidFile)
-			if pid == 0 {
+			if control.ReadPid(uwlab.AgentPidFile(e.TB, e.A.Name)) == 0 {
 				return errors.New("no agent runs on " + e.A.Name)
 			}
-			syscall.Kill(pid, sig)
-			for i := 0; i < 200 && userwall.ReadPid(pidFile) == pid; i++ {
-				time.Sleep(25 * time.Millisecond)
+			if err := uwlab.SignalAgent(e.TB, e.A.Name, sig); err != nil {
+				return err
 			}
 			tspec := ActSpec{Sock: sock("tcp", 4), Dst: ap(e.A.Eth0V4, e.Port)}
 			uspec := ActSpec{Sock: sock("udp", 6), Dst: ap(e.A.Eth0V6, e.Port), Count: 3, Connect: true}

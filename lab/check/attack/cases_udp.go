@@ -12,7 +12,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	uwlab "github.com/palisade-hpc/palisade/lab/modes/userwall"
 )
@@ -283,12 +282,8 @@ func connectedUDPTTL() *Case {
 		Why: "a connected UDP socket sends with send() (no sendmsg hook runs): its peer's answers must keep coming for as long as it sends (control), and stop once it has been silent longer than the peer lifetime (attack: the late answer)",
 		Run: func(e *Env, r *Run) error {
 			r.Defer(func() { e.restoreAgent(e.A) })
-			pidFile := uwlab.AgentPidFile(e.TB, e.A.Name)
-			if pid := userwall.ReadPid(pidFile); pid != 0 {
-				syscall.Kill(pid, syscall.SIGTERM)
-				for i := 0; i < 100 && userwall.ReadPid(pidFile) != 0; i++ {
-					time.Sleep(50 * time.Millisecond)
-				}
+			if err := uwlab.TermAgent(e.TB, e.A.Name); err != nil {
+				return err
 			}
 			if err := uwlab.StartAgentEnv(e.Ctx, e.TB, e.A, []string{kernel.TestPeerTTLEnv + "=" + itoa(ttl)}); err != nil {
 				return err

@@ -15,7 +15,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
 	uwlab "github.com/palisade-hpc/palisade/lab/modes/userwall"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
@@ -269,7 +269,7 @@ func Churn(ctx context.Context, tb *testbed.Testbed, opts ChurnOptions) (*ChurnR
 			}
 			err = e.restartAgent(n, sig)
 		case "reload":
-			if pid := userwall.ReadPid(uwlab.AgentPidFile(tb, n.Name)); pid != 0 {
+			if pid := control.ReadPid(uwlab.AgentPidFile(tb, n.Name)); pid != 0 {
 				err = syscall.Kill(pid, syscall.SIGHUP)
 			} else {
 				err = errors.New("no agent")
@@ -329,19 +329,8 @@ func Churn(ctx context.Context, tb *testbed.Testbed, opts ChurnOptions) (*ChurnR
 
 // restartAgent stops node's agent with sig and starts it again.
 func (e *Env) restartAgent(n testbed.Node, sig syscall.Signal) error {
-	pidFile := uwlab.AgentPidFile(e.TB, n.Name)
-	pid := userwall.ReadPid(pidFile)
-	if pid == 0 {
-		return uwlab.StartAgent(e.Ctx, e.TB, n)
-	}
-	if err := syscall.Kill(pid, sig); err != nil {
+	if err := uwlab.SignalAgent(e.TB, n.Name, sig); err != nil {
 		return err
-	}
-	for i := 0; i < 200 && userwall.ReadPid(pidFile) == pid; i++ {
-		time.Sleep(25 * time.Millisecond)
-	}
-	if userwall.ReadPid(pidFile) == pid {
-		return fmt.Errorf("agent %d still runs after %v", pid, sig)
 	}
 	return uwlab.StartAgent(e.Ctx, e.TB, n)
 }

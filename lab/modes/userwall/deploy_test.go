@@ -6,7 +6,6 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
-	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"maps"
 	"os"
 	"os/exec"
@@ -15,12 +14,13 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
+
 	"github.com/cilium/ebpf"
-	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
 )
 
 // reloadNode runs `palisade agent --reload` on node: it returns once the
@@ -154,7 +154,7 @@ func TestReloadAppliesEverySetting(t *testing.T) {
 	}
 }
 
-func hasWarning(s *uw.Status, text string) bool {
+func hasWarning(s *control.Status, text string) bool {
 	for _, w := range s.Warnings {
 		if strings.Contains(w, text) {
 			return true
@@ -448,14 +448,10 @@ func TestUpgradeRollback(t *testing.T) {
 			for _, l := range before.Links {
 				progs[l.Name] = l.ProgID
 			}
-			pidFile := AgentPidFile(tb, "node1")
 			underTraffic(t, 5199, func() {
 				u.replace(t, variant)
-				if pid := uw.ReadPid(pidFile); pid != 0 {
-					syscall.Kill(pid, syscall.SIGTERM)
-					for i := 0; i < 250 && uw.ReadPid(pidFile) != 0; i++ {
-						time.Sleep(20 * time.Millisecond) // the pid file goes when it stopped
-					}
+				if err := TermAgent(tb, "node1"); err != nil {
+					t.Error(err)
 				}
 				for _, stage := range []string{"cgroup:connect6", "commit"} {
 					cmd := nodeCommand(context.Background(), tb, tb.Nodes[0], "agent")
@@ -520,7 +516,7 @@ func useTCAttach(t *testing.T, u *upgrader) {
 // ones its links and filters run (none of an earlier or failed agent is
 // left: no iterator, no staged program), and each such program is in as
 // many kernel links as status lists (no doubled owner recorder left).
-func checkNoLeaks(t *testing.T, step string, st *uw.Status) {
+func checkNoLeaks(t *testing.T, step string, st *control.Status) {
 	t.Helper()
 	settings := pinnedMapIDs(t, st.PinDir)["settings"]
 	want := map[uint32]bool{}
@@ -635,7 +631,7 @@ func mapExists(id ebpf.MapID) bool {
 
 // checkLinksReplaced: the same link pins, each on a new program; the old
 // programs are gone from the kernel (bpftool does not find them).
-func checkLinksReplaced(t *testing.T, step string, before, after *uw.Status) {
+func checkLinksReplaced(t *testing.T, step string, before, after *control.Status) {
 	t.Helper()
 	prog := map[string]uint32{}
 	for _, l := range after.Links {
@@ -705,12 +701,8 @@ func (u *upgrader) replace(t *testing.T, b []byte) {
 
 func (u *upgrader) restart(t *testing.T) {
 	t.Helper()
-	pidFile := AgentPidFile(tb, "node1")
-	if pid := uw.ReadPid(pidFile); pid != 0 {
-		syscall.Kill(pid, syscall.SIGTERM)
-		for i := 0; i < 250 && uw.ReadPid(pidFile) != 0; i++ {
-			time.Sleep(20 * time.Millisecond) // the pid file goes when it stopped
-		}
+	if err := TermAgent(tb, "node1"); err != nil {
+		t.Fatal(err)
 	}
 	if fi, err := os.Stat(filepath.Join(tb.LogDir(), "node1-agent.log")); err == nil {
 		u.logAt = int(fi.Size())
@@ -779,7 +771,7 @@ func must[T any](v T, err error) T {
 
 // clusterStatus runs `palisade status --all --json` on node1: the view and
 // the exit status.
-func clusterStatus(t *testing.T) (views map[string]uw.NodeView, shared string, code int) {
+func clusterStatus(t *testing.T) (views map[string]control.NodeView, shared string, code int) {
 	t.Helper()
 	cmd := nodeCommand(context.Background(), tb, tb.Nodes[0], "status", "--all", "--json", "--timeout", "1s")
 	out, err := cmd.Output()
@@ -790,13 +782,13 @@ func clusterStatus(t *testing.T) (views map[string]uw.NodeView, shared string, c
 		code = cmd.ProcessState.ExitCode()
 	}
 	var v struct {
-		SharedSHA string        `json:"shared_sha256"`
-		Nodes     []uw.NodeView `json:"nodes"`
+		SharedSHA string             `json:"shared_sha256"`
+		Nodes     []control.NodeView `json:"nodes"`
 	}
 	if err := json.Unmarshal(out, &v); err != nil {
 		t.Fatalf("status --all (exit %d): %v: %s", code, err, out)
 	}
-	views = map[string]uw.NodeView{}
+	views = map[string]control.NodeView{}
 	for _, n := range v.Nodes {
 		views[n.Name] = n
 	}
@@ -817,10 +809,10 @@ func TestStatusAll(t *testing.T) {
 	for _, n := range tb.Nodes {
 		v := views[n.Name]
 		r := v.Report
-		if v.State != uw.NodeOK && v.State != uw.NodeWarnings || r == nil {
+		if v.State != control.NodeOK && v.State != control.NodeWarnings || r == nil {
 			t.Fatalf("%s: %+v", n.Name, v)
 		}
-		st, err := uw.ReadState(AgentPidFile(tb, n.Name))
+		st, err := control.ReadState(AgentPidFile(tb, n.Name))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -870,10 +862,10 @@ func TestStatusAll(t *testing.T) {
 	os.WriteFile(p, []byte(conf), 0o644)
 	gen := reload(t, "node2").Generation
 	views, _, code = clusterStatus(t)
-	if v := views["node2"]; v.State != uw.NodeDrift || v.Report == nil || v.Report.Generation != gen || !strings.Contains(v.Error, "expected") {
+	if v := views["node2"]; v.State != control.NodeDrift || v.Report == nil || v.Report.Generation != gen || !strings.Contains(v.Error, "expected") {
 		t.Errorf("node2 with another policy: %+v", v)
 	}
-	if v := views["node1"]; v.State == uw.NodeDrift || v.State == uw.NodeDown {
+	if v := views["node1"]; v.State == control.NodeDrift || v.State == control.NodeDown {
 		t.Errorf("node1: %+v", v)
 	}
 	if v := views["node2"]; v.Report != nil && sharedMetric("node2") != v.Report.SharedSHA {
@@ -888,7 +880,7 @@ func TestStatusAll(t *testing.T) {
 	// Down: node2's agent stopped (its programs still enforce).
 	n2 := tb.Nodes[1]
 	pidFile := AgentPidFile(tb, n2.Name)
-	pid := uw.ReadPid(pidFile)
+	pid := control.ReadPid(pidFile)
 	if pid == 0 {
 		t.Fatal("node2's agent not running")
 	}
@@ -897,17 +889,16 @@ func TestStatusAll(t *testing.T) {
 			t.Error(err)
 		}
 	})
-	syscall.Kill(pid, syscall.SIGTERM)
-	for i := 0; i < 250 && uw.ReadPid(pidFile) != 0; i++ {
-		time.Sleep(20 * time.Millisecond) // the pid file goes when it stopped
+	if err := TermAgent(tb, n2.Name); err != nil {
+		t.Fatal(err)
 	}
 	start := time.Now()
 	views, _, code = clusterStatus(t)
 	took := time.Since(start)
-	if v := views["node2"]; v.State != uw.NodeDown || v.Report != nil || !strings.Contains(v.Error, "no answer") {
+	if v := views["node2"]; v.State != control.NodeDown || v.Report != nil || !strings.Contains(v.Error, "no answer") {
 		t.Errorf("node2 with its agent stopped: %+v", v)
 	}
-	if v := views["node1"]; v.State != uw.NodeOK && v.State != uw.NodeWarnings {
+	if v := views["node1"]; v.State != control.NodeOK && v.State != control.NodeWarnings {
 		t.Errorf("node1: %+v", v)
 	}
 	if code != 2 {

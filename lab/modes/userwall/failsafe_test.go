@@ -10,11 +10,10 @@ import (
 	"regexp"
 	"slices"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
-	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
 )
 
 // restartAgent stops node's agent (its pinned programs keep enforcing) and
@@ -23,14 +22,8 @@ import (
 func restartAgent(t *testing.T, node string) {
 	t.Helper()
 	n, _ := tb.Node(node)
-	pidFile := AgentPidFile(tb, node)
-	if pid := uw.ReadPid(pidFile); pid != 0 {
-		syscall.Kill(pid, syscall.SIGTERM)
-		for deadline := time.Now().Add(30 * time.Second); uw.ReadPid(pidFile) != 0; time.Sleep(50 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				t.Fatalf("%s's agent did not stop within 30 s", node)
-			}
-		}
+	if err := TermAgent(tb, node); err != nil {
+		t.Fatal(err)
 	}
 	if err := StartAgent(context.Background(), tb, n); err != nil {
 		t.Fatal(err)
@@ -59,7 +52,7 @@ func editConfig(t *testing.T, node string, edit func(string) string) {
 	}
 }
 
-func hasError(s *uw.Status, text string) bool {
+func hasError(s *control.Status, text string) bool {
 	return slices.ContainsFunc(s.Errors, func(e string) bool { return strings.Contains(e, text) })
 }
 
@@ -95,7 +88,7 @@ func TestAgentAsTheUnitRunsIt(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pid := uw.ReadPid(AgentPidFile(tb, "node1"))
+	pid := control.ReadPid(AgentPidFile(tb, "node1"))
 	if pid == 0 {
 		t.Fatal("node1: no agent")
 	}
@@ -193,7 +186,7 @@ func TestStartsDespiteUnresolvableName(t *testing.T) {
 	// than waitFor's 5 s on a loaded machine.
 	deadline := time.Now().Add(60 * time.Second)
 	for {
-		st, err := uw.ReadState(AgentPidFile(tb, "node2"))
+		st, err := control.ReadState(AgentPidFile(tb, "node2"))
 		if err == nil && st.Unresolved == 0 {
 			break
 		}
@@ -277,12 +270,12 @@ func TestReloadRefusesErrors(t *testing.T) {
 			c = strings.Replace(c, `exempt_connectors = ["root"`, `exempt_connectors = ["root", "palopsnobody"`, 1)
 		}
 		os.WriteFile(p, []byte(c), 0o644)
-		before, _ := uw.ReadState(AgentPidFile(tb, node))
+		before, _ := control.ReadState(AgentPidFile(tb, node))
 		out, err := reloadNode(t, node)
 		if err == nil || !strings.Contains(out, "refused") || !strings.Contains(out, tc.want) {
 			t.Errorf("%s: agent --reload: %v\n%s", tc.name, err, out)
 		}
-		after, _ := uw.ReadState(AgentPidFile(tb, node))
+		after, _ := control.ReadState(AgentPidFile(tb, node))
 		if after.Generation != before.Generation || !after.KeyLoaded {
 			t.Errorf("%s: generation %d → %d, key loaded %v", tc.name, before.Generation, after.Generation, after.KeyLoaded)
 		}
@@ -350,12 +343,12 @@ func TestLogRotationReopensWithoutReload(t *testing.T) {
 		t.Errorf("packaging/logrotate/palisade does not reopen by SIGUSR1 / --reopen-logs:\n%s", rot)
 	}
 	const node = "node1"
-	c, err := (&uw.AgentOptions{ConfigPath: tb.ConfigPath(node)}).LoadConfig()
+	c, err := (&control.Options{ConfigPath: tb.ConfigPath(node)}).LoadConfig()
 	if err != nil {
 		t.Fatal(err)
 	}
 	logPath := c.Agent.EventLog
-	before, err := uw.ReadState(AgentPidFile(tb, node))
+	before, err := control.ReadState(AgentPidFile(tb, node))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -368,7 +361,7 @@ func TestLogRotationReopensWithoutReload(t *testing.T) {
 	if out, err := nodeCommand(context.Background(), tb, n, "agent", "--reopen-logs").CombinedOutput(); err != nil || !strings.Contains(string(out), "event log reopened") {
 		t.Fatalf("agent --reopen-logs: %v %s", err, out)
 	}
-	after, _ := uw.ReadState(AgentPidFile(tb, node))
+	after, _ := control.ReadState(AgentPidFile(tb, node))
 	if after.LogReopens != before.LogReopens+1 || after.Reloads != before.Reloads || after.Generation != before.Generation {
 		t.Errorf("state before %+v\nafter %+v", before, after)
 	}
@@ -422,14 +415,15 @@ func TestSlurmdGate(t *testing.T) {
 	}
 	pidFile := AgentPidFile(tb, node)
 	t.Cleanup(func() {
-		if uw.ReadPid(pidFile) == 0 {
+		if control.ReadPid(pidFile) == 0 {
 			if err := StartAgent(context.Background(), tb, n); err != nil {
 				t.Error(err)
 			}
 		}
 	})
-	syscall.Kill(uw.ReadPid(pidFile), syscall.SIGTERM)
-	waitFor(t, "the agent to stop", func() bool { return uw.ReadPid(pidFile) == 0 })
+	if err := TermAgent(tb, node); err != nil {
+		t.Fatal(err)
+	}
 	if code, out := gate(); code != 0 {
 		t.Errorf("agent stopped, pins in force: exit %d %q", code, out)
 	}
@@ -467,12 +461,12 @@ func TestStatusAllHostlist(t *testing.T) {
 	cmd := tb.Command(context.Background(), "node1", "", tb.Binary, "status", "--all", "--json", "--timeout", "5s", "--config", p)
 	out, _ := cmd.Output()
 	var view struct {
-		Nodes []uw.NodeView `json:"nodes"`
+		Nodes []control.NodeView `json:"nodes"`
 	}
 	if err := json.Unmarshal(out, &view); err != nil {
 		t.Fatalf("status --all: %v\n%s", err, out)
 	}
-	got := map[string]uw.NodeView{}
+	got := map[string]control.NodeView{}
 	for _, v := range view.Nodes {
 		got[v.Name] = v
 	}
@@ -482,7 +476,7 @@ func TestStatusAllHostlist(t *testing.T) {
 			t.Errorf("%s: %+v", name, v)
 		}
 	}
-	if v := got["palnode9"]; v.State != uw.NodeDown || !strings.Contains(v.Error, "node palnode9: not resolvable") {
+	if v := got["palnode9"]; v.State != control.NodeDown || !strings.Contains(v.Error, "node palnode9: not resolvable") {
 		t.Errorf("palnode9: %+v", v)
 	}
 	if cmd.ProcessState.ExitCode() != 2 {

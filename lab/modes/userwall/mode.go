@@ -14,8 +14,10 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/palisade-hpc/palisade/internal/config"
-	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
 
@@ -83,7 +85,7 @@ func StartAgent(ctx context.Context, tb *testbed.Testbed, n testbed.Node) error 
 // environment (test settings such as userwall.TestPeerTTLEnv).
 func StartAgentEnv(ctx context.Context, tb *testbed.Testbed, n testbed.Node, env []string) error {
 	pidFile := AgentPidFile(tb, n.Name)
-	if pid := uw.ReadPid(pidFile); pid != 0 {
+	if pid := control.ReadPid(pidFile); pid != 0 {
 		return nil // already running
 	}
 	if err := os.MkdirAll(filepath.Dir(pidFile), 0o755); err != nil {
@@ -127,7 +129,7 @@ func StartAgentEnv(ctx context.Context, tb *testbed.Testbed, n testbed.Node, env
 			_ = cmd.Process.Kill()
 			return ctx.Err()
 		case <-tick.C:
-			if uw.ReadPid(pidFile) == cmd.Process.Pid {
+			if control.ReadPid(pidFile) == cmd.Process.Pid {
 				return nil
 			}
 		}
@@ -149,6 +151,35 @@ func StopAgent(ctx context.Context, tb *testbed.Testbed, n testbed.Node) error {
 	out, err := nodeCommand(ctx, tb, n, "agent", "--uninstall").CombinedOutput()
 	if err != nil {
 		return fmt.Errorf("%s: uninstall: %v: %s", n.Name, err, out)
+	}
+	return nil
+}
+
+// agentStopBound bounds SignalAgent's wait: an agent stops in well under a
+// second; the bound only turns a hang into an error.
+const agentStopBound = time.Minute
+
+// TermAgent stops one node's agent as systemd does (SIGTERM): its programs
+// stay pinned and go on enforcing, and the next agent adopts them. It
+// returns once the agent has exited (at once if none runs), waiting on the
+// process itself (control.Signal: a pidfd), not polling its pid file.
+func TermAgent(tb *testbed.Testbed, node string) error {
+	return SignalAgent(tb, node, unix.SIGTERM)
+}
+
+// SignalAgent sends sig (SIGTERM, SIGKILL) to one node's agent and returns
+// once it has exited (at once if none runs).
+func SignalAgent(tb *testbed.Testbed, node string, sig unix.Signal) error {
+	pid := control.ReadPid(AgentPidFile(tb, node))
+	if pid == 0 {
+		return nil
+	}
+	exited, err := control.Signal(pid, sig, agentStopBound)
+	if err != nil {
+		return fmt.Errorf("%s: agent: %w", node, err)
+	}
+	if !exited {
+		return fmt.Errorf("%s: agent %d did not stop within %v of %v", node, pid, agentStopBound, sig)
 	}
 	return nil
 }

@@ -10,19 +10,19 @@ import (
 	"testing"
 	"time"
 
-	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
 )
 
 // signalReload sends SIGHUP to node's agent and waits for its answer: the
 // reload count in the agent's state file (written last, once the reload is
 // applied or refused). It returns the state that answers.
-func signalReload(node string) (*uw.AgentState, error) {
+func signalReload(node string) (*control.AgentState, error) {
 	pidFile := AgentPidFile(tb, node)
-	pid := uw.ReadPid(pidFile)
+	pid := control.ReadPid(pidFile)
 	if pid == 0 {
 		return nil, fmt.Errorf("%s: no agent running", node)
 	}
-	before, err := uw.ReadState(pidFile)
+	before, err := control.ReadState(pidFile)
 	if err != nil || before.PID != pid {
 		return nil, fmt.Errorf("%s: no state of agent %d: %v", node, pid, err)
 	}
@@ -31,7 +31,7 @@ func signalReload(node string) (*uw.AgentState, error) {
 	}
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		if s, err := uw.ReadState(pidFile); err == nil && s.PID == pid && s.Reloads > before.Reloads {
+		if s, err := control.ReadState(pidFile); err == nil && s.PID == pid && s.Reloads > before.Reloads {
 			return s, nil
 		}
 		if time.Now().After(deadline) {
@@ -43,7 +43,7 @@ func signalReload(node string) (*uw.AgentState, error) {
 
 // reload reloads node's agent and fails the test unless the configuration
 // was applied (a new generation).
-func reload(t *testing.T, node string) *uw.AgentState {
+func reload(t *testing.T, node string) *control.AgentState {
 	t.Helper()
 	s, err := signalReload(node)
 	if err != nil {
@@ -59,7 +59,7 @@ func reload(t *testing.T, node string) *uw.AgentState {
 // refused the configuration (same generation); it returns the reason.
 func reloadRefused(t *testing.T, node string) string {
 	t.Helper()
-	before, err := uw.ReadState(AgentPidFile(tb, node))
+	before, err := control.ReadState(AgentPidFile(tb, node))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -85,14 +85,9 @@ func TestHUPWhileStarting(t *testing.T) {
 	needTestbed(t)
 	n := tb.Nodes[len(tb.Nodes)-1]
 	pidFile := AgentPidFile(tb, n.Name)
-	if pid := uw.ReadPid(pidFile); pid != 0 {
-		syscall.Kill(pid, syscall.SIGTERM) // its programs stay pinned: the next agent adopts them
-		for i := 0; uw.ReadPid(pidFile) != 0; i++ {
-			if i == 500 {
-				t.Fatalf("%s's agent %d did not stop", n.Name, pid)
-			}
-			time.Sleep(20 * time.Millisecond) // the pid file goes when it has exited
-		}
+	// Its programs stay pinned: the next agent adopts them.
+	if err := TermAgent(tb, n.Name); err != nil {
+		t.Fatal(err)
 	}
 	t.Cleanup(func() {
 		if err := StartAgent(context.Background(), tb, n); err != nil {
@@ -116,7 +111,7 @@ func TestHUPWhileStarting(t *testing.T) {
 	// nsenter execs the agent: same pid.
 	pid := cmd.Process.Pid
 	hups := 0
-	for t0 := time.Now(); uw.ReadPid(pidFile) == 0; {
+	for t0 := time.Now(); control.ReadPid(pidFile) == 0; {
 		if time.Since(t0) > 2*time.Minute {
 			b, _ := os.ReadFile(logPath)
 			cmd.Process.Kill()
@@ -136,7 +131,7 @@ func TestHUPWhileStarting(t *testing.T) {
 			hups++
 		}
 	}
-	if got := uw.ReadPid(pidFile); got != pid {
+	if got := control.ReadPid(pidFile); got != pid {
 		t.Fatalf("the pid file names %d, not the process started (%d): the signals went elsewhere", got, pid)
 	}
 	// And right after the pid file, as `agent --reload` would.
@@ -146,7 +141,7 @@ func TestHUPWhileStarting(t *testing.T) {
 		t.Fatal("the agent wrote its pid file before the test saw it start: no SIGHUP reached it while loading")
 	}
 	for i := 0; ; i++ {
-		s, err := uw.ReadState(pidFile)
+		s, err := control.ReadState(pidFile)
 		if err == nil && s.PID == pid && s.Reloads >= 1 && s.LastReloadError == "" {
 			t.Logf("%d SIGHUPs while starting: agent %d alive, %d reload(s)", hups, pid, s.Reloads)
 			break

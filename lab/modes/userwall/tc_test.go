@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -15,7 +14,8 @@ import (
 	"testing"
 	"time"
 
-	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 )
 
 // TestTCAttach proves the classic-tc attachment (clsact + cls_bpf, used
@@ -73,10 +73,10 @@ func TestTCAttach(t *testing.T) {
 			t.Fatal(err)
 		}
 		last = cmd
-		for i := 0; i < 200 && uw.ReadPid(pid) != cmd.Process.Pid; i++ {
+		for i := 0; i < 200 && control.ReadPid(pid) != cmd.Process.Pid; i++ {
 			time.Sleep(50 * time.Millisecond)
 		}
-		if uw.ReadPid(pid) != cmd.Process.Pid {
+		if control.ReadPid(pid) != cmd.Process.Pid {
 			cmd.Process.Kill()
 			cmd.Wait()
 			b, _ := os.ReadFile(logPath)
@@ -88,7 +88,7 @@ func TestTCAttach(t *testing.T) {
 		cmd.Process.Signal(syscall.SIGTERM)
 		cmd.Wait()
 	}
-	statusOf := func() uw.Status {
+	statusOf := func() control.Status {
 		t.Helper()
 		out, err := exec.Command("nsenter", "--net=/run/netns/"+ns, "--", tb.Binary, "status", "--json", "--config", cfg).Output()
 		// status exits 1 with warnings and 2 when not enforcing; the
@@ -97,7 +97,7 @@ func TestTCAttach(t *testing.T) {
 		if errors.As(err, &ee) && (ee.ExitCode() == 1 || ee.ExitCode() == 2) {
 			err = nil
 		}
-		var s uw.Status
+		var s control.Status
 		if err != nil || json.Unmarshal(out, &s) != nil {
 			t.Fatalf("status: %v %s", err, out)
 		}

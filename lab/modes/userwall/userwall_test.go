@@ -19,6 +19,7 @@ import (
 	"time"
 
 	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
@@ -148,7 +149,7 @@ func setupAndRun(m *testing.M) int {
 		if err == nil && !strings.Contains(string(b), `"slurm", "svc"]`+"\nexempt_listeners") && strings.Contains(string(b), `exempt_connectors = ["root", "svc"]`) {
 			b = []byte(strings.Replace(string(b), `exempt_connectors = ["root", "svc"]`, `exempt_connectors = ["root", "slurm", "svc"]`, 1))
 			os.WriteFile(p, b, 0o644)
-			if uw.ReadPid(AgentPidFile(tb, n.Name)) != 0 {
+			if control.ReadPid(AgentPidFile(tb, n.Name)) != 0 {
 				if s, err := signalReload(n.Name); err != nil || s.LastReloadError != "" {
 					fmt.Fprintln(os.Stderr, "reload with slurm exempt:", n.Name, err, s)
 					return 1
@@ -164,12 +165,9 @@ func setupAndRun(m *testing.M) int {
 			p := tb.ConfigPath(n.Name)
 			b, _ := os.ReadFile(p)
 			os.WriteFile(p, []byte(strings.Replace(string(b), "[agent]\n", "[agent]\ntc_attach = \""+mode+"\"\n", 1)), 0o644)
-			pidFile := AgentPidFile(tb, n.Name)
-			if pid := uw.ReadPid(pidFile); pid != 0 {
-				syscall.Kill(pid, syscall.SIGTERM)
-				for i := 0; i < 100 && uw.ReadPid(pidFile) != 0; i++ {
-					time.Sleep(50 * time.Millisecond)
-				}
+			if err := TermAgent(tb, n.Name); err != nil {
+				fmt.Fprintln(os.Stderr, "restart with tc_attach:", err)
+				return 1
 			}
 			if err := StartAgent(context.Background(), tb, n); err != nil {
 				fmt.Fprintln(os.Stderr, "restart with tc_attach:", err)
@@ -392,7 +390,7 @@ func TestCrossNode(t *testing.T) {
 // events returns the node's denial events so far.
 func events(t *testing.T, node string) []uw.Event {
 	t.Helper()
-	c, err := (&uw.AgentOptions{ConfigPath: tb.ConfigPath(node)}).LoadConfig()
+	c, err := (&control.Options{ConfigPath: tb.ConfigPath(node)}).LoadConfig()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -449,7 +447,7 @@ func TestEventsAndMetrics(t *testing.T) {
 	}
 }
 
-func status(t *testing.T, node string) *uw.Status {
+func status(t *testing.T, node string) *control.Status {
 	t.Helper()
 	n, _ := tb.Node(node)
 	// Exit status 1 means warnings (e.g. no bpf LSM here), 2 not enforcing:
@@ -458,7 +456,7 @@ func status(t *testing.T, node string) *uw.Status {
 	if ee, ok := err.(*exec.ExitError); err != nil && !(ok && (ee.ExitCode() == 1 || ee.ExitCode() == 2)) {
 		t.Fatalf("status: %v: %s", err, out)
 	}
-	var s uw.Status
+	var s control.Status
 	if err := json.Unmarshal(out, &s); err != nil {
 		t.Fatalf("status: %v: %s", err, out)
 	}
@@ -556,17 +554,13 @@ func TestRestartWithoutGap(t *testing.T) {
 	}
 	time.Sleep(500 * time.Millisecond)
 	pidFile := AgentPidFile(tb, "node1")
-	pid := uw.ReadPid(pidFile)
+	pid := control.ReadPid(pidFile)
 	if pid == 0 {
 		t.Fatal("node1 agent not running")
 	}
 	before := status(t, "node1")
-	syscall.Kill(pid, syscall.SIGTERM)
-	for i := 0; i < 100 && uw.ReadPid(pidFile) != 0; i++ {
-		time.Sleep(20 * time.Millisecond)
-	}
-	if uw.ReadPid(pidFile) != 0 {
-		t.Fatal("agent did not stop")
+	if err := TermAgent(tb, "node1"); err != nil {
+		t.Fatal(err)
 	}
 	down := status(t, "node1")
 	if down.Mode != "userwall" || down.AgentPID != 0 || len(down.Links) != len(before.Links) {
@@ -837,7 +831,7 @@ func TestCollectStale(t *testing.T) {
 	// lines are the host's normal Tracing/LSM probe answers, not the
 	// cause). The bound only guards against a hang.
 	var cookie string
-	for deadline := time.Now().Add(3 * time.Minute); uw.ReadPid(filepath.Join(dir, "agent.pid")) == 0; time.Sleep(50 * time.Millisecond) {
+	for deadline := time.Now().Add(3 * time.Minute); control.ReadPid(filepath.Join(dir, "agent.pid")) == 0; time.Sleep(50 * time.Millisecond) {
 		select {
 		case err := <-exited:
 			t.Fatalf("scratch agent exited before it enforced: %v\n%s", err, agentLog.String())
@@ -850,7 +844,7 @@ func TestCollectStale(t *testing.T) {
 		}
 	}
 	out, err := exec.Command("nsenter", "--net=/run/netns/"+ns, "--", tb.Binary, "status", "--json", "--config", cfg).Output()
-	var s uw.Status
+	var s control.Status
 	if ee, ok := err.(*exec.ExitError); ok && ee.ExitCode() == 1 {
 		err = nil // warnings
 	}

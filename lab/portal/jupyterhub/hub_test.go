@@ -24,6 +24,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	uw "github.com/palisade-hpc/palisade/internal/dataplane/userwall"
+	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
 	uwlab "github.com/palisade-hpc/palisade/lab/modes/userwall"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
@@ -483,7 +484,7 @@ except OSError as e:
 // reaching listener at port from address src.
 func refusedEvent(t *testing.T, node, connector, listener string, port int, src string) {
 	t.Helper()
-	c, err := (&uw.AgentOptions{ConfigPath: tb.ConfigPath(node)}).LoadConfig()
+	c, err := (&control.Options{ConfigPath: tb.ConfigPath(node)}).LoadConfig()
 	if err != nil {
 		t.Fatal(err)
 	}

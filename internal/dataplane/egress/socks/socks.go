@@ -18,7 +18,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/palisade-hpc/palisade/internal/dataplane/egress/relay"
+	"github.com/palisade-hpc/palisade/internal/sys/relay"
 )
 
 // Server relays SOCKS5 requests through Dial.

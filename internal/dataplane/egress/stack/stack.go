@@ -17,7 +17,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/palisade-hpc/palisade/internal/dataplane/egress/relay"
+	"github.com/palisade-hpc/palisade/internal/sys/relay"
 
 	"golang.zx2c4.com/wireguard/tun"
 	"gvisor.dev/gvisor/pkg/buffer"

@@ -1,11 +1,9 @@
 package kernel
 
 import (
-	"errors"
 	"fmt"
 	"time"
 
-	"github.com/cilium/ebpf"
 	"github.com/palisade-hpc/palisade/internal/policy"
 )
 
@@ -33,31 +31,11 @@ func (d *Dataplane) WriteGrants(gs []policy.Grant) error {
 			v.S[i].Group = 1
 		}
 	}
-	m := d.Map("grants")
-	var errs []error
-	var k uwbpfUwGrantKey
-	var v uwbpfUwGrants
-	var stale []uwbpfUwGrantKey
-	it := m.Iterate()
-	for it.Next(&k, &v) {
-		if _, ok := want[k]; !ok {
-			stale = append(stale, k)
-		}
-	}
-	if err := it.Err(); err != nil {
-		errs = append(errs, err)
-	}
+	vals := make(map[uwbpfUwGrantKey]uwbpfUwGrants, len(want))
 	for k, v := range want {
-		if err := m.Update(k, v, ebpf.UpdateAny); err != nil {
-			errs = append(errs, err)
-		}
+		vals[k] = *v
 	}
-	for _, k := range stale {
-		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			errs = append(errs, err)
-		}
-	}
-	return errors.Join(errs...)
+	return syncMap(d.Map("grants"), vals)
 }
 
 // ReadGrants returns the grants in the kernel's map.

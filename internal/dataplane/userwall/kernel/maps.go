@@ -27,31 +27,78 @@ func lpmKey(p netip.Prefix) uwbpfUwLpmKey {
 	return uwbpfUwLpmKey{Prefixlen: uint32(bits), Addr: a.As16()}
 }
 
-// syncSet makes the keys of m exactly want (value 1). New keys are added
-// before stale ones are removed, so a reload never opens a gap.
-func syncSet[K comparable](m *ebpf.Map, want map[K]bool) error {
-	one := uint8(1)
+// syncMap makes m hold exactly want: new and changed entries are written
+// before stale ones are deleted, so a reload never opens a gap; entries
+// already right are not written again. The one writer of the agent's hash
+// maps (sets, site masks, grants).
+func syncMap[K, V comparable](m *ebpf.Map, want map[K]V) error {
 	var errs []error
-	for k := range want {
-		if err := m.Update(k, one, ebpf.UpdateAny); err != nil {
+	var k K
+	var v V
+	var stale []K
+	same := map[K]struct{}{}
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		if w, ok := want[k]; !ok {
+			stale = append(stale, k)
+		} else if w == v {
+			same[k] = struct{}{}
+		}
+	}
+	if err := it.Err(); err != nil {
+		errs = append(errs, fmt.Errorf("%s: %w", m.String(), err))
+	}
+	for k, v := range want {
+		if _, ok := same[k]; ok {
+			continue
+		}
+		if err := m.Update(k, v, ebpf.UpdateAny); err != nil {
 			errs = append(errs, fmt.Errorf("%s: %w", m.String(), err))
 		}
 	}
-	var k K
-	var stale []K
-	var v uint8
+	for _, k := range stale {
+		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			errs = append(errs, fmt.Errorf("%s: %w", m.String(), err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// syncSet makes the keys of m exactly want (value 1; syncMap).
+func syncSet[K comparable](m *ebpf.Map, want map[K]bool) error {
+	vals := make(map[K]uint8, len(want))
+	for k := range want {
+		vals[k] = 1
+	}
+	return syncMap(m, vals)
+}
+
+// syncIndexed makes the array map m hold want at its indices and zero at
+// every other index that is not zero already (interface tables: ifaces,
+// if_mtu). Indices out of the array's range are refused by the caller.
+func syncIndexed[V uint8 | uint32](m *ebpf.Map, want map[uint32]V) error {
+	var errs []error
+	var k uint32
+	var v V
+	var stale []uint32
 	it := m.Iterate()
 	for it.Next(&k, &v) {
-		if !want[k] {
+		if _, ok := want[k]; v != 0 && !ok {
 			stale = append(stale, k)
 		}
 	}
 	if err := it.Err(); err != nil {
-		errs = append(errs, err)
+		errs = append(errs, fmt.Errorf("%s: %w", m.String(), err))
 	}
+	for k, v := range want {
+		if err := m.Update(k, v, ebpf.UpdateAny); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", m.String(), err))
+		}
+	}
+	var zero V
 	for _, k := range stale {
-		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			errs = append(errs, err)
+		if err := m.Update(k, zero, ebpf.UpdateAny); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", m.String(), err))
 		}
 	}
 	return errors.Join(errs...)
@@ -188,32 +235,15 @@ func (d *Dataplane) SetKeys(keys []Key) error {
 func (d *Dataplane) SetInterfaces(l2 map[int]int) error {
 	m := d.Map("ifaces")
 	var errs []error
-	var k uint32
-	var v uint8
-	var stale []uint32
-	it := m.Iterate()
-	for it.Next(&k, &v) {
-		if v != 0 {
-			if _, ok := l2[int(k)]; !ok {
-				stale = append(stale, k)
-			}
-		}
-	}
+	want := map[uint32]uint8{}
 	for idx, n := range l2 {
 		if idx <= 0 || idx >= int(m.MaxEntries()) || n < 0 || n > 64 {
 			errs = append(errs, fmt.Errorf("interface index %d (L2 header %d) cannot be managed", idx, n))
 			continue
 		}
-		if err := m.Update(uint32(idx), uint8(n+1), ebpf.UpdateAny); err != nil {
-			errs = append(errs, err)
-		}
+		want[uint32(idx)] = uint8(n + 1)
 	}
-	for _, k := range stale {
-		if err := m.Update(k, uint8(0), ebpf.UpdateAny); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	return errors.Join(errs...)
+	return errors.Join(append(errs, syncIndexed(m, want))...)
 }
 
 // SetLocalAddrs makes the local-address trie exactly addrs plus the
@@ -266,29 +296,15 @@ func (d *Dataplane) SetNodeAddrs(addrs []netip.Addr) error {
 func (d *Dataplane) SetInterfaceMTUs(mtu map[int]int) error {
 	m := d.Map("if_mtu")
 	var errs []error
-	var k, v uint32
-	var stale []uint32
-	it := m.Iterate()
-	for it.Next(&k, &v) {
-		if _, ok := mtu[int(k)]; v != 0 && !ok {
-			stale = append(stale, k)
-		}
-	}
+	want := map[uint32]uint32{}
 	for idx, n := range mtu {
 		if idx <= 0 || idx >= int(m.MaxEntries()) || n < 0 {
 			errs = append(errs, fmt.Errorf("interface index %d (MTU %d) cannot be managed", idx, n))
 			continue
 		}
-		if err := m.Update(uint32(idx), uint32(n), ebpf.UpdateAny); err != nil {
-			errs = append(errs, err)
-		}
+		want[uint32(idx)] = uint32(n)
 	}
-	for _, k := range stale {
-		if err := m.Update(k, uint32(0), ebpf.UpdateAny); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	return errors.Join(errs...)
+	return errors.Join(append(errs, syncIndexed(m, want))...)
 }
 
 // SetBroadcasts makes the IPv4 broadcast addresses of the node's

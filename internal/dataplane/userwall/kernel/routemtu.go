@@ -138,3 +138,16 @@ func SyncRouteMTU(cluster []netip.Prefix, l2 map[int]int, restore bool) ([]Route
 	}
 	return changed, errors.Join(errs...)
 }
+
+// L2HeaderLen is the length of the link-layer header the tc programs see.
+func L2HeaderLen(encap string) (int, bool) {
+	switch encap {
+	case "ether", "loopback":
+		return 14, true
+	case "none": // tun, wireguard: the IP header comes first
+		return 0, true
+	case "infiniband": // IPoIB: a 4-byte header (protocol, reserved)
+		return 4, true
+	}
+	return 0, false
+}

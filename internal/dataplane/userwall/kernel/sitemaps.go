@@ -295,8 +295,8 @@ func (d *Dataplane) applySite(p *policy.Policy) error {
 	for k := uwbpfUwSiteMask(0); k < uwbpfUwSiteMaskSM_MAX; k++ {
 		errs = append(errs, d.Map("site_masks").Update(uint32(k), t.fixed[k], ebpf.UpdateAny))
 	}
-	errs = append(errs, syncMasks(d.Map("site_cgid"), t.cgid), syncMasks(d.Map("site_lgid"), t.lgid),
-		syncMasks(d.Map("site_src"), t.src))
+	errs = append(errs, syncMap(d.Map("site_cgid"), t.cgid), syncMap(d.Map("site_lgid"), t.lgid),
+		syncMap(d.Map("site_src"), t.src))
 	cm := d.Map("site_port_mask")
 	for c, m := range t.classMask {
 		errs = append(errs, cm.Update(uint32(c), m, ebpf.UpdateAny))
@@ -332,44 +332,8 @@ func (d *Dataplane) setSiteMembers(m identity.Membership) error {
 // syncSiteUIDs writes the per-uid masks (siteMu held).
 func (d *Dataplane) syncSiteUIDs() error {
 	t := d.site.tables
-	return errors.Join(syncMasks(d.Map("site_cuid"), t.uidMasks(0, d.site.members)),
-		syncMasks(d.Map("site_luid"), t.uidMasks(1, d.site.members)))
-}
-
-// syncMasks makes m hold exactly want: changed entries written, then stale
-// ones deleted (a deleted entry is a rule set the key no longer matches).
-func syncMasks[K comparable](m *ebpf.Map, want map[K]siteMask) error {
-	var errs []error
-	var k K
-	var v siteMask
-	var stale []K
-	same := map[K]bool{}
-	it := m.Iterate()
-	for it.Next(&k, &v) {
-		w, ok := want[k]
-		if !ok {
-			stale = append(stale, k)
-		} else if w == v {
-			same[k] = true
-		}
-	}
-	if err := it.Err(); err != nil {
-		errs = append(errs, err)
-	}
-	for k, v := range want {
-		if same[k] {
-			continue
-		}
-		if err := m.Update(k, v, ebpf.UpdateAny); err != nil {
-			errs = append(errs, fmt.Errorf("%s: %w", m.String(), err))
-		}
-	}
-	for _, k := range stale {
-		if err := m.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			errs = append(errs, err)
-		}
-	}
-	return errors.Join(errs...)
+	return errors.Join(syncMap(d.Map("site_cuid"), t.uidMasks(0, d.site.members)),
+		syncMap(d.Map("site_luid"), t.uidMasks(1, d.site.members)))
 }
 
 // writePortClasses writes the port → class array, in one batch when the

@@ -6,6 +6,8 @@ import (
 	"testing"
 
 	"github.com/palisade-hpc/palisade/internal/config"
+	"github.com/palisade-hpc/palisade/internal/dataplane/uvn/uvnconfig"
+	"github.com/palisade-hpc/palisade/internal/policy"
 )
 
 // parseUVN runs the whole loader: [uvn] is one section of the file.
@@ -92,4 +94,32 @@ func prefixes(n int) string {
 		ps = append(ps, fmt.Sprintf("%q", fmt.Sprintf("198.18.%d.0/24", i)))
 	}
 	return strings.Join(ps, ", ")
+}
+
+// TestSiteNotesCallers: a deny rule from one of Slurm's accounts or an
+// exempt account above min_uid on SrunPortRange is warned about (uvn
+// cannot see who calls back), as one from root is; a user's is not.
+func TestSiteNotesCallers(t *testing.T) {
+	srun := policy.PortRange{First: 62900, Last: 62999}
+	rule := func(uid uint32) *policy.Policy {
+		return &policy.Policy{SystemPortMax: 1023, Rules: []policy.SiteRule{{Name: "r", From: []uint32{uid}, Ports: []policy.PortRange{{First: 62990, Last: 62999}}}}}
+	}
+	for _, c := range []struct {
+		uid     uint32
+		callers []uint32
+		warned  bool
+	}{
+		{0, nil, true},                 // root: below min_uid
+		{64030, []uint32{64030}, true}, // Debian's slurm, above min_uid
+		{64030, nil, false},            // not a caller
+		{2001, []uint32{64030}, false}, // a user
+	} {
+		warned := false
+		for _, n := range uvnconfig.SiteNotes(rule(c.uid), 1000, srun, c.callers) {
+			warned = warned || strings.Contains(n.Msg, "Slurm's callbacks")
+		}
+		if warned != c.warned {
+			t.Errorf("from uid %d, callers %v: warned %v, want %v", c.uid, c.callers, warned, c.warned)
+		}
+	}
 }

@@ -14,8 +14,11 @@ type SiteNote struct {
 }
 
 // SiteNotes lists the site rules uvn cannot enforce as written, and why
-// (docs/policy.md, "Enforcement"). srun is SrunPortRange (zero: unknown).
-func SiteNotes(p *policy.Policy, minUID int64, srun policy.PortRange) []SiteNote {
+// (docs/policy.md, "Enforcement"). srun is SrunPortRange (zero: unknown);
+// callers are the accounts that may call back into it besides root and
+// those below minUID: Slurm's (SlurmUser, SlurmdUser) and [uvn]
+// exempt_users, whose uids may be above min_uid (Debian's slurm: 64030).
+func SiteNotes(p *policy.Policy, minUID int64, srun policy.PortRange, callers []uint32) []SiteNote {
 	var out []SiteNote
 	for i := range p.Rules {
 		r := &p.Rules[i]
@@ -27,7 +30,7 @@ func SiteNotes(p *policy.Policy, minUID int64, srun policy.PortRange) []SiteNote
 			out = append(out, SiteNote{i, "uvn: to = \"@group\" matches the listener's user's membership of the group, not the socket's gid " +
 				"(nftables' input hook does not see the receiving socket)"})
 		}
-		system := len(r.FromGroups) > 0 || slices.ContainsFunc(r.From, func(u uint32) bool { return int64(u) < minUID })
+		system := len(r.FromGroups) > 0 || slices.ContainsFunc(r.From, func(u uint32) bool { return int64(u) < minUID || slices.Contains(callers, u) })
 		overlaps := len(r.Ports) == 0 || srun == (policy.PortRange{}) || slices.ContainsFunc(r.Ports, srun.Overlaps)
 		if !r.Allow && system && overlaps {
 			out = append(out, SiteNote{i, "uvn: Slurm's callbacks into SrunPortRange carry no identity uvn can see: this rule's from " +

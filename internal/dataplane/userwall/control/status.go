@@ -1,82 +1,16 @@
-package userwall
+package control
 
 import (
-	"errors"
 	"fmt"
-	"net/netip"
 	"os"
 	"path/filepath"
-	"syscall"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
-	"github.com/palisade-hpc/palisade/internal/sys/nldump"
-	"github.com/vishvananda/netlink"
 )
-
-// Uninstall stops the namespace's running agent (if any) and removes every
-// program, link, map and nft table it made.
-func Uninstall(o AgentOptions) error {
-	cfg, err := o.LoadConfig()
-	bpffsDir, pidFile := "/sys/fs/bpf", ""
-	if err == nil {
-		bpffsDir, pidFile = cfg.Agent.BPFFS, cfg.Agent.PidFile
-	} else if o.PidFile != "" {
-		pidFile = o.PidFile
-	}
-	fs, fsOK := kernel.FindBPFFS(bpffsDir, 0)
-	if pidFile != "" {
-		if pid := ReadPid(pidFile); pid != 0 && pid != os.Getpid() {
-			if !fsOK {
-				fs, fsOK = kernel.FindBPFFS(bpffsDir, pid)
-			}
-			syscall.Kill(pid, syscall.SIGTERM)
-			for i := 0; i < 100 && ReadPid(pidFile) == pid; i++ {
-				time.Sleep(50 * time.Millisecond)
-			}
-			if ReadPid(pidFile) == pid {
-				syscall.Kill(pid, syscall.SIGKILL)
-				time.Sleep(100 * time.Millisecond)
-			}
-			os.Remove(pidFile)
-		}
-		os.Remove(pidFile + ".lock")
-		removeState(pidFile)
-	}
-	cookie, err := kernel.NetnsCookie()
-	if err != nil {
-		return err
-	}
-	var errs []error
-	if fsOK {
-		errs = append(errs, kernel.RemovePins(kernel.PinDir(fs, cookie)))
-		kernel.CollectStale(fs)
-	}
-	errs = append(errs, kernel.RemoveTCFilters())
-	errs = append(errs, kernel.RemoveNft())
-	if cfg != nil {
-		errs = append(errs, restoreRouteMTU(cfg.Policy.ClusterSubnets))
-	}
-	return errors.Join(errs...)
-}
-
-// restoreRouteMTU removes the MTU the agent gave the routes to stamped
-// destinations (SyncRouteMTU), on every device it could have managed.
-func restoreRouteMTU(cluster []netip.Prefix) error {
-	links, err := nldump.Retry(netlink.LinkList)
-	if err != nil {
-		return err
-	}
-	l2 := map[int]int{}
-	for _, l := range links {
-		if n, ok := l2HeaderLen(l.Attrs().EncapType); ok {
-			l2[l.Attrs().Index] = n
-		}
-	}
-	_, err = kernel.SyncRouteMTU(cluster, l2, true)
-	return err
-}
 
 // Status is what `palisade status` reports for this network namespace.
 type Status struct {
@@ -115,12 +49,10 @@ type Status struct {
 	Headline string `json:"summary"`
 }
 
-// GetStatus inspects the pins of the caller's namespace.
-func GetStatus(o AgentOptions) (*Status, error) { return getStatus(o, true) }
-
-// getStatus is GetStatus; probe runs the kernel feature probe (root only;
-// it loads programs, so the agent's status report leaves it out).
-func getStatus(o AgentOptions, probe bool) (*Status, error) {
+// GetStatus inspects the pins of the caller's namespace and what its
+// running agent reports. probe runs the kernel feature probe (root only; it
+// loads programs, so the agent's own status report leaves it out).
+func GetStatus(o Options, probe bool) (*Status, error) {
 	cfg, cfgErr := o.LoadConfig()
 	if cfgErr != nil {
 		// Still report what is in force, from the default locations.
@@ -231,4 +163,62 @@ func (s *Status) Summary() string {
 		return fmt.Sprintf("%s, WARNING: %s%s", state, s.Warnings[0], more(len(s.Warnings)-1))
 	}
 	return state + ", no warnings"
+}
+
+// addAgentState completes a status with what the running agent reports:
+// version, configuration identity, reloads, audit mode, findings. For a
+// user who may not read the pinned objects (bpffs is root's), the agent's
+// state file is the only source: without it the mode is "unknown", never
+// "none" (which would tell a user on an enforcing node that it is open).
+func (s *Status) addAgentState(cfg *config.Config, cfgOK bool) {
+	st, err := ReadState(cfg.Agent.PidFile)
+	live := err == nil && s.AgentPID != 0 && st.PID == s.AgentPID
+	// A user may not read the pinned objects; root in another mount
+	// namespace (`ip netns exec` mounts a fresh sysfs) does not see them.
+	// Either way the running agent knows: never report "none" for it.
+	if s.Mode != "userwall" && (os.Geteuid() != 0 || live) {
+		s.Source, s.Mode, s.Nft, s.Counters, s.Warnings = "agent", "unknown", false, nil, nil
+		if !cfgOK {
+			s.Warnings = append(s.Warnings, "configuration "+cfg.Path+" invalid (a reload would be refused)")
+		}
+		if !live {
+			s.Warnings = append(s.Warnings, "not root: the kernel's programs are not readable, and no running agent reports its state; run as root to know")
+			return
+		}
+		s.Mode, s.Enabled, s.UnixLSM = "userwall", true, st.UnixLSM
+		if !st.UnixLSM {
+			s.Warnings = append(s.Warnings, "abstract Unix sockets are NOT isolated (the agent could not attach its BPF LSM programs)")
+		}
+	}
+	if !live {
+		return
+	}
+	s.Agent = st
+	if s.Source == "agent" {
+		s.Audit = st.Audit
+		if s.Audit {
+			s.Warnings = append(s.Warnings, "audit mode: refusals are reported, NOT enforced")
+		}
+	}
+	if len(st.UnenforcedNodes) > 0 {
+		s.Warnings = append(s.Warnings, fmt.Sprintf("staged rollout: identity-less traffic from %s is admitted (rule unverified)", strings.Join(st.UnenforcedNodes, ", ")))
+	}
+	if st.LastReloadError != "" {
+		s.Warnings = append(s.Warnings, fmt.Sprintf("the last reload (%s) was refused: %s", st.LastReload.Format(time.RFC3339), st.LastReloadError))
+	}
+	if cfgOK && cfg.Path == st.Config && cfg.SHA256 != st.ConfigSHA {
+		s.Warnings = append(s.Warnings, fmt.Sprintf("%s changed since the agent applied it (running sha256 %.12s, file %.12s): reload to apply", cfg.Path, st.ConfigSHA, cfg.SHA256))
+	}
+	for _, f := range st.Findings {
+		if f.Level == config.Problem.String() {
+			// The key finding says what root's status already says.
+			if f.Key == "cluster.key_file" && slices.ContainsFunc(s.Errors, func(e string) bool { return strings.HasPrefix(e, "no usable cluster key") }) {
+				continue
+			}
+			s.Errors = append(s.Errors, "configuration: "+f.String(st.Config))
+			continue
+		}
+		s.Warnings = append(s.Warnings, "configuration warning: "+f.String(st.Config))
+	}
+	s.Warnings = append(s.Warnings, st.Notes...)
 }

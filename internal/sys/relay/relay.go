@@ -1,6 +1,6 @@
-// Package relay joins two byte streams, for the egress paths that terminate
-// a connection on one side and re-open it on the other (the SOCKS5 server,
-// the gVisor stacks).
+// Package relay joins two byte streams: the one relay of the paths that
+// terminate a connection on one side and re-open it on the other (egress's
+// SOCKS5 server and gVisor stacks, the portal's delegated connections).
 package relay
 
 import (
