@@ -443,3 +443,113 @@ func TestGuardReplacementAdopt(t *testing.T) {
 		return nil
 	})
 }
+
+// TestGuardStrayLocalDelivery: two users' stray processes on one node do
+// not meet through deliveries the sender's egress check cannot see
+// (review s9 M1): a broadcast to 127.255.255.255 (delivered to every
+// wildcard socket of the port) and a datagram to the node's address for a
+// socket bound to a default device (looked up on that device, not lo).
+// The receiver's ingress finds the sender by the reversed tuple. Controls:
+// alice's own stray socket and root's, the same ways.
+func TestGuardStrayLocalDelivery(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root")
+	}
+	const alice, bob = 4001, 5000
+	guardKernTestbed(t, "glocal", func(fi int, attach func(), inPeer func(func() error)) error {
+		attach()
+		udp := func(uid int, setup func(fd int) error) int {
+			var fd int
+			var err error
+			asUID(uid, func() {
+				if fd, err = unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0); err == nil && setup != nil {
+					err = setup(fd)
+				}
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { unix.Close(fd) })
+			return fd
+		}
+		reuse := func(fd int) error { return unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1) }
+		// alice's stray sockets: on 0.0.0.0:29420, and bound to paltest0
+		// (a default device) on 29430.
+		wild := udp(alice, func(fd int) error {
+			if err := reuse(fd); err != nil {
+				return err
+			}
+			return unix.Bind(fd, &unix.SockaddrInet4{Port: 29420})
+		})
+		dev := udp(alice, func(fd int) error {
+			if err := unix.BindToDevice(fd, "paltest0"); err != nil {
+				return err
+			}
+			return unix.Bind(fd, &unix.SockaddrInet4{Port: 29430})
+		})
+		got := func(fd int, want bool) string {
+			wait := 500 * time.Millisecond
+			if want {
+				wait = 10 * time.Second
+			}
+			tv := unix.NsecToTimeval(int64(wait))
+			unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
+			b := make([]byte, 32)
+			n, _, err := unix.Recvfrom(fd, b, 0)
+			if err != nil {
+				return ""
+			}
+			return string(b[:n])
+		}
+		bcast := [4]byte{127, 255, 255, 255}
+		node := [4]byte{198, 18, 5, 1}
+		broadcaster := func(uid int, bindPort int) int {
+			return udp(uid, func(fd int) error {
+				if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_BROADCAST, 1); err != nil {
+					return err
+				}
+				if bindPort == 0 {
+					return nil
+				}
+				if err := reuse(fd); err != nil {
+					return err
+				}
+				return unix.Bind(fd, &unix.SockaddrInet4{Port: bindPort, Addr: bcast})
+			})
+		}
+		// Sockets are made as each step runs: bob's socket bound to
+		// 127.255.255.255:29420 would be the receiver the egress check
+		// finds for everyone's broadcast after it.
+		for _, c := range []struct {
+			name string
+			fd   func() int
+			to   [4]byte
+			port int
+			recv int
+			want bool
+		}{
+			{"control: alice's own broadcast", func() int { return broadcaster(alice, 0) }, bcast, 29420, wild, true},
+			{"control: root's broadcast", func() int { return broadcaster(0, 0) }, bcast, 29420, wild, true},
+			{"bob's broadcast from an ephemeral port", func() int { return broadcaster(bob, 0) }, bcast, 29420, wild, false},
+			{"bob's broadcast from 127.255.255.255:29420", func() int { return broadcaster(bob, 29420) }, bcast, 29420, wild, false},
+			{"control: alice's own datagram to her device-bound socket", func() int { return udp(alice, nil) }, node, 29430, dev, true},
+			{"control: root's", func() int { return udp(0, nil) }, node, 29430, dev, true},
+			{"bob's datagram to the node's address, for a socket bound to paltest0", func() int { return udp(bob, nil) }, node, 29430, dev, false},
+			{"bob's, from a socket bound to paltest0 too", func() int {
+				return udp(bob, func(fd int) error { return unix.BindToDevice(fd, "paltest0") })
+			}, node, 29430, dev, false},
+		} {
+			msg := "pal-" + strconv.Itoa(c.port)
+			if err := unix.Sendto(c.fd(), []byte(msg), 0, &unix.SockaddrInet4{Port: c.port, Addr: c.to}); err != nil {
+				if c.want {
+					t.Errorf("%s: sendto: %v", c.name, err)
+				}
+				continue
+			}
+			if r := got(c.recv, c.want); (r == msg) != c.want {
+				t.Errorf("%s: alice's stray socket got %q, want delivered %v", c.name, r, c.want)
+			}
+		}
+		return nil
+	})
+}

@@ -56,7 +56,7 @@ func UVNCases() []*Case {
 	add(uvnBroadcast(Attacker), uvnBroadcast(strayBob))
 	add(uvnSrunPort("nat-source", Attacker), uvnSrunPort("stray", strayBob))
 	add(uvnOffCluster(), uvnInjection())
-	add(uvnMPTCP(), uvnNATMark(), uvnSrunLinger())
+	add(uvnMPTCP(), uvnNATMark(), uvnSrunLinger(), uvnStrayLocalDelivery("broadcast"), uvnStrayLocalDelivery("device-bound"))
 	return cs
 }
 
@@ -777,6 +777,43 @@ func uvnSrunLinger() *Case {
 				return fmt.Errorf("alice's binds: %v", err)
 			}
 			r.Judged(false, e.A.Name, Attacker, fmt.Sprintf("bob holds %d ports of %d-%d open (%s); alice's binds there refused", held, last-9, last, hline), held > 0 && eperm == held, "alice: "+line)
+			return nil
+		}}
+}
+
+// uvnStrayLocalDelivery: two users' stray processes on one node meeting
+// where the sender's egress check cannot see the receiver (review s9 M1):
+// a broadcast to 127.255.255.255 (every wildcard socket of the port gets
+// it) and a datagram to the node's address for a socket bound to eth0
+// (looked up on eth0, not lo). Control: alice's own stray process.
+func uvnStrayLocalDelivery(kind string) *Case {
+	return &Case{Name: "uvn-stray-local-" + kind, Class: "stray",
+		Why: map[string]string{
+			"broadcast":    "bob's stray process broadcasts to 127.255.255.255 on the port of alice's stray socket: a broadcast goes to every wildcard socket of the port, which the sender's check (one receiving socket) did not see",
+			"device-bound": "alice's stray socket is bound to eth0: local delivery looks it up on eth0, so the sender's check (device lo) did not find it and bob's stray datagram to A's address reached it",
+		}[kind],
+		Run: func(e *Env, r *Run) error {
+			sink := Sock{Proto: "udp", Family: 4, Bind: ap(wild(4), e.Port), ReuseAddr: true}
+			dst := ap(netip.MustParseAddr("127.255.255.255"), e.Port)
+			atk := ActSpec{Sock: Sock{Proto: "udp", Family: 4, Broadcast: true, ReuseAddr: true, Bind: dst}, Dst: dst}
+			ctl := ActSpec{Sock: Sock{Proto: "udp", Family: 4, Broadcast: true}, Dst: dst}
+			if kind == "device-bound" {
+				sink = Sock{Proto: "udp", Family: 4, Bind: ap(wild(4), e.Port), Device: "eth0"}
+				dst = ap(e.A.Eth0V4, e.Port)
+				atk = ActSpec{Sock: sock("udp", 4), Dst: dst}
+				ctl = atk
+			}
+			s, err := e.Sink(r, e.A.Name, strayAlice, SinkSpec{Sock: sink})
+			if err != nil {
+				return err
+			}
+			r.Control(e, s, e.A.Name, strayAlice, "alice's own stray process udp → "+dst, ctl)
+			r.Attack(e, s, e.A.Name, strayBob, "bob's stray process udp → "+dst, atk)
+			if kind == "device-bound" {
+				bound := atk
+				bound.Sock.Device = "eth0"
+				r.Attack(e, s, e.A.Name, strayBob, "bob's stray process, bound to eth0 too, udp → "+dst, bound)
+			}
 			return nil
 		}}
 }

@@ -407,6 +407,83 @@ static __always_inline int to_other_stray(struct __sk_buff *skb, __u32 uid)
 	return other;
 }
 
+/* Whether a packet delivered within the node (through lo) to a user's
+ * socket outside any VRF (a TCP listener, an unconnected UDP socket) may
+ * be from another user: judged at the receiver, because the sender's
+ * egress check finds one receiving socket with device lo and misses a
+ * broadcast's (every wildcard socket of the port gets it) and a receiver
+ * bound to a default device (local delivery looks sockets up on the
+ * device holding the address). The sender is found by the reversed
+ * tuple; it must be the receiver's owner's or a system account's socket.
+ * Not found (bound to a device, gone) or the receiver itself (an
+ * unconnected socket of the port: which sent is unknown): refused. */
+static __always_inline int from_other_local(struct __sk_buff *skb, struct bpf_sock *sk, __u32 uid)
+{
+	struct bpf_sock_tuple t = {};
+	struct guard_birth *pb;
+	struct bpf_sock *peer;
+	__u16 ports[2];
+	__u32 size;
+	__u8 proto;
+	int other = 1;
+
+	if (sk->protocol == IPPROTO_TCP) {
+		if (sk->state != BPF_TCP_LISTEN)
+			return 0; /* its own connection: its SYN was judged */
+	} else if (sk->protocol == IPPROTO_UDP) {
+		if (sk->dst_port)
+			return 0; /* connected: the kernel delivers only its peer's */
+	} else {
+		return 0;
+	}
+	/* The sender's view of the packet: its local end is the source. */
+	if (skb->protocol == bpf_htons(0x0800)) {
+		__u8 v[20];
+		__u32 off;
+
+		if (bpf_skb_load_bytes(skb, 0, v, sizeof(v)))
+			return 1;
+		proto = v[9];
+		off = (v[0] & 0xf) * 4;
+		__builtin_memcpy(&t.ipv4.daddr, &v[12], 4);
+		__builtin_memcpy(&t.ipv4.saddr, &v[16], 4);
+		if (bpf_skb_load_bytes(skb, off, ports, 4))
+			return 1;
+		t.ipv4.dport = ports[0];
+		t.ipv4.sport = ports[1];
+		size = sizeof(t.ipv4);
+	} else if (skb->protocol == bpf_htons(0x86dd)) {
+		__u8 a[32];
+
+		if (bpf_skb_load_bytes(skb, 6, &proto, 1) || bpf_skb_load_bytes(skb, 8, a, 32))
+			return 1;
+		__builtin_memcpy(t.ipv6.daddr, &a[0], 16);
+		__builtin_memcpy(t.ipv6.saddr, &a[16], 16);
+		if (bpf_skb_load_bytes(skb, 40, ports, 4))
+			return 1;
+		t.ipv6.dport = ports[0];
+		t.ipv6.sport = ports[1];
+		size = sizeof(t.ipv6);
+	} else {
+		return 1;
+	}
+	if (proto != sk->protocol)
+		return 1;
+	if (proto == IPPROTO_TCP)
+		peer = bpf_sk_lookup_tcp(skb, &t, size, BPF_F_CURRENT_NETNS, 0);
+	else
+		peer = bpf_sk_lookup_udp(skb, &t, size, BPF_F_CURRENT_NETNS, 0);
+	if (!peer)
+		return 1;
+	pb = bpf_sk_storage_get(&pal_uvn_birth, peer, 0, 0);
+	if (!pb && late_birth(peer) == LATE_RECORDED)
+		pb = bpf_sk_storage_get(&pal_uvn_birth, peer, 0, 0);
+	if (pb && peer != sk && (pb->uid == uid || system_uid(pb->uid)))
+		other = 0;
+	bpf_sk_release(peer);
+	return other;
+}
+
 /* The packet's source (src) or destination peer; 0 unless it is TCP, UDP or
  * UDP-Lite over IPv4, or over IPv6 without extension headers. */
 static __always_inline int peer_of(struct __sk_buff *skb, int src, struct guard_peer *p)
@@ -552,6 +629,12 @@ static __always_inline int skb_verdict(struct __sk_buff *skb, int egress)
 		__u32 uid = bpf_get_socket_uid(skb);
 
 		if (!system_uid(uid) && to_other_stray(skb, uid))
+			return GUARD_REFUSE;
+	}
+	if (!egress && cur == 0 && dev == LOOPBACK_IFINDEX) {
+		__u32 uid = bpf_get_socket_uid(skb);
+
+		if (!system_uid(uid) && from_other_local(skb, sk, uid))
 			return GUARD_REFUSE;
 	}
 	o = bpf_map_lookup_elem(&pal_uvn_devs, &dev);
