@@ -67,9 +67,12 @@ var rules = []rule{
 	// The lab: its foundations know no data plane and no mode.
 	{pkg: "lab/testbed", allow: []string{"internal/sys/..."}},
 	{pkg: "lab/probe", allow: []string{"internal/sys/..."}},
+	// The lab's applications (an embedded script), for the bench and the
+	// attack suite alike.
+	{pkg: "lab/h3"},
 	{pkg: "lab/check/craft"},
 	{pkg: "lab/check", allow: []string{"internal/...", "lab/probe", "lab/testbed"}, deny: []string{"internal/cli"}},
-	{pkg: "lab/check/attack", allow: []string{"internal/...", "lab/check/craft", "lab/modes/userwall", "lab/testbed"}, deny: []string{"internal/cli"}},
+	{pkg: "lab/check/attack", allow: []string{"internal/...", "lab/check/craft", "lab/h3", "lab/modes/userwall", "lab/testbed"}, deny: []string{"internal/cli"}},
 	{pkg: "lab/check/...", allow: []string{"internal/...", "lab/check/...", "lab/testbed", "lab/vm"}, deny: []string{"internal/cli"}},
 	{pkg: "lab/vm", allow: []string{"internal/...", "lab/testbed"}, deny: []string{"internal/cli"}},
 	// A plane's lab adapter uses its own plane only.

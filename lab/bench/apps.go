@@ -13,6 +13,7 @@ import (
 	"strings"
 
 	"github.com/palisade-hpc/palisade/internal/sys/procfs"
+	"github.com/palisade-hpc/palisade/lab/h3"
 )
 
 // The real-application suite (issue 25 item 3): unmodified applications
@@ -38,12 +39,6 @@ const (
 	appMPIAllreduc = "mpi-allreduce-np2"
 	appH3          = "http3-get"
 )
-
-//go:embed apps/h3bench.py
-var h3BenchScript []byte
-
-// quicPython is the Python with aioquic that .ci/deps installs.
-const quicPython = "/opt/pal-quic/bin/python"
 
 // postgresBin is the newest installed PostgreSQL server's bin directory.
 func postgresBin() (string, error) {
@@ -304,17 +299,17 @@ kill -INT $pid; wait $pid 2>/dev/null; exit 0`
 // h3 serves AppH3Bytes over HTTP/3 on srvNode and fetches it once from
 // client, emitting the transfer's throughput.
 func (s *session) h3(client, srvNode string, addr netip.Addr, work []string, runDir string) error {
-	if _, err := os.Stat(quicPython); err != nil {
-		return fmt.Errorf("%s: %w (run .ci/deps)", quicPython, err)
+	if _, err := os.Stat(h3.Python); err != nil {
+		return fmt.Errorf("%s: %w (run .ci/deps)", h3.Python, err)
 	}
-	script := filepath.Join(s.env.Dir, "bench", "h3bench.py")
-	if err := os.WriteFile(script, h3BenchScript, 0o644); err != nil {
+	script := filepath.Join(s.env.Dir, "bench", "h3.py")
+	if err := h3.Write(script); err != nil {
 		return err
 	}
 	port := strconv.Itoa(PortH3)
 	pidFile := filepath.Join(runDir, "h3.pid")
 	srv, err := s.startAs(srvNode, BenchUser, "sh", "-c", `echo $$ > "$1"; shift; exec "$@"`, "h3", pidFile,
-		quicPython, script, "server", addr.String(), port)
+		h3.Python, script, "server", addr.String(), port)
 	if err != nil {
 		return err
 	}
@@ -323,7 +318,7 @@ func (s *session) h3(client, srvNode string, addr netip.Addr, work []string, run
 	_, err = s.measure(unit{bench: SuiteApps, series: appH3, x: float64(s.plan.AppH3Bytes), opUnit: OpMiB, work: work},
 		func() (unitResult, error) {
 			cpu0 := pidFileCPU(pidFile)
-			out, cpu, err := s.runTimed(client, quicPython, script, "client", addr.String(), port, strconv.Itoa(s.plan.AppH3Bytes))
+			out, cpu, err := s.runTimed(client, h3.Python, script, "client", addr.String(), port, "size", strconv.Itoa(s.plan.AppH3Bytes))
 			if err != nil {
 				return unitResult{}, err
 			}

@@ -25,6 +25,7 @@ func checkCommand() *cobra.Command {
 		maxMismatches         int
 		timeout               time.Duration
 		attacks, verbose      bool
+		kernelDependent       bool
 		only                  string
 		actors                bool
 		repeat                int
@@ -84,7 +85,7 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 			if attacks {
 				ctx, stop := signal.NotifyContext(cmd.Context(), syscall.SIGINT, syscall.SIGTERM)
 				defer stop()
-				return runAttacks(ctx, tb, mode, only, actors, verbose, quiet)
+				return runAttacks(ctx, tb, mode, only, actors, kernelDependent, verbose, quiet)
 			}
 			if cmd.Flags().Changed("fuzz") || fuzzReplay != "" {
 				ctx, stop := signal.NotifyContext(cmd.Context(), syscall.SIGINT, syscall.SIGTERM)
@@ -163,6 +164,7 @@ and "N passed, M failed"; exits 1 on any mismatch. See docs/check.md.`,
 	f.StringVar(&unix, "unix", "auto", "abstract Unix socket cases: on, off, or auto (mode userwall where node1's agent enforces them)")
 	f.BoolVar(&attacks, "attacks", false, "run the attack suite of the testbed's mode (userwall; uvn in its VM): real attacks, each with a control; see docs/check.md")
 	f.StringVar(&only, "only", "", "with --attacks: run only the cases whose name contains one of these comma-separated strings")
+	f.BoolVar(&kernelDependent, "kernel-dependent", false, "with --attacks (userwall): run only the cases whose outcome can depend on the kernel version (lab/kernels runs these on the other kernels; docs/check.md)")
 	f.BoolVar(&verbose, "verbose", false, "with --attacks: print every case's rationale and steps, not only the failures'")
 	f.BoolVar(&actors, "actors", false, "with --attacks: run each user's steps in one long-lived process per node (uvn: a login per user, not per step)")
 	f.IntVar(&repeat, "repeat", 1, "run the matrix this many times; report every run's mismatches and the total (flakes show as mismatches in some runs)")

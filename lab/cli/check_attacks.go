@@ -14,7 +14,7 @@ import (
 // runAttacks is `palisade-lab check --attacks [--mode M]`: the attack suite of
 // the testbed's mode (userwall, or uvn inside its VM), a line per case and
 // "N passed, M failed" last.
-func runAttacks(ctx context.Context, tb *testbed.Testbed, mode, only string, actors, verbose, quiet bool) error {
+func runAttacks(ctx context.Context, tb *testbed.Testbed, mode, only string, actors, kernelDependent, verbose, quiet bool) error {
 	if mode == "" {
 		mode = tb.Mode
 	}
@@ -24,7 +24,7 @@ func runAttacks(ctx context.Context, tb *testbed.Testbed, mode, only string, act
 	if _, err := attack.CasesFor(mode); err != nil {
 		return err
 	}
-	opts := attack.Options{Mode: mode, Actors: actors}
+	opts := attack.Options{Mode: mode, Actors: actors, KernelDependent: kernelDependent}
 	if only != "" {
 		opts.Only = strings.Split(only, ",")
 	}

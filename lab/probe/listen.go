@@ -174,7 +174,11 @@ func (l *Listener) serveStream(tl net.Listener, port uint16, proto string) {
 		}
 		go func() {
 			defer c.Close()
-			c.SetDeadline(time.Now().Add(5 * time.Second))
+			// Longer than any connector waits for its reply (20 s under
+			// emulation, lab/check/run.go): a connector that got no CPU
+			// for seconds after its handshake must not find the
+			// connection closed (EOF, a reset) and report a refusal.
+			c.SetDeadline(time.Now().Add(time.Minute))
 			line, err := readLine(c)
 			if err != nil {
 				return

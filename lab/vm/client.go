@@ -26,6 +26,17 @@ func dialHub(dir string) (net.Conn, error) {
 	return c, nil
 }
 
+// Running reports whether a VM's hub answers in dir: it does once it holds
+// the machine's VM lock and has started qemu (the guest may still boot).
+func Running(dir string) bool {
+	c, err := dialHub(dir)
+	if err != nil {
+		return false
+	}
+	c.Close()
+	return true
+}
+
 // WaitReady blocks until the guest reports its testbed up (or failed).
 // timeout counts from when the hub took the machine's VM lock: the time
 // spent queued behind other guests (one at a time on the machine) is

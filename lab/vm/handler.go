@@ -144,7 +144,9 @@ func (Handler) Up(ctx context.Context, tb *testbed.Testbed, opts testbed.Options
 	if err := Start(ctx, dir, tb.LabBinary, a); err != nil {
 		return err
 	}
-	// Boot and guest testbed, after another guest's run (the VM lock).
+	// Boot and guest testbed, after other guests' runs (the VM lock): the
+	// timeout counts from when the hub takes the lock (WaitReady), so time
+	// queued behind other guests is not counted; ctx bounds the whole wait.
 	timeout := 30 * time.Minute
 	rd, err := WaitReady(ctx, dir, timeout)
 	if err != nil {

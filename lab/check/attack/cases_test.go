@@ -1,6 +1,7 @@
 package attack
 
 import (
+	"slices"
 	"strings"
 	"testing"
 )
@@ -34,4 +35,32 @@ func TestCaseSets(t *testing.T) {
 	if _, err := CasesFor("egress"); err == nil {
 		t.Error("CasesFor(egress): no error")
 	}
+}
+
+// TestKernelCases: every entry of the kernel-dependent selection names a
+// userwall case (a renamed case must not drop out of the kernels' run
+// unnoticed); the selection is a strict subset and holds the cases only a
+// VM can run (abstract Unix sockets: the bpf LSM; DCCP: gone from 6.16).
+func TestKernelCases(t *testing.T) {
+	cs := Cases()
+	n := 0
+	for _, c := range cs {
+		if KernelDependent(c.Name) {
+			n++
+		}
+	}
+	for _, e := range kernelDependent {
+		if !slices.ContainsFunc(cs, func(c *Case) bool { return selects(e, c.Name) }) {
+			t.Errorf("kernel-dependent entry %q names no userwall case", e)
+		}
+	}
+	for _, name := range []string{"abstract-unix-stream", "abstract-unix-dgram", "proto-dccp-cross-v4", "agent-sigkill-restart"} {
+		if !KernelDependent(name) {
+			t.Errorf("%s is not in the kernel-dependent selection", name)
+		}
+	}
+	if KernelDependent("portal-cross-user-cross") || KernelDependent("udp-size-1472") || n == 0 || n >= len(cs) {
+		t.Errorf("selection of %d of %d cases", n, len(cs))
+	}
+	t.Logf("%d of %d cases depend on the kernel", n, len(cs))
 }

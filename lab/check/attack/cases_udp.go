@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
+	"github.com/palisade-hpc/palisade/lab/h3"
 	uwlab "github.com/palisade-hpc/palisade/lab/modes/userwall"
 )
 
@@ -176,29 +177,29 @@ func iperfUDP(fam int) *Case {
 		}}
 }
 
-//go:embed testdata/h3.py
-var h3Script []byte
-
-// quicPython is the Python with aioquic (.ci/deps installs it there).
-const quicPython = "/opt/pal-quic/bin/python"
+// h3Datagram is the case's QUIC maximum datagram: the UDP payload of a
+// full 1,500-byte IPv4 packet.
+const h3Datagram = "1472"
 
 func http3(fam int) *Case {
 	return &Case{Name: fmt.Sprintf("http3-1472-cross-v%d", fam), Class: "legit-app",
 		Why: "HTTP/3 (aioquic) with a 1,472-byte maximum datagram, a 64 KiB response: alice's client gets her server's page; bob's QUIC handshake is refused",
 		Run: func(e *Env, r *Run) error {
-			if _, err := os.Stat(quicPython); err != nil {
-				return fmt.Errorf("%s: %w (run .ci/deps)", quicPython, err)
+			if _, err := os.Stat(h3.Python); err != nil {
+				return fmt.Errorf("%s: %w (run .ci/deps)", h3.Python, err)
 			}
 			script := filepath.Join(e.TB.Dir, "pal-attack-h3.py") // the instance's own: suites run side by side
-			if err := os.WriteFile(script, h3Script, 0o644); err != nil {
+			if err := h3.Write(script); err != nil {
 				return err
 			}
-			if err := e.background(r, e.A.Name, Victim, "ready", quicPython, script, "server", wild(fam).String(), itoa(e.Port)); err != nil {
+			if err := e.background(r, e.A.Name, Victim, "ready", h3.Python, script, "server", wild(fam).String(), itoa(e.Port),
+				"--datagram", h3Datagram, "--lifetime", "60"); err != nil {
 				return err
 			}
 			for _, u := range []string{Attacker, Victim} {
 				nonce := newNonce()
-				out, _ := e.TB.Output(e.Ctx, e.B.Name, asUser(u), quicPython, script, "client", eth(e.A, fam).String(), itoa(e.Port), nonce)
+				out, _ := e.TB.Output(e.Ctx, e.B.Name, asUser(u), h3.Python, script, "client", eth(e.A, fam).String(), itoa(e.Port),
+					"nonce", nonce, "--datagram", h3Datagram, "--timeout", "5")
 				var res struct {
 					OK    bool   `json:"ok"`
 					Bytes int    `json:"bytes"`

@@ -396,6 +396,10 @@ type Options struct {
 	// Actors runs each user's steps in one long-lived process per node
 	// (`probe act --serve`) instead of a process per step.
 	Actors bool
+	// KernelDependent runs only the userwall cases whose outcome can
+	// depend on the kernel version (KernelDependent; lab/kernels on the
+	// other kernels).
+	KernelDependent bool
 }
 
 // CasesFor is the case set of a mode, or an error for a mode without one.
@@ -418,6 +422,9 @@ func RunSuite(ctx context.Context, tb *testbed.Testbed, opts Options) ([]*Result
 	cases, err := CasesFor(opts.Mode)
 	if err != nil {
 		return nil, err
+	}
+	if opts.KernelDependent && opts.Mode == "uvn" {
+		return nil, errors.New("the kernel-dependent selection is userwall's (uvn runs its whole set in its VM)")
 	}
 	if opts.BasePort == 0 {
 		opts.BasePort = 20000
@@ -454,6 +461,9 @@ func RunSuite(ctx context.Context, tb *testbed.Testbed, opts Options) ([]*Result
 	var out []*Result
 	for i, c := range cases {
 		if len(opts.Only) > 0 && !slices.ContainsFunc(opts.Only, func(s string) bool { return strings.Contains(c.Name, s) }) {
+			continue
+		}
+		if opts.KernelDependent && !KernelDependent(c.Name) {
 			continue
 		}
 		if ctx.Err() != nil {

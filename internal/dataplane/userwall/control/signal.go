@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -19,36 +18,15 @@ func SignalReload(o Options) error {
 	if err != nil {
 		return fmt.Errorf("configuration refused, agent not signalled: %w", err)
 	}
-	pid := ReadPid(cfg.Agent.PidFile)
-	if pid == 0 {
-		return fmt.Errorf("no running agent (%s)", cfg.Agent.PidFile)
-	}
-	before, serr := ReadState(cfg.Agent.PidFile)
-	if err := syscall.Kill(pid, syscall.SIGHUP); err != nil {
-		return err
-	}
-	if serr != nil || before.PID != pid {
-		return nil // an agent that does not report reloads
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return errors.New("the agent did not acknowledge the reload within 30 s")
-		case <-tick.C:
+	return signalAcked(cfg.Agent.PidFile, unix.SIGHUP, "the reload", func(before, now *AgentState) (bool, error) {
+		if now.Reloads <= before.Reloads {
+			return false, nil
 		}
-		s, err := ReadState(cfg.Agent.PidFile)
-		if err != nil || s.Reloads <= before.Reloads {
-			continue
+		if now.LastReloadError != "" {
+			return true, fmt.Errorf("the agent refused the configuration: %s", now.LastReloadError)
 		}
-		if s.LastReloadError != "" {
-			return fmt.Errorf("the agent refused the configuration: %s", s.LastReloadError)
-		}
-		return nil
-	}
+		return true, nil
+	})
 }
 
 // SignalReopen asks the running agent to reopen its event log (SIGUSR1:
@@ -59,25 +37,42 @@ func SignalReopen(o Options) error {
 	if err != nil {
 		return err
 	}
-	pid := ReadPid(cfg.Agent.PidFile)
+	return signalAcked(cfg.Agent.PidFile, unix.SIGUSR1, "the log reopen", func(before, now *AgentState) (bool, error) {
+		return now.LogReopens > before.LogReopens, nil
+	})
+}
+
+// signalAcked sends sig to the agent of pidFile and waits (30 s at most)
+// until its state file acknowledges it (acked: done, and the agent's
+// answer). An agent that writes no state file is only signalled.
+func signalAcked(pidFile string, sig unix.Signal, what string, acked func(before, now *AgentState) (bool, error)) error {
+	pid := ReadPid(pidFile)
 	if pid == 0 {
-		return fmt.Errorf("no running agent (%s)", cfg.Agent.PidFile)
+		return fmt.Errorf("no running agent (%s)", pidFile)
 	}
-	before, serr := ReadState(cfg.Agent.PidFile)
-	if err := syscall.Kill(pid, syscall.SIGUSR1); err != nil {
+	before, serr := ReadState(pidFile)
+	if err := unix.Kill(pid, sig); err != nil {
 		return err
 	}
 	if serr != nil || before.PID != pid {
-		return nil
+		return nil // an agent that does not report acknowledgements
 	}
-	deadline := time.Now().Add(30 * time.Second)
-	for time.Now().Before(deadline) {
-		if s, err := ReadState(cfg.Agent.PidFile); err == nil && s.LogReopens > before.LogReopens {
-			return nil
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	tick := time.NewTicker(20 * time.Millisecond) // polling the acknowledgement: the file is all the agent writes
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("the agent did not acknowledge %s within 30 s", what)
+		case <-tick.C:
 		}
-		time.Sleep(20 * time.Millisecond) // polling the acknowledgement
+		if now, err := ReadState(pidFile); err == nil {
+			if done, err := acked(before, now); done {
+				return err
+			}
+		}
 	}
-	return errors.New("the agent did not acknowledge within 30 s")
 }
 
 // Signal sends sig to pid through a pidfd (never to a process that took
