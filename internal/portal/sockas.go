@@ -16,9 +16,10 @@ type ownerError struct{ msg string }
 
 func (e *ownerError) Error() string { return e.msg }
 
-// socketAs creates a TCP socket whose creator, to the kernel, is uid/gid:
-// userwall records a socket's owner from the creating task's filesystem
-// ids (task_owner), as the kernel records sk_uid. A thread of its own takes
+// socketAs creates (and binds, to an ephemeral port) a TCP socket whose
+// creator, to the kernel, is uid/gid: userwall takes a socket's owner from
+// the creating task's filesystem ids (task_owner's rule), as the kernel
+// records sk_uid. A thread of its own takes
 // those ids for the socket() call and then ends with its goroutine (locked,
 // never unlocked), so no other goroutine ever runs with them.
 func socketAs(family int, uid, gid uint32) (int, error) {
@@ -40,7 +41,23 @@ func socketAs(family int, uid, gid uint32) (int, error) {
 			if cur, _ := unix.SetfsuidRetUid(-1); cur != int(uid) {
 				return -1, fmt.Errorf("setfsuid(%d) did not take (fsuid %d)", uid, cur)
 			}
-			return unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
+			fd, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
+			if err != nil {
+				return -1, err
+			}
+			// Bound here, with the same ids: userwall keeps no record for
+			// a TCP socket at socket() (it reads the ids its file keeps),
+			// but makes one at bind (post_bind) by the same rule, which
+			// connectAs checks.
+			var sa unix.Sockaddr = &unix.SockaddrInet4{}
+			if family == unix.AF_INET6 {
+				sa = &unix.SockaddrInet6{}
+			}
+			if err := unix.Bind(fd, sa); err != nil {
+				unix.Close(fd)
+				return -1, fmt.Errorf("bind: %w", err)
+			}
+			return fd, nil
 		}()
 		ch <- result{fd, err}
 	}()

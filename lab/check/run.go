@@ -18,8 +18,11 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/palisade-hpc/palisade/internal/identity"
 	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/sys/pidfd"
 	"github.com/palisade-hpc/palisade/internal/sys/procfs"
 	"github.com/palisade-hpc/palisade/lab/probe"
 	"github.com/palisade-hpc/palisade/lab/testbed"
@@ -401,11 +404,10 @@ func (r *runner) stopListeners() {
 				<-done
 			}
 			// The listener itself, if not our direct child, must be gone too.
-			for i := 0; i < 50 && isListener(lp.pid); i++ {
-				time.Sleep(20 * time.Millisecond)
-			}
 			if isListener(lp.pid) {
-				syscall.Kill(lp.pid, syscall.SIGKILL)
+				if exited, _ := pidfd.Signal(lp.pid, unix.SIGTERM, time.Second); !exited {
+					pidfd.Signal(lp.pid, unix.SIGKILL, time.Second)
+				}
 			}
 		}()
 	}

@@ -18,6 +18,7 @@ import (
 
 	"github.com/palisade-hpc/palisade/internal/config"
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/control"
+	"github.com/palisade-hpc/palisade/internal/sys/pidfd"
 	"github.com/palisade-hpc/palisade/lab/testbed"
 )
 
@@ -162,7 +163,7 @@ const agentStopBound = time.Minute
 // TermAgent stops one node's agent as systemd does (SIGTERM): its programs
 // stay pinned and go on enforcing, and the next agent adopts them. It
 // returns once the agent has exited (at once if none runs), waiting on the
-// process itself (control.Signal: a pidfd), not polling its pid file.
+// process itself (pidfd.Signal), not polling its pid file.
 func TermAgent(tb *testbed.Testbed, node string) error {
 	return SignalAgent(tb, node, unix.SIGTERM)
 }
@@ -174,7 +175,7 @@ func SignalAgent(tb *testbed.Testbed, node string, sig unix.Signal) error {
 	if pid == 0 {
 		return nil
 	}
-	exited, err := control.Signal(pid, sig, agentStopBound)
+	exited, err := pidfd.Signal(pid, sig, agentStopBound)
 	if err != nil {
 		return fmt.Errorf("%s: agent: %w", node, err)
 	}

@@ -1314,23 +1314,21 @@ static __always_inline int parse(struct __sk_buff *skb, __u32 l3, struct pkt *p)
  * task is that user — a set-uid-root program run by bob, or a daemon half-way
  * through dropping privileges, is bob, never root.
  */
-static __always_inline void task_owner(struct uw_owner *o)
+static __always_inline void cred_owner(const struct cred *cr, struct uw_owner *o)
 {
-	struct task_struct *t = bpf_get_current_task_btf();
-	const struct cred *cr = BPF_CORE_READ(t, cred);
-	__u32 uid = BPF_CORE_READ(cr, fsuid.val), gid = BPF_CORE_READ(cr, fsgid.val);
+	__u32 uid = cr->fsuid.val, gid = cr->fsgid.val;
 	if (bpf_map_lookup_elem(&exempt_conn, &uid)) {
-		__u32 ruid = BPF_CORE_READ(cr, uid.val), euid = BPF_CORE_READ(cr, euid.val),
-		      suid = BPF_CORE_READ(cr, suid.val);
+		__u32 ruid = cr->uid.val, euid = cr->euid.val,
+		      suid = cr->suid.val;
 		if (!bpf_map_lookup_elem(&exempt_conn, &ruid)) {
 			uid = ruid;
-			gid = BPF_CORE_READ(cr, gid.val);
+			gid = cr->gid.val;
 		} else if (!bpf_map_lookup_elem(&exempt_conn, &euid)) {
 			uid = euid;
-			gid = BPF_CORE_READ(cr, egid.val);
+			gid = cr->egid.val;
 		} else if (!bpf_map_lookup_elem(&exempt_conn, &suid)) {
 			uid = suid;
-			gid = BPF_CORE_READ(cr, sgid.val);
+			gid = cr->sgid.val;
 		}
 	}
 	o->uid = uid;
@@ -1339,9 +1337,22 @@ static __always_inline void task_owner(struct uw_owner *o)
 	o->pad = 0;
 }
 
+/* The current task's credentials by task_owner's rule (cred_owner: the same
+ * rule for the credentials a TCP socket's file keeps, tcp_owner). */
+static __always_inline void task_owner(struct uw_owner *o)
+{
+	struct task_struct *t = bpf_get_current_task_btf();
+	cred_owner(t->cred, o);
+}
+
 SEC("cgroup/sock_create")
 int uw_sock_create(struct bpf_sock *ctx)
 {
+	/* A TCP socket gets no record: its owner is read at its SYN from the
+	 * credentials its file keeps (tcp_owner). Allocating the storage was
+	 * most of a connection's eBPF time. */
+	if (ctx->type == SOCK_STREAM && ctx->protocol == IPPROTO_TCP)
+		return 1;
 	if (bpf_get_netns_cookie(ctx) != netns_cookie)
 		return 1;
 	struct uw_owner init;
@@ -2049,6 +2060,62 @@ static __always_inline struct uw_owner *kernel_tcp_owner(struct bpf_sock *sk, st
 }
 
 /*
+ * tcp_owner: the owner of a TCP socket, 0 if it is not of this namespace.
+ * TCP sockets keep no record (uw_sock_create): the kernel keeps the
+ * creator's credentials with the socket's file (f_cred, taken by socket()
+ * in the same call as the sock_create hook, and never changed), and
+ * task_owner's rule is applied to them, so the owner is the one a record
+ * made at socket() would hold; an accepted socket's file is its acceptor's
+ * (no decision reads one: only pure SYNs are decided). A socket without a
+ * file (kernel-created: MPTCP subflows, lockd's) takes its record (bound on
+ * a user's behalf: post_bind) or kernel_tcp_owner's answer, as before.
+ */
+#define OWNER_FROM_FILE 2 /* uw_owner.set: a listener's owner kept from its file */
+
+static __always_inline struct uw_owner *tcp_owner(struct bpf_sock *sk, struct uw_owner *o)
+{
+	/* A listener reads its file once, at its first SYN, and keeps the
+	 * answer as its record (a record exists only for a socket this
+	 * namespace's programs looked at); a record made otherwise (post_bind,
+	 * the iterator) is replaced by it. */
+	int lis = sk->state == TCP_LISTEN;
+	struct uw_owner *r = 0;
+	if (lis) {
+		r = owner_of(sk);
+		if (r && r->set == OWNER_FROM_FILE)
+			return r;
+	}
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+	if (!tp)
+		return owner_of(sk);
+	/* Direct loads through BTF (no helper call each): a faulting load
+	 * reads 0. */
+	struct sock *ks = &tp->inet_conn.icsk_inet.sk;
+	struct net *net = ks->__sk_common.skc_net.net;
+	if (!net || net->net_cookie != netns_cookie)
+		return 0;
+	struct socket *so = ks->sk_socket;
+	struct file *f = so ? so->file : 0;
+	const struct cred *cr = f ? f->f_cred : 0;
+	if (cr) {
+		cred_owner(cr, o);
+		if (lis) {
+			if (!r)
+				r = bpf_sk_storage_get(&sk_owners, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+			if (r) {
+				r->uid = o->uid;
+				r->gid = o->gid;
+				r->set = OWNER_FROM_FILE;
+			}
+		}
+		return o;
+	}
+	if (!lis)
+		r = owner_of(sk);
+	return r ? r : kernel_tcp_owner(sk, o);
+}
+
+/*
  * A socket without an owner record that is not TCP (kernel_tcp_owner): a
  * datagram socket created before the agent and bound since by a send the
  * kernel refused before its sendmsg hook could run (inet_sendmsg autobinds
@@ -2152,9 +2219,10 @@ int uw_skb_ingress(struct __sk_buff *skb)
 		sk = bpf_sk_fullsock(sk);
 		if (!sk)
 			return 1;
-		l = owner_of(sk);
-		if (!l)
-			l = sk->protocol == IPPROTO_TCP ? kernel_tcp_owner(sk, &tl) : adopt_at_delivery(skb, sk, &tl);
+		if (sk->protocol == IPPROTO_TCP)
+			l = tcp_owner(sk, &tl);
+		else if (!(l = owner_of(sk)))
+			l = adopt_at_delivery(skb, sk, &tl);
 		if (!l)
 			return 1; /* not a socket of this namespace */
 	}
@@ -2426,7 +2494,7 @@ int uw_skb_egress(struct __sk_buff *skb)
 	sk = bpf_sk_fullsock(sk);
 	if (!sk)
 		return 1;
-	struct uw_owner *o = owner_of(sk);
+	struct uw_owner to, *o = sk->protocol == IPPROTO_TCP ? tcp_owner(sk, &to) : owner_of(sk);
 	if (!o || bpf_map_lookup_elem(&exempt_conn, &o->uid))
 		return 1; /* not this namespace's, or root/services (IP_TRANSPARENT proxies) */
 	struct uw_config *c = uw_cfg();
@@ -2492,15 +2560,18 @@ static __always_inline int needs_look(struct __sk_buff *skb, int l3)
 }
 
 /*
- * Datagram flows tc ingress found allowed lately: the polite path's second
+ * Flows tc ingress found allowed lately: the polite path's second
  * decision, paid once per flow and second instead of once per datagram (in
  * real traffic the socket lookup and decision cost ~300 ns a datagram, more
- * than the check at the socket). Only an allowed verdict is kept, and only
+ * than the check at the socket) — and, for TCP, once per connector, listener
+ * and second instead of once per connection: a SYN's flow has no source port
+ * (each connection has a new one). Only an allowed verdict is kept, and only
  * for a stamp whose key and window are good: a hit only skips the marking
  * of a refusal, never a decision — uw_skb_ingress still decides every
- * datagram at the socket. A flow refused since (a group revoked, another
- * user's socket on the port) is dropped there without its ICMP for at most
- * POLITE_TTL_NS.
+ * datagram and SYN at the socket. A flow refused since (a group revoked,
+ * another user's socket on the port) is dropped there without its ICMP or
+ * reset for at most POLITE_TTL_NS (a SYN's retransmission, a second later,
+ * gets its reset).
  */
 #define POLITE_TTL_NS 1000000000ULL
 struct uw_flow_key {
@@ -2521,7 +2592,7 @@ static __always_inline void flow_key(struct uw_flow_key *k, const struct pkt *p)
 {
 	__builtin_memcpy(k->src, p->src, 16);
 	__builtin_memcpy(k->dst, p->dst, 16);
-	k->sport = p->sport;
+	k->sport = p->proto == IPPROTO_TCP ? 0 : p->sport;
 	k->dport = p->dport;
 	k->uid = p->uid;
 	k->gid = p->gid;
@@ -2579,7 +2650,7 @@ int uw_tc_ingress(struct __sk_buff *skb)
 	__u8 st = stamp_key(c, &p, &k, &w);
 	st = (p.has_stamp && st == S_NONE) ? S_VALID : (st == S_NONE ? S_NONE : st);
 	__u64 now = 0;
-	if (udp && st == S_VALID && !test_mode) {
+	if (st == S_VALID && !test_mode) {
 		now = now_ns();
 		if (polite_seen(&p, now))
 			return TC_ACT_OK;
@@ -2618,7 +2689,7 @@ int uw_tc_ingress(struct __sk_buff *skb)
 		sk = bpf_sk_lookup_tcp(skb, &t, tlen, BPF_F_CURRENT_NETNS, 0);
 	if (!sk)
 		return TC_ACT_OK;
-	struct uw_owner lo, *l = owner_of(sk);
+	struct uw_owner lo, *l = udp ? owner_of(sk) : tcp_owner(sk, &lo);
 	if (!l) {
 		bpf_sk_release(sk);
 		return TC_ACT_OK;
@@ -2694,7 +2765,9 @@ int uw_tc_egress(struct __sk_buff *skb)
 	bsk = bpf_sk_fullsock(bsk);
 	if (!bsk)
 		return TC_ACT_OK;
-	struct uw_owner to, *o = test_mode ? test_owner(&to) : owner_of(bsk);
+	struct uw_owner to, *o = test_mode                        ? test_owner(&to)
+				 : bsk->protocol == IPPROTO_TCP ? tcp_owner(bsk, &to)
+								: owner_of(bsk);
 	if (o) {
 		p.uid = o->uid;
 		p.gid = o->gid;

@@ -8,6 +8,7 @@ import (
 
 	"github.com/palisade-hpc/palisade/internal/dataplane/userwall/kernel"
 	"github.com/palisade-hpc/palisade/internal/sys/nldump"
+	"github.com/palisade-hpc/palisade/internal/sys/pidfd"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 )
@@ -28,8 +29,8 @@ func Uninstall(o Options) error {
 			if !fsOK {
 				fs, fsOK = kernel.FindBPFFS(bpffsDir, pid)
 			}
-			if exited, _ := Signal(pid, unix.SIGTERM, 5*time.Second); !exited {
-				Signal(pid, unix.SIGKILL, 5*time.Second)
+			if exited, _ := pidfd.Signal(pid, unix.SIGTERM, 5*time.Second); !exited {
+				pidfd.Signal(pid, unix.SIGKILL, 5*time.Second)
 			}
 			os.Remove(pidFile)
 		}

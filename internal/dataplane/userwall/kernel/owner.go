@@ -7,7 +7,10 @@ import (
 )
 
 // SocketOwner is the owner record the programs keep for the socket fd
-// (sk_owners): what every check of this socket will use.
+// (sk_owners): what every check of this socket will use. A TCP socket has
+// one only once bound (post_bind; at socket() none is made: its checks read
+// the credentials its file keeps, by the same rule), so it is what the
+// checks use when the thread that created it bound it.
 func (d *Dataplane) SocketOwner(fd int) (uid, gid uint32, err error) {
 	var o uwbpfUwOwner
 	if err := d.Map("sk_owners").Lookup(uint32(fd), &o); err != nil {

@@ -1,4 +1,4 @@
-package control
+package pidfd
 
 import (
 	"os/exec"
