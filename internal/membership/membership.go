@@ -26,7 +26,8 @@
 // bounded whatever happens on the node. A membership change in the
 // directory is in the kernel within Refresh + the NSS cache's lifetime
 // (SSSD's entry_cache_timeout; the memory cache is bypassed) + the time the
-// bucket makes a sweep wait (tracked keys / Rate).
+// bucket makes a sweep wait (tracked keys / Rate). A failed lookup keeps a
+// group's last answer for KeepFailed, then drops its members (fail closed).
 package membership
 
 import (
@@ -79,6 +80,11 @@ type Config struct {
 	Apply func(identity.Membership) error
 	// Refresh re-resolves everything tracked (default 60 s).
 	Refresh time.Duration
+	// KeepFailed is how long a group's last answered member list outlives
+	// lookups that fail (default Refresh): a slow or restarting directory
+	// is not an empty group, but an outage longer than this drops the
+	// group's members (fail closed for sharing).
+	KeepFailed time.Duration
 	// Scan looks for new local gids (default 1 s).
 	Scan time.Duration
 	// Rate and Burst bound the NSS lookups (keys) per second (default 50, 500).
@@ -114,9 +120,10 @@ type Tracker struct {
 
 	// mu guards everything below (Run writes, Stats reads).
 	mu     sync.Mutex
-	groups map[uint32][]uint32 // tracked gid → member uids (last answer)
-	users  map[uint32][]uint32 // refused connector uid → its gids
-	known  map[uint32]bool     // users whose last lookup succeeded
+	groups map[uint32][]uint32  // tracked gid → member uids (last answer)
+	okAt   map[uint32]time.Time // tracked gid → when its member list was last answered
+	users  map[uint32][]uint32  // refused connector uid → its gids
+	known  map[uint32]bool      // users whose last lookup succeeded
 	lastAt map[uint32]time.Time
 	names  map[string]name // member name → uid, with when it was asked
 	pairs  int
@@ -131,6 +138,9 @@ func New(cfg Config) *Tracker {
 	if cfg.Scan <= 0 {
 		cfg.Scan = time.Second
 	}
+	if cfg.KeepFailed <= 0 {
+		cfg.KeepFailed = cfg.Refresh
+	}
 	if cfg.Rate <= 0 {
 		cfg.Rate = DefaultRate
 	}
@@ -143,7 +153,7 @@ func New(cfg Config) *Tracker {
 	return &Tracker{
 		cfg: cfg, lim: rate.NewLimiter(cfg.Rate, cfg.Burst),
 		seen: make(chan uint32, 256), wake: make(chan struct{}, 1), period: make(chan time.Duration, 1),
-		groups: map[uint32][]uint32{}, users: map[uint32][]uint32{}, known: map[uint32]bool{}, lastAt: map[uint32]time.Time{}, names: map[string]name{},
+		groups: map[uint32][]uint32{}, okAt: map[uint32]time.Time{}, users: map[uint32][]uint32{}, known: map[uint32]bool{}, lastAt: map[uint32]time.Time{}, names: map[string]name{},
 	}
 }
 
@@ -255,6 +265,7 @@ func (t *Tracker) round(ctx context.Context, full bool, newUIDs ...uint32) {
 	for g := range t.groups {
 		if !want[g] {
 			delete(t.groups, g) // no process holds it any more
+			delete(t.okAt, g)
 			changed = true
 		}
 	}
@@ -286,7 +297,7 @@ func (t *Tracker) round(ctx context.Context, full bool, newUIDs ...uint32) {
 	}
 
 	slices.Sort(ask)
-	groups, err := t.resolveGroups(ctx, ask, full)
+	groups, answered, err := t.resolveGroups(ctx, ask, full)
 	if err != nil {
 		errs = append(errs, err)
 	}
@@ -306,12 +317,19 @@ func (t *Tracker) round(ctx context.Context, full bool, newUIDs ...uint32) {
 	}
 
 	t.mu.Lock()
+	now = time.Now()
 	for g := range want {
-		if m, ok := groups[g]; ok {
-			t.groups[g] = m
-		} else if _, asked := slices.BinarySearch(ask, g); asked {
-			t.groups[g] = nil // asked and not found (or failed): no members
+		if _, asked := slices.BinarySearch(ask, g); !asked {
+			continue
 		}
+		switch {
+		case answered[g]:
+			t.groups[g] = groups[g] // nil: not found, no members
+			t.okAt[g] = now
+		case now.Sub(t.okAt[g]) > t.cfg.KeepFailed:
+			t.groups[g] = nil // failed for too long (or never answered): no members
+		}
+		// Else failed recently: the last answer stands.
 	}
 	for _, u := range users {
 		if _, tracked := t.lastAt[u]; tracked {
@@ -427,11 +445,17 @@ const NameTTL = 30 * time.Minute
 // not known yet, plus — on a full round — a share of the stale ones (at most
 // a quarter of a round's lookup budget, oldest first), so that refreshing
 // thousands of names never starves the member lists.
-func (t *Tracker) resolveGroups(ctx context.Context, gids []uint32, full bool) (map[uint32][]uint32, error) {
+func (t *Tracker) resolveGroups(ctx context.Context, gids []uint32, full bool) (map[uint32][]uint32, map[uint32]bool, error) {
 	members := map[uint32][]string{}
-	errs, err := inChunks(ctx, t, gids, t.cfg.Lookup.Groups, func(_ []uint32, got map[uint32][]string) { maps.Copy(members, got) })
+	answered := map[uint32]bool{} // gids whose lookup answered (found or not)
+	errs, err := inChunks(ctx, t, gids, t.cfg.Lookup.Groups, func(part []uint32, got map[uint32][]string) {
+		maps.Copy(members, got)
+		for _, g := range part {
+			answered[g] = true
+		}
+	})
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	t.mu.Lock()
 	known := maps.Clone(t.names)
@@ -466,7 +490,7 @@ func (t *Tracker) resolveGroups(ctx context.Context, gids []uint32, full bool) (
 		}
 	})
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	errs = append(errs, uerrs...)
 	out := make(map[uint32][]uint32, len(members))
@@ -480,7 +504,11 @@ func (t *Tracker) resolveGroups(ctx context.Context, gids []uint32, full bool) (
 		out[g] = uids
 	}
 	t.mu.Lock()
-	// Keep the names of groups still tracked (and the ones just asked).
+	// Keep the names of groups still tracked (and the ones just asked),
+	// and every name asked within NameTTL: a group whose lookup failed
+	// this round lists none, and forgetting its members' names would make
+	// the next round ask thousands at once (a 10,000-user directory under
+	// load then timed out round after round, and the group stayed empty).
 	keep := map[string]name{}
 	for g := range t.groups {
 		for _, n := range members[g] {
@@ -489,8 +517,8 @@ func (t *Tracker) resolveGroups(ctx context.Context, gids []uint32, full bool) (
 			}
 		}
 	}
-	for n := range seen {
-		if e, ok := known[n]; ok {
+	for n, e := range known {
+		if seen[n] || now.Sub(e.at) <= NameTTL {
 			keep[n] = e
 		}
 	}
@@ -500,5 +528,5 @@ func (t *Tracker) resolveGroups(ctx context.Context, gids []uint32, full bool) (
 		maps.Copy(t.names, keep)
 	}
 	t.mu.Unlock()
-	return out, errors.Join(errs...)
+	return out, answered, errors.Join(errs...)
 }

@@ -25,6 +25,7 @@ type dir struct {
 	init   map[uint32][]uint32
 	fail   bool
 	asked  int
+	names  int // names asked (UIDs)
 }
 
 func (d *dir) Groups(_ context.Context, gids []uint32) (map[uint32][]string, error) {
@@ -47,6 +48,7 @@ func (d *dir) UIDs(_ context.Context, names []string) (map[string]uint32, error)
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.asked += len(names)
+	d.names += len(names)
 	out := map[string]uint32{}
 	for _, n := range names {
 		if u, ok := d.uids[n]; ok {
@@ -141,11 +143,22 @@ func TestTracker(t *testing.T) {
 	d.mu.Unlock()
 	tr.Refresh()
 	wait("bob removed", func(m identity.Membership) bool { return !m.Has(2002, 2100) && m.Has(2001, 2100) })
-	// The directory failing: its groups lose their members (fail closed
-	// for sharing); the files' membership stays.
+	// The directory failing: within KeepFailed (here Refresh, an hour) the
+	// groups' last answers stand — a slow directory is not an empty group.
 	d.mu.Lock()
 	d.fail = true
 	d.mu.Unlock()
+	r0 := tr.Stats().Rounds
+	tr.Refresh()
+	wait("failed round", func(identity.Membership) bool { return tr.Stats().Rounds > r0 })
+	if m := l.get(); !m.Has(2001, 2100) || !m.Has(2003, 2200) || !m.Has(900, 950) {
+		t.Fatalf("a failed round within KeepFailed dropped members: %v", m)
+	}
+	// Failing for longer than KeepFailed: the groups lose their members
+	// (fail closed for sharing); the files' membership stays.
+	tr.mu.Lock()
+	tr.cfg.KeepFailed = time.Nanosecond
+	tr.mu.Unlock()
 	tr.Refresh()
 	wait("directory down", func(m identity.Membership) bool { return !m.Has(2001, 2100) && !m.Has(2003, 2200) && m.Has(900, 950) })
 	// A gid no process holds any more is dropped.
@@ -295,4 +308,40 @@ func TestKnownUsers(t *testing.T) {
 	d.mu.Unlock()
 	tr.Refresh()
 	wait("lookup failed", func() bool { return !slices.Contains(getKnown(), 2005) })
+}
+
+// A failed round forgets no member names: the next answered round asks the
+// member lists only, not thousands of names at once (with a 10,000-user
+// directory under load those lookups timed out round after round and the
+// groups stayed empty).
+func TestFailedRoundKeepsNames(t *testing.T) {
+	d := newDir()
+	var l loaded
+	tr := New(Config{
+		Lookup:    d,
+		LocalGIDs: func() ([]uint32, error) { return []uint32{2100}, nil },
+		Apply:     l.apply,
+		Refresh:   time.Hour, Scan: time.Hour, KeepFailed: time.Nanosecond,
+	})
+	tr.Load(context.Background())
+	if !l.get().Has(2002, 2100) {
+		t.Fatalf("after load: %v", l.get())
+	}
+	d.mu.Lock()
+	d.fail = true
+	d.mu.Unlock()
+	tr.Load(context.Background()) // a full round, failing: members dropped
+	if l.get().Has(2002, 2100) {
+		t.Fatalf("failed beyond KeepFailed, members kept: %v", l.get())
+	}
+	d.mu.Lock()
+	d.fail, d.names = false, 0
+	d.mu.Unlock()
+	tr.Load(context.Background())
+	d.mu.Lock()
+	n := d.names
+	d.mu.Unlock()
+	if !l.get().Has(2002, 2100) || n != 0 {
+		t.Fatalf("after recovery: membership %v, %d names asked again", l.get(), n)
+	}
 }

@@ -346,7 +346,7 @@ func TestGuardKernelSockets(t *testing.T) {
 		}
 		// Control for the baseline: bob's plain TCP to a default device.
 		asUID(bob, func() {
-			if err := dialRead(0, ownPeer, 29400, 2*time.Second); err == nil || !errors.Is(err, unix.ECONNREFUSED) {
+			if err := dialRead(0, ownPeer, 29400, 20*time.Second); err == nil || !errors.Is(err, unix.ECONNREFUSED) {
 				// 198.18.5.2 has no listener on 29400: refused by the peer
 				// (RST) shows the SYN left.
 				t.Errorf("control: bob's plain TCP to a default device's peer: %v, want ECONNREFUSED (the peer's answer)", err)

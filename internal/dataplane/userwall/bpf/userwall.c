@@ -34,28 +34,9 @@
 #include <bpf/bpf_endian.h>
 #include <bpf/bpf_core_read.h>
 #include <bpf/bpf_tracing.h>
+#include "uapi.h" /* UAPI macros both planes use */
 
 char LICENSE[] SEC("license") = "GPL";
-
-#define AF_INET 2
-#define AF_INET6 10
-#define AF_UNIX 1
-#define ETH_P_IP 0x0800
-#define ETH_P_IPV6 0x86DD
-#define IPPROTO_ICMP 1
-#define IPPROTO_TCP 6
-#define IPPROTO_UDP 17
-#define IPPROTO_DCCP 33
-#define IPPROTO_ICMPV6 58
-#define IPPROTO_DSTOPTS 60
-#define IPPROTO_SCTP 132
-#define IPPROTO_UDPLITE 136
-#define SOCK_STREAM 1
-#define SOCK_DGRAM 2
-#define TC_ACT_OK 0
-#define TC_ACT_SHOT 2
-#define EPERM 1
-#define TCP_LISTEN 10
 
 /* Wire format of the identity stamp, version 2 (docs/userwall.md):
  *   IPv4 option  type 0x9e len 20 | ver meta uid(4) gid(4) mac(8)

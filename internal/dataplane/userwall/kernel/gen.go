@@ -8,7 +8,7 @@
 // uninstall, the lab). It knows no agent: package userwall drives it.
 package kernel
 
-// The eBPF headers both planes share (vmlinux.h) are in
+// The eBPF headers both planes share (vmlinux.h, uapi.h) are in
 // internal/dataplane/include. vmlinux.h is committed and pinned: builds
 // do not depend on the build host's kernel. CO-RE relocates field offsets
 // at load time, so one header serves every BTF kernel; `make vmlinux`

@@ -40,13 +40,9 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
+#include "uapi.h" /* UAPI macros both planes use */
 
 char LICENSE[] SEC("license") = "GPL";
-
-/* Macros in the UAPI, absent from BTF. */
-#define AF_INET 2
-#define SOL_SOCKET 1
-#define SO_MARK 36
 
 /* What a cgroup sock or sock_addr program returns. */
 enum uvn_verdict {
