@@ -11,6 +11,7 @@ import (
 	"syscall"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
@@ -291,6 +292,48 @@ func TestUnderlayPrograms(t *testing.T) {
 				t.Errorf("udp datagram to %s: from %s, want %s", hp, got, w)
 			}
 		}
+		// A UDP socket marked for the underlay (connected to an underlay
+		// port) sends nowhere else: not with sendto() while connected, not
+		// after connect(AF_UNSPEC) (which runs no program and keeps the
+		// mark), so the mark never routes another destination by the main
+		// table (review s9 M2). Controls: its connected peer, and a socket
+		// connected elsewhere (unmarked).
+		marked, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(marked)
+		if err := unix.Connect(marked, &unix.SockaddrInet4{Port: 22, Addr: netip.MustParseAddr(node).As4()}); err != nil {
+			return err
+		}
+		if m, _ := unix.GetsockoptInt(marked, unix.SOL_SOCKET, unix.SO_MARK); m != natMark {
+			t.Errorf("udp connected to an underlay port: mark %#x, want %#x", m, natMark)
+		}
+		elsewhere := &unix.SockaddrInet4{Port: 1024, Addr: netip.MustParseAddr(node).As4()}
+		if err := unix.Send(marked, []byte("pal"), 0); err != nil {
+			t.Errorf("control: marked socket to its underlay peer: %v", err)
+		}
+		if err := unix.Sendto(marked, []byte("pal"), 0, elsewhere); !errors.Is(err, unix.EPERM) {
+			t.Errorf("marked socket, sendto another port while connected: %v, want EPERM", err)
+		}
+		unspec := [16]byte{}
+		if _, _, e := unix.Syscall(unix.SYS_CONNECT, uintptr(marked), uintptr(unsafe.Pointer(&unspec[0])), uintptr(len(unspec))); e != 0 {
+			t.Errorf("connect(AF_UNSPEC): %v", e)
+		}
+		if err := unix.Sendto(marked, []byte("pal"), 0, elsewhere); !errors.Is(err, unix.EPERM) {
+			t.Errorf("marked socket, sendto another port after connect(AF_UNSPEC): %v, want EPERM", err)
+		}
+		plain, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(plain)
+		if err := unix.Connect(plain, elsewhere); err != nil {
+			return err
+		}
+		if err := unix.Sendto(plain, []byte("pal"), 0, &unix.SockaddrInet4{Port: 6820, Addr: netip.MustParseAddr(node).As4()}); err != nil {
+			t.Errorf("control: unmarked connected socket, sendto another port: %v", err)
+		}
 		return nil
 	})
 }
@@ -363,7 +406,12 @@ func TestLinkLocalProgram(t *testing.T) {
 		}
 		bind6("fe80::1", unix.EPERM)
 		bind6("ff02::1", unix.EPERM)
+		bind6("ff12::1", unix.EPERM) // transient flag, link scope
+		// Interface-local multicast: the kernel takes its scope id as the
+		// device too (review s9 L3).
+		bind6("ff01::1", unix.EPERM)
 		bind6("::1", nil)
+		bind6("ff05::1", nil) // site-local: no scope id
 		return nil
 	})
 }
@@ -494,6 +542,18 @@ func TestGuardRootPrograms(t *testing.T) {
 			{"IP_MULTICAST_IF", func(fd int) error {
 				return unix.SetsockoptIPMreqn(fd, unix.IPPROTO_IP, unix.IP_MULTICAST_IF, &unix.IPMreqn{Ifindex: int32(fi)})
 			}},
+			// Longer than a page: the program sees the first page only
+			// (review s9 L2: it used to let these through unread).
+			{"SO_BINDTODEVICE, optlen 8192", func(fd int) error {
+				b := make([]byte, 8192)
+				copy(b, "paltest2")
+				return unix.SetsockoptString(fd, unix.SOL_SOCKET, unix.SO_BINDTODEVICE, string(b))
+			}},
+			{"SO_BINDTOIFINDEX, optlen 8192", func(fd int) error {
+				b := make([]byte, 8192)
+				*(*int32)(unsafe.Pointer(&b[0])) = int32(fi)
+				return unix.SetsockoptString(fd, unix.SOL_SOCKET, unix.SO_BINDTOIFINDEX, string(b))
+			}},
 		}
 		for _, o := range opts {
 			fd := udp()
@@ -505,6 +565,11 @@ func TestGuardRootPrograms(t *testing.T) {
 		fd := udp()
 		if err := unix.BindToDevice(fd, "paltest0"); err != nil {
 			t.Errorf("control: SO_BINDTODEVICE to a default device: %v", err)
+		}
+		long := make([]byte, 8192)
+		copy(long, "paltest0")
+		if err := unix.SetsockoptString(fd, unix.SOL_SOCKET, unix.SO_BINDTODEVICE, string(long)); err != nil {
+			t.Errorf("control: SO_BINDTODEVICE to a default device, optlen 8192: %v", err)
 		}
 		send("control: bound to a default device", fd, 0, ownPeer, nil)
 		unix.Close(fd)

@@ -319,6 +319,11 @@ func TestSrunClaims(t *testing.T) {
 		t.Errorf("VRF b took the claim: owner %d", owner(61777))
 	}
 
+	// Slurm's callback reaches the listener through the hand-over (tc
+	// marks the claim used: its accepted connections may outlive it).
+	if ret, _, err := coll.Programs[srunbpfProgPalUvnSrunIn].Test(frame("198.18.0.1", "198.18.0.2", 40000, 61777)); err != nil || ret != uint32(netlink.TC_ACT_REDIRECT) {
+		t.Fatalf("hand-over to 61777: verdict %d (%v), want redirect", ret, err)
+	}
 	// The listener closes: the claim goes (it lingers for its accepted
 	// connections), and b may have the port.
 	enter(a)
@@ -360,6 +365,11 @@ func TestSrunClaims(t *testing.T) {
 		t.Errorf("a's lingering claim of 61777 outlived b's new claim")
 	}
 	lb.Close()
+	// A claim no segment was handed to (a bind and close, a listener
+	// nobody called) does not linger: the port is free at once.
+	if lingering(61777) != 0 || owner(61777) != 0 {
+		t.Errorf("61777 after b's uncalled listener closed: lingering %d, owner %d, want neither", lingering(61777), owner(61777))
+	}
 
 	// Two sockets of one VRF bind one port at once (srun's threads do, with
 	// SO_REUSEADDR, from the same first port; the kernel lets both bind
@@ -476,6 +486,135 @@ func TestSrunClaims(t *testing.T) {
 	var n uint32
 	if err := coll.Maps[srunbpfMapPalSrunCount].Lookup(uint32(106), &n); err == nil && n != 0 {
 		t.Errorf("%d claims still counted for a VRF with no socket", n)
+	}
+
+	// No user holds the range by binding and closing every port of it
+	// (review s9 M4: each close left a lingering claim, outside the
+	// budget, refusing every other VRF for 120 s): g does; h then claims
+	// every port.
+	g, _ := mk(top, "g", 107)
+	h, _ := mk(top, "h", 108)
+	bindClose := func(p int) error {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer unix.Close(fd)
+		return unix.Bind(fd, &unix.SockaddrInet4{Port: p})
+	}
+	enter(g)
+	for p := 61000; p <= 62999; p++ {
+		bindClose(p)
+	}
+	enter(h)
+	refused := 0
+	for p := 61000; p <= 62999; p++ {
+		// (EADDRINUSE: a time-wait of an earlier case's connection.)
+		if err := bindClose(p); errors.Is(err, unix.EPERM) {
+			refused++
+		}
+	}
+	if refused != 0 {
+		t.Errorf("after g bound and closed every port, h was refused (EPERM) %d of 2000", refused)
+	}
+	count := func(vrf uint32) uint32 {
+		var n uint32
+		coll.Maps[srunbpfMapPalSrunCount].Lookup(vrf, &n)
+		return n
+	}
+	if count(107) != 0 || count(108) != 0 {
+		t.Errorf("counted after every socket closed: g %d, h %d", count(107), count(108))
+	}
+	// A lingering claim holds its port against other VRFs, so it counts
+	// in its VRF's budget until it goes; a VRF over its budget makes room
+	// among its own lingering claims (expired ones first, else its oldest:
+	// its own earlier step yields to its new one), never another's.
+	enter(g)
+	used := func(p int) {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Bind(fd, &unix.SockaddrInet4{Port: p}); err != nil {
+			t.Fatalf("g binds %d: %v", p, err)
+		}
+		if ret, _, err := coll.Programs[srunbpfProgPalUvnSrunIn].Test(segment("198.18.0.1", "198.18.0.2", 40000, uint16(p), 0x10)); err != nil || ret != uint32(netlink.TC_ACT_REDIRECT) {
+			t.Fatalf("hand-over to %d: verdict %d (%v)", p, ret, err)
+		}
+		unix.Close(fd)
+	}
+	used(62001)
+	used(62002)
+	if lingering(62001) != 107 || lingering(62002) != 107 || count(107) != 2 {
+		t.Fatalf("g's used claims: lingering %d, %d; counted %d, want 107, 107, 2", lingering(62001), lingering(62002), count(107))
+	}
+	// An expired one of g's too, the way release leaves it (counted).
+	if err := ports.Put(lingerBit|uint64(62003), srunbpfSrunOwner{Ifindex: 107, Port: 62003, Used: 1, Released: monotonicNow(t) - 121e9}); err != nil {
+		t.Fatal(err)
+	}
+	if err := coll.Maps[srunbpfMapPalSrunCount].Put(uint32(107), uint32(3)); err != nil {
+		t.Fatal(err)
+	}
+	enter(h)
+	if err := bindClose(62001); !errors.Is(err, unix.EPERM) {
+		t.Errorf("h bound 62001, where g's claim lingers: %v", err)
+	}
+	enter(g)
+	fds = fds[:0]
+	for p := 61000; len(fds) < budget-3; p++ {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Bind(fd, &unix.SockaddrInet4{Port: p}); err != nil {
+			t.Fatalf("g's claim %d (port %d), within its budget: %v", len(fds)+4, p, err)
+		}
+		fds = append(fds, fd)
+	}
+	if count(107) != uint32(budget) {
+		t.Errorf("g counted %d, want its budget %d (live and lingering)", count(107), budget)
+	}
+	// Over the budget: the expired claim goes first, then the oldest.
+	for i, p := range []int{62990, 62991} {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Bind(fd, &unix.SockaddrInet4{Port: p}); err != nil {
+			t.Errorf("g's claim %d over its budget, with lingering claims to give up: %v", i+1, err)
+		}
+		fds = append(fds, fd)
+	}
+	var o srunbpfSrunOwner
+	if err := ports.Lookup(lingerBit|uint64(62003), &o); err == nil {
+		t.Errorf("g's expired lingering claim of 62003 kept over its budget")
+	}
+	if lingering(62001) != 0 || lingering(62002) != 107 {
+		t.Errorf("g over its budget: lingering 62001 %d, 62002 %d; want the oldest (62001) given up", lingering(62001), lingering(62002))
+	}
+	if count(107) != uint32(budget) {
+		t.Errorf("g counted %d, want %d", count(107), budget)
+	}
+	// With only live claims left to give up, the next is refused.
+	ports.Delete(lingerBit | uint64(62002))
+	coll.Maps[srunbpfMapPalSrunCount].Put(uint32(107), uint32(budget-1))
+	last, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Bind(last, &unix.SockaddrInet4{Port: 62992}); err != nil {
+		t.Errorf("g's last claim within its budget: %v", err)
+	}
+	fds = append(fds, last)
+	if err := bindClose(62995); !errors.Is(err, unix.EPERM) {
+		t.Errorf("g's claim over a budget of live claims: %v, want EPERM", err)
+	}
+	for _, fd := range fds {
+		unix.Close(fd)
+	}
+	enter(home)
+	if count(107) != 0 {
+		t.Errorf("g counted %d with no socket and no lingering claim", count(107))
 	}
 
 }

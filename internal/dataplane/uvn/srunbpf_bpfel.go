@@ -39,7 +39,8 @@ type srunbpfSrunOwner struct {
 	Ifindex  uint32
 	Port     uint32
 	Mac      [6]uint8
-	Pad      [2]uint8
+	Used     uint8
+	Pad      uint8
 	Released uint64
 }
 

@@ -98,7 +98,7 @@ type NodeState struct {
 	// ("" = none) and SrunMap the id of its port map (bpf/srun.c).
 	SrunRange string `json:"srun_range,omitempty"`
 	SrunMap   uint32 `json:"srun_map,omitempty"`
-	// SrunCount is the id of the map of live claims per VRF (budget).
+	// SrunCount is the id of the map of claims per VRF, live and lingering (budget).
 	SrunCount uint32 `json:"srun_count,omitempty"`
 	// SrunRelease is the id of the claims' release program (cgroup2 root).
 	SrunRelease uint32 `json:"srun_release,omitempty"`

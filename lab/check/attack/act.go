@@ -24,6 +24,12 @@ type ActSpec struct {
 	Nonce string `json:"nonce"`
 	// Connect a datagram socket first (so ICMP errors surface).
 	Connect bool `json:"connect,omitempty"`
+	// ConnectFirst connects a datagram socket to this address before it
+	// sends to Dst with sendto (a connection-time decision the socket
+	// keeps: uvn's NAT mark); Disconnect then dissolves that connection
+	// with connect(AF_UNSPEC) first.
+	ConnectFirst string `json:"connect_first,omitempty"`
+	Disconnect   bool   `json:"disconnect,omitempty"`
 	// Count datagrams (default 1).
 	Count int `json:"count,omitempty"`
 	// Size pads each datagram to this many bytes (a datagram too large
@@ -219,6 +225,20 @@ func act(s ActSpec, r *ActResult) error {
 	if s.Connect {
 		if err := connectFD(fd, dst); err != nil {
 			return at("connect", err)
+		}
+	}
+	if s.ConnectFirst != "" {
+		first, err := sockaddr(s.Sock, s.ConnectFirst)
+		if err != nil {
+			return at("address", err)
+		}
+		if err := connectFD(fd, first); err != nil {
+			return at("connect", err)
+		}
+		if s.Disconnect {
+			if err := disconnectFD(fd); err != nil {
+				return at("connect(AF_UNSPEC)", err)
+			}
 		}
 	}
 	if s.GSO > 0 {

@@ -1,9 +1,11 @@
 package attack
 
 import (
+	"bufio"
 	"errors"
 	"fmt"
 	"net/netip"
+	"os/exec"
 	"strconv"
 	"strings"
 
@@ -54,6 +56,7 @@ func UVNCases() []*Case {
 	add(uvnBroadcast(Attacker), uvnBroadcast(strayBob))
 	add(uvnSrunPort("nat-source", Attacker), uvnSrunPort("stray", strayBob))
 	add(uvnOffCluster(), uvnInjection())
+	add(uvnMPTCP(), uvnNATMark(), uvnSrunLinger(), uvnStrayLocalDelivery("broadcast"), uvnStrayLocalDelivery("device-bound"))
 	return cs
 }
 
@@ -276,7 +279,7 @@ func uvnLinkLocal() *Case {
 // uvnDeviceOptions: every option that names a device (one attack each,
 // one sink and control for all).
 func uvnDeviceOptions(who string) *Case {
-	opts := []string{"SO_BINDTODEVICE", "SO_BINDTOIFINDEX", "IP_UNICAST_IF", "IPV6_UNICAST_IF"}
+	opts := []string{"SO_BINDTODEVICE", "SO_BINDTODEVICE_LONG", "SO_BINDTOIFINDEX", "IP_UNICAST_IF", "IPV6_UNICAST_IF"}
 	return &Case{Name: "uvn-sockopt-device-" + userTag(who), Class: "device-option",
 		Why: strings.Join(opts, ", ") + " naming alice's VRF, then connect to 127.0.0.1: the socket would be in her VRF (an unbound, stray socket needs no privilege for it since Linux 5.7)",
 		Run: func(e *Env, r *Run) error {
@@ -620,6 +623,197 @@ func uvnInjection() *Case {
 			restored = true
 			inject(true, e.B.Name, strayBob, "bob's frame once a setup restored the guard")
 			inject(true, "outside", "root", "the outside host's frame once a setup restored the guard")
+			return nil
+		}}
+}
+
+// uvnMPTCP: sockets the kernel makes on a user's behalf (review s9 H1). An
+// MPTCP socket's TCP subflows come from sock_create_kern: no sock_create
+// program runs for them, so they had no birth record and the guard let
+// them through. bob's stray MPTCP connection reached alice's srun listener
+// through the hand-over, and her NAT address (the main table routes it
+// into her VRF). Control: root's MPTCP from B (Slurm's daemons' default
+// VRF) to the same srun listener.
+func uvnMPTCP() *Case {
+	return &Case{Name: "uvn-mptcp-stray", Class: "kernel-socket",
+		Why: "bob's MPTCP socket outside any session: its TCP subflow is a kernel socket with no birth record, which the guard passed unjudged — to alice's srun listener (hand-over) and to her NAT address",
+		Run: func(e *Env, r *Run) error {
+			p := srunPortBase + 300 + e.Port%400
+			s, err := e.aliceSink(r, "tcp", p)
+			if err != nil {
+				return err
+			}
+			nat, err := e.devAddr(e.A.Name, aliceVRF, false)
+			if err != nil {
+				return err
+			}
+			mptcp := func(dst string) ActSpec {
+				return ActSpec{Sock: Sock{Proto: "mptcp", Family: 4}, Dst: dst, WaitMS: uvnWait()}
+			}
+			srun := ap(e.A.Eth0V4, p)
+			r.Attack(e, s, e.B.Name, strayBob, "bob's stray process mptcp → "+srun, mptcp(srun))
+			r.Attack(e, s, e.A.Name, strayBob, "bob's stray process mptcp → "+ap(nat, p)+" (alice's NAT address)", mptcp(ap(nat, p)))
+			r.Control(e, s, e.B.Name, "root", "root (Slurm's daemons' default VRF) mptcp → "+srun, mptcp(srun))
+			return nil
+		}}
+}
+
+// uvnNATMark: the NAT mark outliving its destination (review s9 M2). bob's
+// UDP socket connected to an underlay port of a node (port 53 of node A)
+// is marked for rules 998/999 (the local and main tables); sendto()
+// another destination on it, or after connect(AF_UNSPEC) (which runs no
+// program), kept the mark, so his datagram to node A's address left his
+// VRF and reached alice's stray socket there. Control: alice's own stray
+// process to it.
+func uvnNATMark() *Case {
+	return &Case{Name: "uvn-nat-mark", Class: "nat",
+		Why: "bob's UDP socket connected to an underlay port keeps its NAT mark when it sends elsewhere: the mark routes any destination by the main table, out of his VRF",
+		Run: func(e *Env, r *Run) error {
+			s, err := e.Sink(r, e.A.Name, strayAlice, SinkSpec{Sock: Sock{Proto: "udp", Family: 4, Bind: ap(wild(4), e.Port)}})
+			if err != nil {
+				return err
+			}
+			dst, first := ap(e.A.Eth0V4, e.Port), ap(e.A.Eth0V4, 53)
+			spec := ActSpec{Sock: sock("udp", 4), Dst: dst, ConnectFirst: first}
+			r.Attack(e, s, e.A.Name, Attacker, "udp connect "+first+", sendto "+dst, spec)
+			spec.Disconnect = true
+			r.Attack(e, s, e.A.Name, Attacker, "udp connect "+first+", connect(AF_UNSPEC), sendto "+dst, spec)
+			r.Control(e, s, e.A.Name, strayAlice, "alice's own stray process udp → "+dst, ActSpec{Sock: sock("udp", 4), Dst: dst})
+			return nil
+		}}
+}
+
+// srunBindScript binds each TCP port of SrunPortRange given (from, to),
+// closing each at once (hold: keeping them, until the file stop exists
+// or 120 s), and prints how many binds were refused with EPERM (a claim
+// of another VRF) and how many succeeded.
+const srunBindScript = `
+import errno, os, socket, sys, time
+first, last, hold, stop = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "hold", sys.argv[4]
+eperm = ok = 0
+kept = []
+for p in range(first, last + 1):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("0.0.0.0", p))
+        ok += 1
+    except OSError as e:
+        if e.errno == errno.EPERM:
+            eperm += 1
+    if hold:
+        kept.append(s)
+    else:
+        s.close()
+print("eperm %d ok %d" % (eperm, ok), flush=True)
+deadline = time.time() + 120
+while hold and not os.path.exists(stop) and time.time() < deadline:
+    time.sleep(0.2)
+`
+
+// uvnSrunLinger: holding SrunPortRange by binding and closing (review s9
+// M4). Each closed claim lingered for 120 s outside its VRF's budget and
+// refused every other VRF: bob bound and closed every port of the range,
+// and alice's binds there were all refused (srun: "all ports in range
+// exhausted"). Control: ports bob holds open (live claims) are refused to
+// alice — the claims are real, and the probe sees a hold.
+func uvnSrunLinger() *Case {
+	return &Case{Name: "uvn-srun-linger", Class: "srun-port",
+		Why: "bob binds and closes every SrunPortRange port from his session: each closed claim lingered outside his budget, refusing alice's claims for 120 s",
+		Run: func(e *Env, r *Run) error {
+			const first, last = 61000, 62999
+			stop := fmt.Sprintf("/tmp/pal-srun-linger-%d", e.Port)
+			bind := func(user string, from, to int, hold bool) (*exec.Cmd, *bufio.Reader, error) {
+				mode := "close"
+				if hold {
+					mode = "hold"
+				}
+				cmd := e.command(e.Ctx, e.A.Name, user, "python3", "-c", srunBindScript, strconv.Itoa(from), strconv.Itoa(to), mode, stop)
+				out, err := cmd.StdoutPipe()
+				if err != nil {
+					return nil, nil, err
+				}
+				if err := cmd.Start(); err != nil {
+					return nil, nil, err
+				}
+				return cmd, bufio.NewReader(out), nil
+			}
+			counts := func(rd *bufio.Reader) (eperm, ok int, line string) {
+				line, _ = rd.ReadString('\n')
+				fmt.Sscanf(line, "eperm %d ok %d", &eperm, &ok)
+				return eperm, ok, strings.TrimSpace(line)
+			}
+			run := func(user string, from, to int) (int, int, string, error) {
+				cmd, rd, err := bind(user, from, to, false)
+				if err != nil {
+					return 0, 0, "", err
+				}
+				eperm, ok, line := counts(rd)
+				return eperm, ok, line, cmd.Wait()
+			}
+			// Attack: bob binds and closes the whole range, then alice
+			// claims there.
+			_, bobOK, line, err := run(Attacker, first, last)
+			if err != nil || bobOK == 0 {
+				return fmt.Errorf("bob's binds: %v (%s)", err, line)
+			}
+			eperm, _, line, err := run(Victim, first, last)
+			if err != nil {
+				return fmt.Errorf("alice's binds: %v", err)
+			}
+			r.Judged(true, e.A.Name, Attacker, fmt.Sprintf("bob bound and closed %d ports of %d-%d; alice's binds there refused", bobOK, first, last), eperm > 0, "alice: "+line)
+			// Control: bob holds 10 ports open; alice's binds of those are
+			// refused.
+			e.Root(e.A.Name, "rm", "-f", stop)
+			r.Defer(func() { e.Root(e.A.Name, "touch", stop) })
+			hold, rd, err := bind(Attacker, last-9, last, true)
+			if err != nil {
+				return err
+			}
+			_, held, hline := counts(rd)
+			eperm, _, line, err = run(Victim, last-9, last)
+			e.Root(e.A.Name, "touch", stop)
+			hold.Wait()
+			if err != nil {
+				return fmt.Errorf("alice's binds: %v", err)
+			}
+			r.Judged(false, e.A.Name, Attacker, fmt.Sprintf("bob holds %d ports of %d-%d open (%s); alice's binds there refused", held, last-9, last, hline), held > 0 && eperm == held, "alice: "+line)
+			return nil
+		}}
+}
+
+// uvnStrayLocalDelivery: two users' stray processes on one node meeting
+// where the sender's egress check cannot see the receiver (review s9 M1):
+// a broadcast to 127.255.255.255 (every wildcard socket of the port gets
+// it) and a datagram to the node's address for a socket bound to eth0
+// (looked up on eth0, not lo). Control: alice's own stray process.
+func uvnStrayLocalDelivery(kind string) *Case {
+	return &Case{Name: "uvn-stray-local-" + kind, Class: "stray",
+		Why: map[string]string{
+			"broadcast":    "bob's stray process broadcasts to 127.255.255.255 on the port of alice's stray socket: a broadcast goes to every wildcard socket of the port, which the sender's check (one receiving socket) did not see",
+			"device-bound": "alice's stray socket is bound to eth0: local delivery looks it up on eth0, so the sender's check (device lo) did not find it and bob's stray datagram to A's address reached it",
+		}[kind],
+		Run: func(e *Env, r *Run) error {
+			sink := Sock{Proto: "udp", Family: 4, Bind: ap(wild(4), e.Port), ReuseAddr: true}
+			dst := ap(netip.MustParseAddr("127.255.255.255"), e.Port)
+			atk := ActSpec{Sock: Sock{Proto: "udp", Family: 4, Broadcast: true, ReuseAddr: true, Bind: dst}, Dst: dst}
+			ctl := ActSpec{Sock: Sock{Proto: "udp", Family: 4, Broadcast: true}, Dst: dst}
+			if kind == "device-bound" {
+				sink = Sock{Proto: "udp", Family: 4, Bind: ap(wild(4), e.Port), Device: "eth0"}
+				dst = ap(e.A.Eth0V4, e.Port)
+				atk = ActSpec{Sock: sock("udp", 4), Dst: dst}
+				ctl = atk
+			}
+			s, err := e.Sink(r, e.A.Name, strayAlice, SinkSpec{Sock: sink})
+			if err != nil {
+				return err
+			}
+			r.Control(e, s, e.A.Name, strayAlice, "alice's own stray process udp → "+dst, ctl)
+			r.Attack(e, s, e.A.Name, strayBob, "bob's stray process udp → "+dst, atk)
+			if kind == "device-bound" {
+				bound := atk
+				bound.Sock.Device = "eth0"
+				r.Attack(e, s, e.A.Name, strayBob, "bob's stray process, bound to eth0 too, udp → "+dst, bound)
+			}
 			return nil
 		}}
 }

@@ -24,6 +24,7 @@ import (
 	"strings"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -39,7 +40,8 @@ type Sock struct {
 	Dual   bool   `json:"dual,omitempty"` // IPv6 socket that also takes IPv4 (v4-mapped)
 	Device string `json:"device,omitempty"`
 	// DeviceOpt is the option that sets Device: SO_BINDTODEVICE (default),
-	// SO_BINDTOIFINDEX, IP_UNICAST_IF or IPV6_UNICAST_IF.
+	// SO_BINDTODEVICE_LONG (its name in an 8 KiB buffer), SO_BINDTOIFINDEX,
+	// IP_UNICAST_IF or IPV6_UNICAST_IF.
 	DeviceOpt string `json:"device_opt,omitempty"`
 	// PreBind is bound first and its failure ignored: bind() to a scoped
 	// link-local address sets the socket's device from sin6_scope_id
@@ -270,6 +272,12 @@ func setDevice(fd int, opt, dev string) error {
 		return err
 	}
 	switch opt {
+	case "SO_BINDTODEVICE_LONG":
+		// The name in a buffer longer than a page: a cgroup setsockopt
+		// program sees only the first page of it.
+		b := make([]byte, 8192)
+		copy(b, dev)
+		return unix.SetsockoptString(fd, unix.SOL_SOCKET, unix.SO_BINDTODEVICE, string(b))
 	case "SO_BINDTOIFINDEX":
 		return unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_BINDTOIFINDEX, ifi.Index)
 	case "IP_UNICAST_IF", "IPV6_UNICAST_IF":
@@ -420,6 +428,17 @@ func sendtoFD(fd int, b []byte, flags int, to unix.Sockaddr) error {
 
 // connectFD connects; after EINTR the attempt goes on in the kernel, so it
 // waits for the outcome (bounded by the socket's send timeout).
+// disconnectFD dissolves a datagram socket's connection: connect() with
+// an address of family AF_UNSPEC (x/sys/unix has no such Sockaddr).
+func disconnectFD(fd int) error {
+	var sa [16]byte // sa_family 0: AF_UNSPEC
+	_, _, e := unix.Syscall(unix.SYS_CONNECT, uintptr(fd), uintptr(unsafe.Pointer(&sa[0])), uintptr(len(sa)))
+	if e != 0 {
+		return e
+	}
+	return nil
+}
+
 func connectFD(fd int, sa unix.Sockaddr) error {
 	err := unix.Connect(fd, sa)
 	if err != unix.EINTR {

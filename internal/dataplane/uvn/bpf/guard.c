@@ -183,6 +183,8 @@ static __always_inline __u32 vrf_of(__u32 ifindex)
 	return o ? o->vrf : 0;
 }
 
+static __always_inline int system_uid(__u32 uid);
+
 SEC("cgroup/sock_create")
 int pal_uvn_born(struct bpf_sock *sk)
 {
@@ -194,6 +196,13 @@ int pal_uvn_born(struct bpf_sock *sk)
 	/* The filesystem uid: what the kernel acts with and records as the
 	 * socket's owner (sk_uid), never the real uid. */
 	b.uid = BPF_CORE_READ(bpf_get_current_task_btf(), cred, fsuid.val);
+	/* MPTCP and inet SMC carry their data on TCP sockets the kernel makes
+	 * itself (sock_create_kern: no sock_create hook, so no binding to a
+	 * session's VRF and no birth record of their own). Users get plain
+	 * TCP: socket() fails with EPERM and programs fall back (Go, which
+	 * listens with MPTCP by default, does). System accounts keep them. */
+	if ((sk->protocol == IPPROTO_MPTCP || sk->protocol == IPPROTO_SMC) && !system_uid(b.uid))
+		return GUARD_REFUSE;
 	/* A socket without its record would escape the checks: refuse it
 	 * (the kernel is out of memory anyway). */
 	if (!bpf_sk_storage_get(&pal_uvn_birth, sk, &b, BPF_SK_STORAGE_GET_F_CREATE))
@@ -201,15 +210,23 @@ int pal_uvn_born(struct bpf_sock *sk)
 	return GUARD_ALLOW;
 }
 
-/* Sockets older than the guard (made before the node's first setup) get
- * their record from the socket iterators, run once in this namespace when
- * the programs are attached: the VRF they are in, their owner (sk_uid). A
- * socket made since has its record already and keeps it. */
+/* Sockets older than the guard (made before the node's first setup, or
+ * before a guard that replaced another) get their record from the socket
+ * iterators, run once in this namespace when the programs are attached:
+ * their owner (sk_uid), and the VRF they are in if its device is their
+ * owner's or the owner is a system account — a socket one user moved onto
+ * another user's device (a failed scoped bind) is not made legitimate by
+ * a replacement of the guard: it is recorded in the default VRF and
+ * passes nothing. A socket made since has its record already and keeps it. */
 static __always_inline void adopt(struct sock *sk, __u32 uid)
 {
 	struct guard_birth b = {};
+	struct guard_owner *o;
+	__u32 dev = sk->__sk_common.skc_bound_dev_if;
 
-	b.vrf = vrf_of(sk->__sk_common.skc_bound_dev_if);
+	o = dev ? bpf_map_lookup_elem(&pal_uvn_devs, &dev) : 0;
+	if (o && (o->uid == uid || system_uid(uid)))
+		b.vrf = o->vrf;
 	b.uid = uid;
 	bpf_sk_storage_get(&pal_uvn_birth, sk, &b, BPF_SK_STORAGE_GET_F_CREATE);
 }
@@ -236,6 +253,55 @@ int pal_uvn_adopt_udp(struct bpf_iter__udp *ctx)
 	if (us)
 		adopt((struct sock *)us, ctx->uid);
 	return 0;
+}
+
+/* The network namespace cookie of a TCP or IPv6 UDP socket (0: neither). */
+static __always_inline __u64 sk_netns(struct bpf_sock *sk, __u32 *uid)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+	struct udp6_sock *u6;
+	struct sock *s;
+
+	if (tp) {
+		s = &tp->inet_conn.icsk_inet.sk;
+	} else {
+		u6 = bpf_skc_to_udp6_sock(sk);
+		if (!u6)
+			return 0;
+		s = &u6->udp.inet.sk;
+	}
+	*uid = s->sk_uid.val;
+	return s->__sk_common.skc_net.net->net_cookie;
+}
+
+enum late_birth {
+	LATE_OTHER = 0,   /* not judged here: another namespace's, or unknown */
+	LATE_RECORDED = 1,
+	LATE_FAILED = 2,  /* this namespace's, but no record could be made */
+};
+
+/* A socket of this namespace with no birth record was made by the kernel
+ * (sock_create_kern: MPTCP subflows, SMC's TCP socket, an accepted
+ * connection) or before the guard: it gets its record from its first
+ * packet — its owner (sk_uid) and the VRF of its device if that device is
+ * its owner's or the owner is a system account, else the default VRF (a
+ * socket of one user on another user's device then passes nothing). TCP
+ * and IPv6 UDP sockets only: for other kinds the program cannot tell
+ * their namespace (docs/uvn.md, Limits). */
+static __always_inline int late_birth(struct bpf_sock *sk)
+{
+	struct guard_birth b = {};
+	struct guard_owner *o;
+	__u32 dev = sk->bound_dev_if;
+
+	if (sk_netns(sk, &b.uid) != netns_cookie)
+		return LATE_OTHER;
+	o = dev ? bpf_map_lookup_elem(&pal_uvn_devs, &dev) : 0;
+	if (o && (o->uid == b.uid || system_uid(b.uid)))
+		b.vrf = o->vrf;
+	if (!bpf_sk_storage_get(&pal_uvn_birth, sk, &b, BPF_SK_STORAGE_GET_F_CREATE))
+		return LATE_FAILED;
+	return LATE_RECORDED;
 }
 
 /* Whether the uid is a system account's (root, below min_uid, exempt). */
@@ -332,11 +398,88 @@ static __always_inline int to_other_stray(struct __sk_buff *skb, __u32 uid)
 		return 0;
 	if (!peer)
 		return 0;
-	/* No record: an accepted connection (its listener was judged on the
-	 * SYN), or a socket older than uvn. */
 	pb = bpf_sk_storage_get(&pal_uvn_birth, peer, 0, 0);
+	if (!pb && late_birth(peer) == LATE_RECORDED)
+		pb = bpf_sk_storage_get(&pal_uvn_birth, peer, 0, 0);
 	if (pb && pb->vrf == 0 && vrf_of(peer->bound_dev_if) == 0 && pb->uid != uid && !system_uid(pb->uid))
 		other = 1;
+	bpf_sk_release(peer);
+	return other;
+}
+
+/* Whether a packet delivered within the node (through lo) to a user's
+ * socket outside any VRF (a TCP listener, an unconnected UDP socket) may
+ * be from another user: judged at the receiver, because the sender's
+ * egress check finds one receiving socket with device lo and misses a
+ * broadcast's (every wildcard socket of the port gets it) and a receiver
+ * bound to a default device (local delivery looks sockets up on the
+ * device holding the address). The sender is found by the reversed
+ * tuple; it must be the receiver's owner's or a system account's socket.
+ * Not found (bound to a device, gone) or the receiver itself (an
+ * unconnected socket of the port: which sent is unknown): refused. */
+static __always_inline int from_other_local(struct __sk_buff *skb, struct bpf_sock *sk, __u32 uid)
+{
+	struct bpf_sock_tuple t = {};
+	struct guard_birth *pb;
+	struct bpf_sock *peer;
+	__u16 ports[2];
+	__u32 size;
+	__u8 proto;
+	int other = 1;
+
+	if (sk->protocol == IPPROTO_TCP) {
+		if (sk->state != BPF_TCP_LISTEN)
+			return 0; /* its own connection: its SYN was judged */
+	} else if (sk->protocol == IPPROTO_UDP) {
+		if (sk->dst_port)
+			return 0; /* connected: the kernel delivers only its peer's */
+	} else {
+		return 0;
+	}
+	/* The sender's view of the packet: its local end is the source. */
+	if (skb->protocol == bpf_htons(0x0800)) {
+		__u8 v[20];
+		__u32 off;
+
+		if (bpf_skb_load_bytes(skb, 0, v, sizeof(v)))
+			return 1;
+		proto = v[9];
+		off = (v[0] & 0xf) * 4;
+		__builtin_memcpy(&t.ipv4.daddr, &v[12], 4);
+		__builtin_memcpy(&t.ipv4.saddr, &v[16], 4);
+		if (bpf_skb_load_bytes(skb, off, ports, 4))
+			return 1;
+		t.ipv4.dport = ports[0];
+		t.ipv4.sport = ports[1];
+		size = sizeof(t.ipv4);
+	} else if (skb->protocol == bpf_htons(0x86dd)) {
+		__u8 a[32];
+
+		if (bpf_skb_load_bytes(skb, 6, &proto, 1) || bpf_skb_load_bytes(skb, 8, a, 32))
+			return 1;
+		__builtin_memcpy(t.ipv6.daddr, &a[0], 16);
+		__builtin_memcpy(t.ipv6.saddr, &a[16], 16);
+		if (bpf_skb_load_bytes(skb, 40, ports, 4))
+			return 1;
+		t.ipv6.dport = ports[0];
+		t.ipv6.sport = ports[1];
+		size = sizeof(t.ipv6);
+	} else {
+		return 1;
+	}
+	if (proto != sk->protocol)
+		return 1;
+	if (proto == IPPROTO_TCP)
+		peer = bpf_sk_lookup_tcp(skb, &t, size, BPF_F_CURRENT_NETNS, 0);
+	else
+		peer = bpf_sk_lookup_udp(skb, &t, size, BPF_F_CURRENT_NETNS, 0);
+	if (!peer)
+		return 1;
+	pb = bpf_sk_storage_get(&pal_uvn_birth, peer, 0, 0);
+	if (!pb && late_birth(peer) == LATE_RECORDED)
+		pb = bpf_sk_storage_get(&pal_uvn_birth, peer, 0, 0);
+	if (pb && peer != sk && (pb->uid == uid || system_uid(pb->uid)))
+		other = 0;
 	bpf_sk_release(peer);
 	return other;
 }
@@ -459,12 +602,21 @@ static __always_inline int skb_verdict(struct __sk_buff *skb, int egress)
 	sk = bpf_sk_fullsock(sk);
 	if (!sk)
 		return GUARD_ALLOW;
-	/* No record: another namespace's socket, one made before uvn, or an
-	 * accepted connection (bound by the kernel to the VRF its SYN came
-	 * from; its listener's record was judged on the SYN). */
+	/* No record: another namespace's socket, or one the kernel made
+	 * (an accepted connection, an MPTCP subflow, SMC's TCP socket) or
+	 * made before uvn: recorded now, from what it is. */
 	b = bpf_sk_storage_get(&pal_uvn_birth, sk, 0, 0);
-	if (!b)
-		return GUARD_ALLOW;
+	if (!b) {
+		switch (late_birth(sk)) {
+		case LATE_OTHER:
+			return GUARD_ALLOW;
+		case LATE_FAILED:
+			return GUARD_REFUSE;
+		}
+		b = bpf_sk_storage_get(&pal_uvn_birth, sk, 0, 0);
+		if (!b)
+			return GUARD_REFUSE;
+	}
 	cur = vrf_of(sk->bound_dev_if);
 	if (cur != b->vrf)
 		return GUARD_REFUSE;
@@ -477,6 +629,12 @@ static __always_inline int skb_verdict(struct __sk_buff *skb, int egress)
 		__u32 uid = bpf_get_socket_uid(skb);
 
 		if (!system_uid(uid) && to_other_stray(skb, uid))
+			return GUARD_REFUSE;
+	}
+	if (!egress && cur == 0 && dev == LOOPBACK_IFINDEX) {
+		__u32 uid = bpf_get_socket_uid(skb);
+
+		if (!system_uid(uid) && from_other_local(skb, sk, uid))
 			return GUARD_REFUSE;
 	}
 	o = bpf_map_lookup_elem(&pal_uvn_devs, &dev);
@@ -520,20 +678,31 @@ static __always_inline int opt_int(struct bpf_sockopt *ctx, int off, __u32 *v)
 	return 1;
 }
 
+static __always_inline int sockopt_verdict(struct bpf_sockopt *ctx);
+
 SEC("cgroup/setsockopt")
 int pal_uvn_sockopt(struct bpf_sockopt *ctx)
+{
+	/* Options longer than a page reach the program cut short, to their
+	 * first page (which holds every field judged below: the kernel reads
+	 * a device name or an index from the start of the caller's buffer);
+	 * an optlen of 0 lets the kernel use the caller's own buffer. */
+	if (ctx->optlen > PAGE_SIZE) {
+		if (sockopt_verdict(ctx) == GUARD_REFUSE)
+			return GUARD_REFUSE;
+		ctx->optlen = 0;
+		return GUARD_ALLOW;
+	}
+	return sockopt_verdict(ctx);
+}
+
+static __always_inline int sockopt_verdict(struct bpf_sockopt *ctx)
 {
 	struct bpf_sock *sk = ctx->sk;
 	struct guard_owner *o = 0;
 	__u32 idx = 0, cur;
 	int level = ctx->level, name = ctx->optname;
 
-	/* Options longer than a page reach the program cut short; 0 lets
-	 * the kernel use the caller's own buffer (none of ours is that long). */
-	if (ctx->optlen > PAGE_SIZE) {
-		ctx->optlen = 0;
-		return GUARD_ALLOW;
-	}
 	if (!sk || bpf_get_netns_cookie(ctx) != netns_cookie)
 		return GUARD_ALLOW;
 	if (level == SOL_SOCKET && name == SO_BINDTODEVICE) {

@@ -91,7 +91,8 @@ struct srun_owner {
 	__u32 ifindex;
 	__u32 port;
 	__u8 mac[6]; /* the VRF device's address: the frame must be for it */
-	__u8 pad[2];
+	__u8 used;   /* tc has handed a segment to this claim */
+	__u8 pad;
 	__u64 released; /* lingering: bpf_ktime_get_ns() when its listener closed */
 };
 
@@ -109,9 +110,10 @@ struct {
 	__type(value, struct srun_owner);
 } pal_srun_ports SEC(".maps");
 
-/* Live claims per VRF device (lingering ones do not count): a user's
- * budget of the range, so that no user can claim every port and leave
- * others' sruns with "all ports in range exhausted". */
+/* Claims per VRF device, live and lingering (a lingering claim holds its
+ * port against other VRFs as a live one does): a user's budget of the
+ * range, so that no user can claim every port and leave others' sruns
+ * with "all ports in range exhausted". */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 32768);
@@ -176,6 +178,60 @@ static __always_inline int count(__u32 vrf, int d)
 	return 1;
 }
 
+/* drop_linger removes the lingering claim lk of VRF vrf and gives back
+ * its place in the VRF's budget (once: only the remover that found it). */
+static __always_inline void drop_linger(__u64 lk, __u32 vrf)
+{
+	if (bpf_map_delete_elem(&pal_srun_ports, &lk) == 0)
+		count(vrf, -1);
+}
+
+struct bpf_map;
+
+struct room {
+	__u32 vrf;
+	__u32 freed;
+	__u64 now;
+	__u64 oldest;   /* key of the VRF's oldest live lingering claim */
+	__u64 oldest_t; /* its release time */
+};
+
+static long room_elem(struct bpf_map *map, __u64 *key, struct srun_owner *v, struct room *r)
+{
+	if ((*key >> SRUN_KEY_TAG_SHIFT) != SRUN_KEY_LINGER || v->ifindex != r->vrf)
+		return 0;
+	if (r->now - v->released > LINGER_NS) {
+		if (bpf_map_delete_elem(map, key) == 0) {
+			count(r->vrf, -1);
+			r->freed++;
+		}
+		return 0;
+	}
+	if (!r->oldest || v->released < r->oldest_t) {
+		r->oldest = *key;
+		r->oldest_t = v->released;
+	}
+	return 0;
+}
+
+/* make_room frees the budget of a VRF that has just gone over it: its
+ * expired lingering claims go (nothing else removes those of a port no
+ * segment reaches), else its oldest lingering claim — the user's own
+ * earlier step's last I/O yields to his new step, never another user's.
+ * It reports whether it freed any place. */
+static __always_inline int make_room(__u32 vrf)
+{
+	struct room r = { .vrf = vrf, .now = bpf_ktime_get_ns() };
+
+	bpf_for_each_map_elem(&pal_srun_ports, room_elem, &r, 0);
+	if (r.freed)
+		return 1;
+	if (!r.oldest || bpf_map_delete_elem(&pal_srun_ports, &r.oldest) != 0)
+		return 0;
+	count(vrf, -1);
+	return 1;
+}
+
 static __always_inline int claim(struct bpf_sock *sk)
 {
 	struct srun_owner mine = { .ifindex = vrf_ifindex }, *o, *l;
@@ -204,7 +260,7 @@ static __always_inline int claim(struct bpf_sock *sk)
 		bpf_map_delete_elem(&pal_srun_ports, &key);
 		return 0;
 	}
-	if (!count(vrf_ifindex, 1)) {
+	if (!count(vrf_ifindex, 1) && !make_room(vrf_ifindex)) {
 		count(vrf_ifindex, -1);
 		bpf_map_delete_elem(&pal_srun_ports, &key);
 		return 0; /* over the user's budget */
@@ -216,8 +272,11 @@ static __always_inline int claim(struct bpf_sock *sk)
 		bpf_map_delete_elem(&pal_srun_ports, &key);
 		return 0;
 	}
-	/* The live claim takes the port's segments from now on. */
-	bpf_map_delete_elem(&pal_srun_ports, &lk);
+	/* The live claim takes the port's segments from now on (a lingering
+	 * claim found here is this VRF's or expired). */
+	l = bpf_map_lookup_elem(&pal_srun_ports, &lk);
+	if (l)
+		drop_linger(lk, l->ifindex);
 	return 1;
 }
 
@@ -247,16 +306,23 @@ int pal_uvn_release(struct bpf_sock *sk)
 	key = c->port;
 	o = bpf_map_lookup_elem(&pal_srun_ports, &key);
 	if (o && o->cookie == c->cookie) {
-		/* Linger first, so that no segment of an accepted connection
-		 * finds neither. If the map is full, the claim goes all the
-		 * same: a port is never left claimed by a closed socket. */
+		/* A claim tc handed segments to lingers (first, so that no
+		 * segment of an accepted connection finds neither), still
+		 * counted in its VRF's budget; one nobody called does not (a
+		 * bind and close holds no port). If the map is full, the
+		 * claim goes all the same: a port is never left claimed by a
+		 * closed socket. */
 		__u64 lk = LINGER_BIT | key;
-		struct srun_owner l = *c;
+		struct srun_owner l = *o;
+		int lingers = 0;
 
-		l.released = bpf_ktime_get_ns();
-		bpf_map_update_elem(&pal_srun_ports, &lk, &l, BPF_ANY);
+		if (l.used) {
+			l.released = bpf_ktime_get_ns();
+			lingers = bpf_map_update_elem(&pal_srun_ports, &lk, &l, BPF_NOEXIST) == 0;
+		}
 		bpf_map_delete_elem(&pal_srun_ports, &key);
-		count(c->ifindex, -1);
+		if (!lingers)
+			count(c->ifindex, -1);
 	}
 	bpf_map_delete_elem(&pal_srun_ports, &ck);
 	return 1;
@@ -344,7 +410,7 @@ int pal_uvn_srun_in(struct __sk_buff *skb)
 		if (!o)
 			return TC_ACT_OK;
 		if (bpf_ktime_get_ns() - o->released > LINGER_NS) {
-			bpf_map_delete_elem(&pal_srun_ports, &dport);
+			drop_linger(dport, o->ifindex);
 			return TC_ACT_OK;
 		}
 	}
@@ -355,6 +421,8 @@ int pal_uvn_srun_in(struct __sk_buff *skb)
 	/* The VRF device takes the frame as its own (TCP drops any other
 	 * packet type) only if it is addressed to it. Attached to Ethernet
 	 * and loopback devices only: offset 0 is the destination address. */
+	if (!o->used)
+		o->used = 1; /* its listener's claim will linger */
 	if (bpf_skb_store_bytes(skb, 0, o->mac, 6, 0))
 		return TC_ACT_OK;
 	skb->mark = srun_mark;

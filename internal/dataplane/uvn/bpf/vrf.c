@@ -23,15 +23,17 @@
  *       998/999 route that source by the local and main tables and the
  *       node's SNAT makes it the node's own address; replies come back into
  *       the VRF like off-subnet replies. Everything else is left alone
- *       (overlay); neither program ever refuses. A connection that takes
+ *       (overlay). A connection that takes
  *       the underlay this way is marked nat_mark: rules 998/999 route only
  *       marked sockets (and UDP to underlay ports) by the main table, never
- *       a socket merely bound to a NAT address (a user may bind his own).
+ *       a socket merely bound to a NAT address (a user may bind his own);
+ *       a marked socket's datagrams to any other destination are refused
+ *       (EPERM).
  *
  * The boundary where packets flow is the node's device guard (bpf/guard.c,
  * at the cgroup2 root, for every socket); the session adds:
  *   cgroup/bind6        pal_uvn_bind6
- *       Refuses binds to link-local addresses (fe80::/10, ff02::/16): the
+ *       Refuses binds to link-local addresses (fe80::/10, ff01::/16, ff02::/16): the
  *       program cannot see sin6_scope_id, and the kernel would take the
  *       scope as the socket's device even when the bind then fails.
  */
@@ -145,8 +147,18 @@ int pal_uvn_conn4(struct bpf_sock_addr *ctx)
 SEC("cgroup/sendmsg4")
 int pal_uvn_send4(struct bpf_sock_addr *ctx)
 {
-	if (to_underlay(ctx))
+	struct bpf_sock *sk = ctx->sk;
+
+	if (to_underlay(ctx)) {
 		ctx->msg_src_ip4 = nat_addr;
+		return UVN_ALLOW;
+	}
+	/* A socket marked for the underlay (connected to an underlay port,
+	 * then sendto() elsewhere, or disconnected with AF_UNSPEC, which
+	 * runs no program) sends only there: the mark would route any
+	 * destination by the main table, out of the VRF. */
+	if (sk && sk->mark == nat_mark)
+		return UVN_REFUSE;
 	return UVN_ALLOW;
 }
 
@@ -157,7 +169,9 @@ int pal_uvn_bind6(struct bpf_sock_addr *ctx)
 
 	if ((w0 & 0xffc00000) == 0xfe800000) /* fe80::/10 */
 		return UVN_REFUSE;
-	if ((w0 & 0xff0f0000) == 0xff020000) /* link-scope multicast */
+	/* Interface- and link-scope multicast (ff01::/16, ff02::/16, any
+	 * flags): the kernel takes their scope id as the device too. */
+	if ((w0 & 0xff0f0000) == 0xff010000 || (w0 & 0xff0f0000) == 0xff020000)
 		return UVN_REFUSE;
 	return UVN_ALLOW;
 }
