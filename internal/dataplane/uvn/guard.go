@@ -3,13 +3,12 @@ package uvn
 import (
 	"errors"
 	"fmt"
-	"io"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 
 	"github.com/palisade-hpc/palisade/internal/policy"
+	"github.com/palisade-hpc/palisade/internal/sys/bpfiter"
 	"github.com/palisade-hpc/palisade/internal/sys/netns"
 )
 
@@ -156,22 +155,7 @@ func loadGuard(cookie uint64, minUID uint32, exempt []uint32, srun policy.PortRa
 // than the guard gets its birth record (its VRF now, its owner), so that
 // none is judged as another namespace's (a socket made since has one).
 func adoptSockets(coll *ebpf.Collection) error {
-	for _, name := range []string{guardbpfProgPalUvnAdoptTcp, guardbpfProgPalUvnAdoptUdp} {
-		it, err := link.AttachIter(link.IterOptions{Program: coll.Programs[name]})
-		if err != nil {
-			return fmt.Errorf("socket iterator %s: %w", name, err)
-		}
-		rd, err := it.Open()
-		if err == nil {
-			_, err = io.Copy(io.Discard, rd)
-			rd.Close()
-		}
-		it.Close()
-		if err != nil {
-			return fmt.Errorf("socket iterator %s: %w", name, err)
-		}
-	}
-	return nil
+	return bpfiter.Run(coll, guardbpfProgPalUvnAdoptTcp, guardbpfProgPalUvnAdoptUdp)
 }
 
 // undoGuardRoot detaches one root program (Name says which).

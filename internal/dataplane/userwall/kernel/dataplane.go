@@ -3,7 +3,6 @@ package kernel
 import (
 	"errors"
 	"fmt"
-	"io"
 	"maps"
 	"os"
 	"path/filepath"
@@ -16,6 +15,8 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
+
+	"github.com/palisade-hpc/palisade/internal/sys/bpfiter"
 )
 
 // Program names in the object (C function names).
@@ -333,22 +334,7 @@ func (d *Dataplane) AttachCgroup(cgroupRoot string) error {
 // namespace: every socket that exists now gets an owner record (a socket
 // created since already has one and keeps it).
 func (d *Dataplane) adoptSockets() error {
-	for _, name := range []string{progIterTCP, progIterUDP} {
-		it, err := link.AttachIter(link.IterOptions{Program: d.coll.Programs[name]})
-		if err != nil {
-			return fmt.Errorf("socket iterator %s: %w", name, err)
-		}
-		rd, err := it.Open()
-		if err == nil {
-			_, err = io.Copy(io.Discard, rd)
-			rd.Close()
-		}
-		it.Close()
-		if err != nil {
-			return fmt.Errorf("socket iterator %s: %w", name, err)
-		}
-	}
-	return nil
+	return bpfiter.Run(d.coll, progIterTCP, progIterUDP)
 }
 
 func tcxLinkName(dir, ifname string) string { return "tcx_" + dir + "_" + ifname }
