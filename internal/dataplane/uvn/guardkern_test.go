@@ -1,7 +1,6 @@
 package uvn
 
 import (
-	"context"
 	"errors"
 	"net"
 	"os"
@@ -105,23 +104,9 @@ func guardKernTestbedEnv(t *testing.T, name string, fn func(k *kernEnv) error) {
 			if lo, err := netlink.LinkByName("lo"); err == nil {
 				netlink.LinkSetUp(lo)
 			}
-			var lc net.ListenConfig
-			lc.SetMultipathTCP(false)
-			ln, err := lc.Listen(context.Background(), "tcp4", "198.18.6.2:29400")
-			if err != nil {
+			if err := serveByte(t, "tcp4", "198.18.6.2:29400"); err != nil {
 				return err
 			}
-			t.Cleanup(func() { ln.Close() })
-			go func() {
-				for {
-					c, err := ln.Accept()
-					if err != nil {
-						return
-					}
-					c.Write([]byte("x"))
-					c.Close()
-				}
-			}()
 			return nil
 		})
 		cookie, err := netns.Cookie()

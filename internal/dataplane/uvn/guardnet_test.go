@@ -85,23 +85,9 @@ func TestGuardStrayNetwork(t *testing.T) {
 			if err := netlink.LinkSetUp(l); err != nil {
 				return err
 			}
-			var lc net.ListenConfig
-			lc.SetMultipathTCP(false)
-			ln, err := lc.Listen(context.Background(), "tcp", ":29331")
-			if err != nil {
+			if err := serveByte(t, "tcp", ":29331"); err != nil {
 				return err
 			}
-			t.Cleanup(func() { ln.Close() })
-			go func() {
-				for {
-					c, err := ln.Accept()
-					if err != nil {
-						return
-					}
-					c.Write([]byte("x"))
-					c.Close()
-				}
-			}()
 			pc, err := net.ListenPacket("udp", ":29330")
 			if err != nil {
 				return err
@@ -347,4 +333,28 @@ func guardNetCost(t *testing.T, coll *ebpf.Collection, as func(int, func()), ali
 			}
 		}
 	}
+}
+
+// serveByte listens on addr with plain TCP (the VRF program refuses Go's
+// default MPTCP) and answers every connection with one byte, "x", until
+// the test ends.
+func serveByte(t *testing.T, network, addr string) error {
+	var lc net.ListenConfig
+	lc.SetMultipathTCP(false)
+	ln, err := lc.Listen(context.Background(), network, addr)
+	if err != nil {
+		return err
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			c.Write([]byte("x"))
+			c.Close()
+		}
+	}()
+	return nil
 }
